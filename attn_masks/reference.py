@@ -1,0 +1,79 @@
+"""Float64 numpy attention with GQA: the oracle every implementation is tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .mask import Mask
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """Output (B,Sq,Hq,D), LSE (B,Hq,Sq) in natural log (-inf on empty rows), and gradients."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    dq: np.ndarray | None = None
+    dk: np.ndarray | None = None
+    dv: np.ndarray | None = None
+
+
+def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Mask) -> int:
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"expected q (B,Sq,Hq,D), k and v (B,Sk,Hkv,D); got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if q.shape[1] != mask.seqlen_q or k.shape[1] != mask.seqlen_k:
+        raise ValueError(
+            f"sequence lengths (Sq={q.shape[1]}, Sk={k.shape[1]}) do not match the mask "
+            f"({mask.seqlen_q} x {mask.seqlen_k})"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"Hq={q.shape[2]} must be a multiple of Hkv={k.shape[2]}")
+    return q.shape[2] // k.shape[2]
+
+
+def reference_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: Mask,
+    *,
+    scale: float | None = None,
+    dout: np.ndarray | None = None,
+) -> ReferenceResult:
+    """Exact attention in float64 on the dense mask; with `dout`, also dq, dk, dv.
+
+    Rows that see no key give output 0 and LSE -inf (and zero gradients), never NaN.
+    """
+    group = _check_shapes(q, k, v, mask)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kr = np.repeat(k, group, axis=2)
+    vr = np.repeat(v, group, axis=2)
+    visible = mask.dense()[None, None]
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(visible, np.exp(s - m_safe), 0.0)
+    denom = e.sum(axis=-1, keepdims=True)
+    p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(denom[..., 0] > 0, m_safe[..., 0] + np.log(denom[..., 0]), -np.inf)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    if dout is None:
+        return ReferenceResult(out, lse)
+    do = np.asarray(dout, np.float64)
+    dvr = np.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
+    delta = np.einsum("bqhd,bqhd->bhq", do, out)[..., None]
+    ds = p * (dp - delta)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
+    dkr = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    b, sk, hkv, d = k.shape
+    dk = dkr.reshape(b, sk, hkv, group, d).sum(axis=3)
+    dv = dvr.reshape(b, sk, hkv, group, d).sum(axis=3)
+    return ReferenceResult(out, lse, dq, dk, dv)

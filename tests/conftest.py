@@ -1,0 +1,31 @@
+"""Test setup: 8 virtual CPU devices for JAX context parallelism, and GPU-test skipping."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.default_backend() == "gpu"
+    except Exception:
+        try:
+            import torch
+
+            return torch.cuda.is_available()
+        except Exception:
+            return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` on machines without a CUDA GPU."""
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,167 @@
+"""Mask model: slices -> area, dense, per-row intervals, block maps, restriction, validation."""
+
+import numpy as np
+import pytest
+
+from attn_masks import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, MaskType, from_slices
+
+
+def brute_dense(q_ranges, k_ranges, types, sq, sk):
+    """Independent dense construction straight from the SPEC.md 1.0 type table."""
+    out = np.zeros((sq, sk), bool)
+    for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
+        lq, lk = q1 - q0, k1 - k0
+        r = np.arange(lq)[:, None]
+        c = np.arange(lk)[None, :]
+        vis = {
+            MaskType.FULL: np.ones((lq, lk), bool),
+            MaskType.CAUSAL: c <= r + (lk - lq),
+            MaskType.INVCAUSAL: c >= r,
+            MaskType.BICAUSAL: (c >= r) & (c <= r + (lk - lq)),
+        }[MaskType(t)]
+        out[q0:q1, k0:k1] |= vis
+    return out
+
+
+def random_slices(rng, sq, sk, max_cuts=4):
+    """Random non-overlapping slices on a grid of q and k cuts, random types."""
+
+    def cuts(n):
+        inner = (
+            rng.choice(
+                np.arange(1, n), size=min(n - 1, int(rng.integers(0, max_cuts))), replace=False
+            )
+            if n > 1
+            else []
+        )
+        return np.concatenate([[0], np.sort(inner), [n]]).astype(int)
+
+    qb, kb = cuts(sq), cuts(sk)
+    qr, kr, ty = [], [], []
+    for a in range(len(qb) - 1):
+        for b in range(len(kb) - 1):
+            if rng.random() < 0.6:
+                qr.append((qb[a], qb[a + 1]))
+                kr.append((kb[b], kb[b + 1]))
+                ty.append(int(rng.integers(0, 4)))
+    return np.array(qr, int).reshape(-1, 2), np.array(kr, int).reshape(-1, 2), ty
+
+
+def brute_block_map(dense, bq, bk):
+    nq, nk = -(-dense.shape[0] // bq), -(-dense.shape[1] // bk)
+    out = np.zeros((nq, nk), np.int8)
+    for i in range(nq):
+        for j in range(nk):
+            t = dense[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            out[i, j] = BLOCK_FULL if t.all() else (BLOCK_PARTIAL if t.any() else BLOCK_EMPTY)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_slices_dense_area_blocks_restrict(seed):
+    rng = np.random.default_rng(seed)
+    sq, sk = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+    qr, kr, ty = random_slices(rng, sq, sk)
+    mask = from_slices(qr, kr, ty, sq, sk)
+    dense = brute_dense(qr, kr, ty, sq, sk)
+    np.testing.assert_array_equal(mask.dense(), dense)
+    assert mask.area() == dense.sum()
+    for bq, bk in [(4, 8), (16, 16), (7, 5), (64, 32)]:
+        np.testing.assert_array_equal(mask.block_map(bq, bk), brute_block_map(dense, bq, bk))
+    qp = rng.permutation(sq)[: int(rng.integers(1, sq + 1))]
+    kp = rng.permutation(sk)[: int(rng.integers(1, sk + 1))]
+    if seed % 2:
+        qp, kp = np.sort(qp), np.sort(kp)
+    piece = mask.restrict(qp, kp)
+    np.testing.assert_array_equal(piece.dense(), dense[np.ix_(qp, kp)])
+    assert piece.area() == dense[np.ix_(qp, kp)].sum()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_row_intervals_describe_every_row(seed):
+    rng = np.random.default_rng(100 + seed)
+    sq, sk = 50, 60
+    qr, kr, ty = random_slices(rng, sq, sk)
+    mask = from_slices(qr, kr, ty, sq, sk)
+    lo, hi = mask.row_intervals()
+    dense = brute_dense(qr, kr, ty, sq, sk)
+    cols = np.arange(sk)
+    rebuilt = ((cols >= lo[..., None]) & (cols < hi[..., None])).any(axis=1)
+    np.testing.assert_array_equal(rebuilt, dense)
+    used = hi > lo
+    # intervals in a row are sorted, disjoint and not touching (merged)
+    for r in range(sq):
+        iv = list(zip(lo[r][used[r]], hi[r][used[r]]))
+        assert all(a[1] < b[0] for a, b in zip(iv, iv[1:]))
+
+
+def test_block_lists_match_block_map():
+    rng = np.random.default_rng(7)
+    qr, kr, ty = random_slices(rng, 90, 77, max_cuts=6)
+    mask = from_slices(qr, kr, ty, 90, 77)
+    bm = mask.block_map(16, 8)
+    bl = mask.block_lists(16, 8)
+    for qb in range(bm.shape[0]):
+        idx = bl.kv_index[qb, : bl.kv_count[qb]]
+        np.testing.assert_array_equal(idx, np.nonzero(bm[qb])[0])
+        np.testing.assert_array_equal(bl.kv_full[qb, : bl.kv_count[qb]], bm[qb, idx] == BLOCK_FULL)
+    for kb in range(bm.shape[1]):
+        idx = bl.q_index[kb, : bl.q_count[kb]]
+        np.testing.assert_array_equal(idx, np.nonzero(bm[:, kb])[0])
+
+
+def test_causal_area_closed_form_and_bottom_right_alignment():
+    wide = from_slices([[0, 4]], [[0, 10]], [MaskType.CAUSAL], 4, 10)
+    assert wide.dense()[0].sum() == 7  # row 0 sees lk - lq + 1 keys
+    tall = from_slices([[0, 10]], [[0, 4]], [MaskType.CAUSAL], 10, 4)
+    assert not tall.dense()[:6].any() and tall.area() == 10
+    n = 1 << 20
+    big = from_slices([[0, n]], [[0, n]], [MaskType.CAUSAL], n)
+    assert big.area() == n * (n + 1) // 2
+
+
+def test_large_document_mask_never_goes_dense():
+    n = 1 << 20
+    rng = np.random.default_rng(0)
+    cu = np.concatenate([[0], np.cumsum(rng.integers(1000, 30000, size=100))])
+    cu = np.append(cu[cu < n], n)
+    ranges = np.stack([cu[:-1], cu[1:]], 1)
+    mask = from_slices(ranges, ranges, np.full(len(ranges), MaskType.CAUSAL), n)
+    bm = mask.block_map(128, 128)
+    lens = np.diff(cu)
+    assert mask.area() == int((lens * (lens + 1) // 2).sum())
+    # diagonal tiles are partial, a tile strictly below the diagonal inside doc 0 is full
+    assert bm[0, 0] == BLOCK_PARTIAL and bm[5, 0] == (BLOCK_FULL if cu[1] >= 6 * 128 else bm[5, 0])
+    assert bm[0, -1] == BLOCK_EMPTY
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([[0, 4], [2, 6]], [[0, 4], [0, 4]], [0, 0], 8), "overlapping"),
+        (([[0, 9]], [[0, 4]], [0], 8), r"q_ranges\[0\] = \[0, 9\)"),
+        (([[0, 4]], [[3, 2]], [0], 8), r"k_ranges\[0\]"),
+        (([[0, 4]], [[0, 4]], [7], 8), "slice type 7"),
+        (([[0, 4]], [[0, 4]], [0], 0), "seqlen_q must be a positive integer, got 0"),
+        (([[0, 4]], [[0, 4]], [0, 1], 8), "same length"),
+    ],
+)
+def test_bad_slices_raise_clear_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        from_slices(*args)
+
+
+def test_bad_block_and_positions():
+    mask = from_slices([[0, 8]], [[0, 8]], [1], 8)
+    with pytest.raises(ValueError, match="block_q must be a positive integer, got 0"):
+        mask.block_map(0, 4)
+    with pytest.raises(ValueError, match=r"q_positions must lie in \[0, 8\)"):
+        mask.restrict([0, 9], [0])
+    with pytest.raises(ValueError, match="dense"):
+        from_slices([[0, 1 << 20]], [[0, 1 << 20]], [1], 1 << 20).dense()
+
+
+def test_empty_slices_are_dropped_and_empty_rows_allowed():
+    mask = from_slices([[0, 3], [5, 5]], [[0, 3], [0, 4]], [1, 0], 8)
+    assert mask.num_slices == 1
+    assert not mask.dense()[3:].any()
