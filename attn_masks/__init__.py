@@ -1,6 +1,8 @@
 """Framework-neutral attention masks: slices, the 14 benchmark masks, areas, FLOPs, block maps."""
 
+from .block_sparse import uniform_block_sparse, variable_block_sparse
 from .flops import attention_flops
+from .generators import MASK_NAMES, make_mask
 from .mask import (
     BLOCK_EMPTY,
     BLOCK_FULL,
@@ -11,8 +13,19 @@ from .mask import (
     from_slices,
 )
 from .reference import ReferenceResult, reference_attention
+from .render import render_mask_png
+from .sampling import TABLE_NAMES, default_distribution, generate_seqlens, load_distribution
 
 __all__ = [
+    "MASK_NAMES",
+    "TABLE_NAMES",
+    "default_distribution",
+    "generate_seqlens",
+    "load_distribution",
+    "make_mask",
+    "render_mask_png",
+    "uniform_block_sparse",
+    "variable_block_sparse",
     "BLOCK_EMPTY",
     "BLOCK_FULL",
     "BLOCK_PARTIAL",
