@@ -1,0 +1,19 @@
+"""JAX attention for every mask: our Pallas kernels plus cuDNN, XLA and JAX-kernel adapters."""
+
+from .adapters import Unsupported
+from .api import IMPLS, attention, mask_arrays_for, supports
+from .mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
+from .structure import MaskStructure, classify
+
+__all__ = [
+    "IMPLS",
+    "MaskArrays",
+    "MaskStructure",
+    "Unsupported",
+    "attention",
+    "classify",
+    "mask_arrays_for",
+    "prepare_mask",
+    "stack_mask_arrays",
+    "supports",
+]

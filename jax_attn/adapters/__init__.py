@@ -1,0 +1,12 @@
+"""The impls behind jax_attn.attention, by name: each says what it supports and runs it."""
+
+from .common import Adapter, Request, Unsupported, make_request
+from .dpa import CUDNN, XLA
+from .jax_pallas import MOSAIC_MHA, PALLAS_MHA
+from .native import PALLAS, REFERENCE
+
+ADAPTERS: dict[str, Adapter] = {
+    a.name: a for a in (REFERENCE, PALLAS, XLA, CUDNN, PALLAS_MHA, MOSAIC_MHA)
+}
+
+__all__ = ["ADAPTERS", "Adapter", "Request", "Unsupported", "make_request"]
