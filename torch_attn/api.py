@@ -1,0 +1,136 @@
+"""The public entry points: IMPLS, supports(), attention(), describe()."""
+
+from __future__ import annotations
+
+import torch
+
+from attn_masks import Mask
+
+from . import flash, flex, naive, sdpa
+from .common import (
+    Problem,
+    Unsupported,
+    check_inputs,
+    default_scale,
+    problem_of,
+    resolve_device,
+    work_dtype,
+)
+from .lse import masked_lse
+
+IMPLS = (
+    "naive",
+    "sdpa",
+    "sdpa_math",
+    "sdpa_flash",
+    "sdpa_efficient",
+    "sdpa_cudnn",
+    "flex",
+    *flash.IMPLS,
+)
+
+_NOTES = {
+    "naive": "explicit fp32 scores (fp64 for fp64 inputs), K/V repeated for GQA; LSE from the "
+    "same pass; any mask, any device",
+    "sdpa": "SDPA with torch's own backend choice; dense bool mask unless full/square causal; "
+    "LSE by a separate masked logsumexp pass",
+    "sdpa_math": "SDPA math backend; dense bool mask unless full/square causal; LSE by a "
+    "separate masked logsumexp pass",
+    "sdpa_flash": "SDPA flash backend; CUDA: full or square causal only (no attn_mask), fp16/bf16;"
+    " CPU: takes the dense mask; LSE by a separate masked logsumexp pass",
+    "sdpa_efficient": "SDPA memory-efficient backend (CUDA only); dense mask; GQA by repeating "
+    "K/V (the backend refuses enable_gqa); LSE by a separate masked logsumexp pass",
+    "sdpa_cudnn": "SDPA cuDNN backend (CUDA only); full or square causal only; LSE by a separate "
+    "masked logsumexp pass",
+    "flex": "torch.compile(flex_attention), BlockMask from the mask's block map, interval "
+    "mask_mod; LSE from the kernel; CPU: forward only, uncompiled for fp64 or return_lse",
+    "flash2": "flash-attn 2: causal/window_size/varlen documents; LSE by a separate pass",
+    "flash3": "flash-attn 3 (Hopper): causal/window_size/varlen documents; LSE by a separate pass",
+    "flash4": "flash-attn 4 (CuTe DSL, Hopper/Blackwell): causal/window/varlen documents; LSE by "
+    "a separate pass",
+}
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid impls: {', '.join(IMPLS)}")
+
+
+def describe(impl: str) -> str:
+    """One line on how `impl` computes masks, GQA and the LSE (for reports and provenance)."""
+    _check_impl(impl)
+    return _NOTES[impl]
+
+
+def _supports(impl: str, mask: Mask, problem: Problem) -> bool | str:
+    hq, hkv = problem.heads_q, problem.heads_kv
+    if hq is not None and hkv is not None and (hkv <= 0 or hq % hkv):
+        return f"heads_q={hq} must be a positive multiple of heads_kv={hkv}"
+    if impl == "naive":
+        return naive.supports(mask, problem)
+    if impl in sdpa.BACKENDS:
+        return sdpa.supports(impl, mask, problem)
+    if impl == "flex":
+        return flex.supports(mask, problem)
+    return flash.supports(impl, mask, problem)
+
+
+def supports(
+    impl: str,
+    mask: Mask,
+    *,
+    dtype: torch.dtype | None = None,
+    heads_q: int | None = None,
+    heads_kv: int | None = None,
+    head_dim: int | None = None,
+    device: str | torch.device | None = None,
+    backward: bool = False,
+) -> bool | str:
+    """True if `impl` computes exactly `mask` for such inputs, else a non-empty reason string.
+
+    Unknown (None) dtype/heads/head_dim skip the checks that need them; device None means CUDA
+    when available, else CPU; backward=True also asks for gradients (flex has none on CPU).
+    """
+    _check_impl(impl)
+    if not isinstance(mask, Mask):
+        raise ValueError(f"mask must be an attn_masks.Mask, got {type(mask).__name__}")
+    problem = Problem(dtype, heads_q, heads_kv, head_dim, resolve_device(device), backward)
+    return _supports(impl, mask, problem)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    impl: str = "sdpa",
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention: q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,Hq,D) [, lse (B,Hq,Sq)].
+
+    lse is the natural-log log-sum-exp of the scaled scores over visible keys, fp32 (fp64 for
+    fp64 inputs), -inf on rows with no visible key (whose output is 0). Differentiable. Raises
+    Unsupported (a ValueError) before any work if `impl` cannot compute `mask` for these inputs.
+    """
+    _check_impl(impl)
+    check_inputs(q, k, v, mask)
+    verdict = _supports(impl, mask, problem_of(q, k, v))
+    if verdict is not True:
+        raise Unsupported(f"{impl}: {verdict}")
+    scale = default_scale(q, scale)
+    lse = None
+    if impl == "naive":
+        out, lse = naive.attention(q, k, v, mask, scale=scale)
+    elif impl == "flex":
+        out, lse = flex.attention(q, k, v, mask, scale=scale, return_lse=return_lse)
+    elif impl in sdpa.BACKENDS:
+        out = sdpa.attention(impl, q, k, v, mask, scale=scale)
+    else:
+        out = flash.attention(impl, q, k, v, mask, scale=scale)
+    if not return_lse:
+        return out
+    if lse is None:
+        lse = masked_lse(q, k, mask, scale)
+    return out, lse.to(work_dtype(q.dtype))
