@@ -1,0 +1,433 @@
+"""JAX context-parallel attention: a CPPlan run with shard_map over a device mesh.
+
+Inputs and outputs are global arrays in global token order; the executor pads and permutes
+tokens into the plan's layout, runs the strategy per device (Ulysses all-to-all, then ring /
+double ring / all-gather / local attention) with that device's stacked per-step MaskArrays, and
+permutes back. The mesh is 1-D (axis `axis`) or 2-D with axes "ulysses" and "ring"; the last
+mesh axis is made of consecutive devices (the "intra-node" one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cache, partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attn_masks import Mask, from_slices
+from jax_attn.mask_arrays import MaskArrays, stack_mask_arrays
+
+from .jax_allgather import allgather_attention
+from .jax_local import REFERENCE, local_attention, piece_arrays, resolve_impl
+from .jax_ring import make_ring, step_arrays
+from .jax_ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
+from .plan import CPPlan, make_plan
+from .schedules import StepIndex
+
+ULYSSES, RING = "ulysses", "ring"
+_CACHE_SIZE = 16
+MIN_INTERVALS = 4
+
+
+def shard_map(f, mesh: Mesh, in_specs, out_specs):
+    """jax.shard_map (jax >= 0.6) or the experimental one, without replication checks."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+@dataclass(frozen=True)
+class _Config:
+    """The compile-time description of one executor (a jit static argument)."""
+
+    mesh: Mesh
+    core: str  # "local" | "ring" | "allgather"
+    steps: tuple[StepIndex, ...]
+    ring_size: int
+    num_windows: int
+    ulysses_size: int
+    replicate: int
+    impl: str
+    scale: float
+    return_lse: bool
+    padded_seqlen: int
+
+    @property
+    def tokens(self) -> P:
+        return P(None, self.mesh.axis_names)
+
+    @property
+    def lse_tokens(self) -> P:
+        return P(None, None, self.mesh.axis_names)
+
+
+def _device_body(cfg: _Config):
+    """The per-device program: Ulysses in, the strategy's core, Ulysses out."""
+
+    def body(q, k, v, arrays):
+        arrays = jax.tree.map(lambda x: x[0], arrays)
+        if cfg.ulysses_size > 1:
+            q = seq_to_heads(q, ULYSSES)
+            k = seq_to_heads(k, ULYSSES, cfg.replicate)
+            v = seq_to_heads(v, ULYSSES, cfg.replicate)
+        if cfg.core == "ring":
+            ring = make_ring(cfg.steps, cfg.ring_size, cfg.num_windows, cfg.impl, cfg.scale, RING)
+            out, lse = ring(q, k, v, arrays)
+        elif cfg.core == "allgather":
+            out, lse = allgather_attention(
+                q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale, RING
+            )
+        else:
+            out, lse = local_attention(q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale)
+        if cfg.ulysses_size > 1:
+            out = heads_to_seq(out, ULYSSES)
+            lse = lse_heads_to_seq(lse, ULYSSES) if cfg.return_lse else lse
+        return (out, lse) if cfg.return_lse else out
+
+    return body
+
+
+@cache
+def _sharded_fn(cfg: _Config):
+    names = cfg.mesh.axis_names
+    out_specs = (cfg.tokens, cfg.lse_tokens) if cfg.return_lse else cfg.tokens
+    in_specs = (cfg.tokens, cfg.tokens, cfg.tokens, P(names))
+    return shard_map(_device_body(cfg), cfg.mesh, in_specs, out_specs)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _run_sharded(q, k, v, arrays, cfg: _Config):
+    return _sharded_fn(cfg)(q, k, v, arrays)
+
+
+def _dispatch(x: jax.Array, order: jax.Array, cfg: _Config) -> jax.Array:
+    pad = cfg.padded_seqlen - x.shape[1]
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    x = jnp.take(x, order, axis=1)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, cfg.tokens))
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _run_global(q, k, v, order, inverse, arrays, cfg: _Config):
+    qd, kd, vd = (_dispatch(x, order, cfg) for x in (q, k, v))
+    res = _sharded_fn(cfg)(qd, kd, vd, arrays)
+    if not cfg.return_lse:
+        return jnp.take(res, inverse, axis=1)
+    return jnp.take(res[0], inverse, axis=1), jnp.take(res[1], inverse, axis=2)
+
+
+def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global jax.Array from a host array every process holds (works multi-process)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _mesh_factors(mesh: Mesh, axis: str) -> tuple[np.ndarray, int | None, str | None]:
+    """(devices in rank order, U fixed by the mesh or None, inner axis fixed by it or None)."""
+    names = tuple(mesh.axis_names)
+    if names == (axis,):
+        return mesh.devices.reshape(-1), None, None
+    if len(names) == 2 and set(names) == {ULYSSES, RING}:
+        return mesh.devices.reshape(-1), int(mesh.shape[ULYSSES]), names[-1]
+    raise ValueError(
+        f"the CP mesh must be 1-D with axis {axis!r} or 2-D with axes ('{ULYSSES}', '{RING}') in "
+        f"either order; got axes {names}"
+    )
+
+
+def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
+    """The 2-D (ulysses x ring) mesh of `plan` over devices in rank order."""
+    u, r = plan.ulysses_size, plan.ring_size
+    if plan.inner_axis == ULYSSES:
+        return Mesh(np.asarray(devices).reshape(r, u), (RING, ULYSSES))
+    return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
+
+
+def _pad_multiple(impl: str, head_dim: int, dtype: Any) -> int:
+    """Ring shards padded to whole kernel tiles (so gathered K/V stay tile-aligned too)."""
+    if impl == REFERENCE:
+        return 1
+    arrays = piece_arrays(_probe_mask(), impl, head_dim, dtype)
+    return math.lcm(arrays.block_q, arrays.block_k)
+
+
+@cache
+def _probe_mask() -> Mask:
+    """A one-token mask, to ask an impl for its tile sizes."""
+    return from_slices([[0, 1]], [[0, 1]], [0], 1, 1)
+
+
+def _widest(like: MaskArrays) -> MaskArrays:
+    """An empty mask of `like`'s geometry with MIN_INTERVALS intervals and full-width tile lists.
+
+    Stacked with the real pieces it fixes their array shapes per geometry, so one compiled
+    program serves every mask of a given length (a sweep over masks compiles once).
+    """
+    nq = -(-like.seqlen_q // like.block_q)
+    nk = -(-like.seqlen_k // like.block_k)
+    rows = np.zeros((like.seqlen_q, MIN_INTERVALS), np.int32)
+    return MaskArrays(
+        lo=rows,
+        hi=rows,
+        kv_index=np.zeros((nq, nk), np.int32),
+        kv_count=np.zeros(nq, np.int32),
+        kv_full=np.zeros((nq, nk), bool),
+        q_index=np.zeros((nk, nq), np.int32),
+        q_count=np.zeros(nk, np.int32),
+        q_full=np.zeros((nk, nq), bool),
+        seqlen_q=like.seqlen_q,
+        seqlen_k=like.seqlen_k,
+        block_q=like.block_q,
+        block_k=like.block_k,
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class CPExecutor:
+    """A plan bound to a mesh and an impl: dispatch, sharded attention, undispatch.
+
+    A pytree (device arrays as leaves, the static config as aux data), so it can be passed into
+    a jitted function: executors of different masks with equal shapes share one compilation.
+    Called inside a trace it is not an argument of, it uses host copies (compiled in as
+    constants), since a global array spanning other processes cannot be closed over.
+    """
+
+    def __init__(
+        self,
+        plan: CPPlan,
+        devices: np.ndarray,
+        *,
+        impl: str,
+        head_dim: int,
+        dtype: Any,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ):
+        self.plan = plan
+        self.mesh = cp_mesh(devices, plan)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        core = "allgather" if plan.strategy == "allgather" else "ring" if plan.is_ring else "local"
+        self.config = _Config(
+            mesh=self.mesh,
+            core=core,
+            steps=tuple((s.outer, s.inner) for s in plan.steps),
+            ring_size=plan.ring_size,
+            num_windows=plan.num_windows,
+            ulysses_size=plan.ulysses_size,
+            replicate=plan.kv_replication,
+            impl=impl,
+            scale=scale,
+            return_lse=return_lse,
+            padded_seqlen=plan.padded_seqlen,
+        )
+        self.token_sharding = NamedSharding(self.mesh, self.config.tokens)
+        self._host = (
+            self._host_arrays(impl, head_dim, dtype),
+            plan.order().astype(np.int32),
+            plan.inverse().astype(np.int32),
+        )
+        rank_sharded = NamedSharding(self.mesh, P(self.mesh.axis_names))
+        replicated = NamedSharding(self.mesh, P())
+        self.arrays = jax.tree.map(lambda x: _global_array(x, rank_sharded), self._host[0])
+        self.order = _global_array(self._host[1], replicated)
+        self.inverse = _global_array(self._host[2], replicated)
+
+    def tree_flatten(self) -> tuple[tuple, _Config]:
+        return (self.arrays, self.order, self.inverse), self.config
+
+    @classmethod
+    def tree_unflatten(cls, config: _Config, leaves: tuple) -> CPExecutor:
+        ex = cls.__new__(cls)
+        ex.plan, ex.config, ex.mesh, ex._host = None, config, config.mesh, None
+        ex.token_sharding = NamedSharding(config.mesh, config.tokens)
+        ex.arrays, ex.order, ex.inverse = leaves
+        return ex
+
+    def _host_arrays(self, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
+        """(N, T, ...) host MaskArrays: rank n's pieces for every kept step."""
+        plan = self.plan
+        per_ring = [[piece_arrays(p, impl, head_dim, dtype) for p in row] for row in plan.pieces]
+        flat = [
+            per_ring[plan.ring_rank(n)][t]
+            for n in range(plan.world_size)
+            for t in range(plan.num_steps)
+        ]
+        stacked = jax.tree.map(lambda x: x[:-1], stack_mask_arrays([*flat, _widest(flat[0])]))
+        lead = (plan.world_size, plan.num_steps)
+        return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
+
+    def _leaves(self, *xs: jax.Array) -> tuple:
+        """(arrays, order, inverse): host copies when called inside a foreign trace."""
+        if self._host is not None and any(isinstance(x, jax.core.Tracer) for x in xs):
+            return self._host
+        return self.arrays, self.order, self.inverse
+
+    def dispatch(self, x: jax.Array) -> jax.Array:
+        """(B, S, H, D) in global order -> (B, S_pad, H, D) in rank order, sharded on tokens."""
+        return _dispatch_jit(x, self._leaves(x)[1], self.config)
+
+    def undispatch(self, y: jax.Array) -> jax.Array:
+        """(B, S_pad, H, D) in rank order -> (B, S, H, D) in global order (padding dropped)."""
+        return _take_jit(y, self._leaves(y)[2], 1)
+
+    def undispatch_lse(self, lse: jax.Array) -> jax.Array:
+        """(B, H, S_pad) in rank order -> (B, H, S) in global order."""
+        return _take_jit(lse, self._leaves(lse)[2], 2)
+
+    def sharded(self, q: jax.Array, k: jax.Array, v: jax.Array):
+        """Attention on dispatched arrays: out (and lse) stay in rank order, sharded."""
+        return _run_sharded(q, k, v, self._leaves(q, k, v)[0], self.config)
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array):
+        """Attention on global arrays in global token order (differentiable)."""
+        arrays, order, inverse = self._leaves(q, k, v)
+        return _run_global(q, k, v, order, inverse, arrays, self.config)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _dispatch_jit(x, order, cfg: _Config):
+    return _dispatch(x, order, cfg)
+
+
+@partial(jax.jit, static_argnames=("axis",))
+def _take_jit(y, inverse, axis: int):
+    return jnp.take(y, inverse, axis=axis)
+
+
+def build(
+    mask: Mask,
+    *,
+    mesh: Mesh,
+    strategy: str,
+    layout: str = "zigzag",
+    axis: str = "cp",
+    ulysses_size: int | None = None,
+    impl: str | None = None,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    dtype: Any = jnp.float32,
+    scale: float | None = None,
+    return_lse: bool = False,
+    num_windows: int | None = None,
+    inner_axis: str = ULYSSES,
+    pad_multiple: int | None = None,
+) -> CPExecutor:
+    """Plan `strategy` for `mask` on `mesh` and bind it (for callers holding dispatched shards)."""
+    impl = resolve_impl(impl)
+    devices, mesh_u, mesh_inner = _mesh_factors(mesh, axis)
+    if mesh_u is not None:
+        if ulysses_size not in (None, mesh_u):
+            raise ValueError(
+                f"ulysses_size={ulysses_size} contradicts the mesh's ulysses axis {mesh_u}"
+            )
+        ulysses_size, inner_axis = mesh_u, mesh_inner
+        if strategy in ("ring", "allgather") and mesh_u == 1:
+            ulysses_size = None
+    if pad_multiple is None:
+        pad_multiple = _pad_multiple(impl, head_dim, dtype)
+    plan = make_plan(
+        mask,
+        len(devices),
+        strategy,
+        layout,
+        ulysses_size,
+        num_windows=num_windows,
+        inner_axis=inner_axis,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+        pad_multiple=pad_multiple,
+    )
+    return CPExecutor(
+        plan,
+        devices,
+        impl=impl,
+        head_dim=head_dim,
+        dtype=dtype,
+        scale=scale,
+        return_lse=return_lse,
+    )
+
+
+_EXECUTORS: OrderedDict[tuple, tuple[Mask, CPExecutor]] = OrderedDict()
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: Mask,
+    *,
+    mesh: Mesh,
+    strategy: str,
+    layout: str = "zigzag",
+    axis: str = "cp",
+    ulysses_size: int | None = None,
+    impl: str | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    num_windows: int | None = None,
+    inner_axis: str = ULYSSES,
+):
+    """Context-parallel attention: q (B,S,Hq,D), k/v (B,S,Hkv,D) global, in global token order.
+
+    Returns out (B,S,Hq,D) [and lse (B,Hq,S) float32 with return_lse]; differentiable. The plan
+    and its device arrays are cached per (mask object, mesh, settings, shapes).
+    """
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q (B,S,Hq,D), k and v (B,S,Hkv,D); got {q.shape}, {k.shape}")
+    if q.shape[1] != mask.seqlen_q or k.shape[1] != mask.seqlen_k:
+        raise ValueError(
+            f"sequence lengths ({q.shape[1]}, {k.shape[1]}) do not match the mask "
+            f"({mask.seqlen_q} x {mask.seqlen_k})"
+        )
+    key = (
+        id(mask),
+        mesh,
+        strategy,
+        layout,
+        axis,
+        ulysses_size,
+        impl,
+        scale,
+        return_lse,
+        num_windows,
+        inner_axis,
+        q.shape[2],
+        k.shape[2],
+        q.shape[3],
+        jnp.dtype(q.dtype),
+    )
+    hit = _EXECUTORS.get(key)
+    if hit is None:
+        ex = build(
+            mask,
+            mesh=mesh,
+            strategy=strategy,
+            layout=layout,
+            axis=axis,
+            ulysses_size=ulysses_size,
+            impl=impl,
+            num_heads_q=q.shape[2],
+            num_heads_kv=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=q.dtype,
+            scale=scale,
+            return_lse=return_lse,
+            num_windows=num_windows,
+            inner_axis=inner_axis,
+        )
+        hit = _EXECUTORS[key] = (mask, ex)
+        while len(_EXECUTORS) > _CACHE_SIZE:
+            _EXECUTORS.popitem(last=False)
+    return hit[1](q, k, v)

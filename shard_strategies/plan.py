@@ -1,0 +1,335 @@
+"""Framework-neutral CP plans: who holds which tokens, which key block each step sees, the mask
+piece of every (rank, step), load balance and communication volume (numpy only).
+
+The world of N ranks is factored as U (Ulysses, heads) x R (ring, sequence). A ring rank holds a
+shard of the (padded, permuted) sequence; the U ranks of a Ulysses group split that shard into U
+contiguous pieces and, after the all-to-all, each computes the whole shard for H/U heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from attn_masks import Mask, from_slices
+
+from . import schedules
+from .comm import comm_volume
+from .layouts import DEFAULT_CHUNKS_PER_RANK, Layout, make_layout
+
+STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
+INNER_AXES = ("ulysses", "ring")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the schedule: (outer, inner) ring offsets and each ring rank's K/V source.
+
+    sources[r] is the ring rank whose K/V block ring rank r sees; -1 means all blocks at once
+    (all-gather: the gathered keys in ring-rank order).
+    """
+
+    outer: int
+    inner: int
+    sources: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class CPPlan:
+    """Everything an executor needs to run `mask` under one strategy on `world_size` ranks."""
+
+    mask: Mask
+    strategy: str
+    layout: Layout
+    world_size: int
+    ulysses_size: int
+    num_windows: int
+    inner_axis: str
+    steps: tuple[Step, ...]
+    dropped: tuple[Step, ...]
+    pieces: tuple[tuple[Mask, ...], ...]
+    num_heads_q: int | None = None
+    num_heads_kv: int | None = None
+    head_dim: int | None = None
+
+    @property
+    def ring_size(self) -> int:
+        return self.layout.ring_size
+
+    @property
+    def seqlen(self) -> int:
+        return self.layout.seqlen
+
+    @property
+    def padded_seqlen(self) -> int:
+        return self.layout.padded_seqlen
+
+    @property
+    def shard_len(self) -> int:
+        """Tokens of one ring shard (what one rank computes after the Ulysses all-to-all)."""
+        return self.layout.shard_len
+
+    @property
+    def local_len(self) -> int:
+        """Tokens each rank holds before and after attention (shard_len / U)."""
+        return self.layout.shard_len // self.ulysses_size
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def is_ring(self) -> bool:
+        """True when K/V blocks travel between ring ranks step by step (ring, usp, double_ring)."""
+        return self.strategy != "allgather" and self.ring_size > 1
+
+    def ring_rank(self, rank: int) -> int:
+        """Ring rank of global rank `rank` (consecutive ranks form the `inner_axis` groups)."""
+        if self.inner_axis == "ulysses":
+            return rank // self.ulysses_size
+        return rank % self.ring_size
+
+    def ulysses_rank(self, rank: int) -> int:
+        """Position of global rank `rank` inside its Ulysses group."""
+        if self.inner_axis == "ulysses":
+            return rank % self.ulysses_size
+        return rank // self.ring_size
+
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """(N, local_len) global positions each rank holds, in local order (>= seqlen: padding)."""
+        n = self.local_len
+        rows = [
+            self.layout.positions[self.ring_rank(g), self.ulysses_rank(g) * n :][:n]
+            for g in range(self.world_size)
+        ]
+        return np.stack(rows)
+
+    def order(self) -> np.ndarray:
+        """Flat rank-major order of the sharded sequence: slot n holds position order()[n]."""
+        return self.positions.reshape(-1)
+
+    def inverse(self) -> np.ndarray:
+        """For each real position p < seqlen, its slot in order() (the undispatch gather)."""
+        inv = np.empty(self.padded_seqlen, np.int64)
+        inv[self.order()] = np.arange(self.padded_seqlen)
+        return inv[: self.seqlen]
+
+    def key_positions(self, ring_rank: int, step: int) -> np.ndarray:
+        """Global positions of the keys ring rank `ring_rank` sees at kept step `step`."""
+        src = int(self.steps[step].sources[ring_rank])
+        if src < 0:
+            return self.layout.order()
+        return self.layout.positions[src]
+
+    def piece(self, rank: int, step: int) -> Mask:
+        """Mask piece (local queries x that step's keys) of global rank `rank` at kept `step`."""
+        return self.pieces[self.ring_rank(rank)][step]
+
+    @cached_property
+    def piece_area(self) -> np.ndarray:
+        """(R, T) visible pairs of each ring rank's piece at each kept step."""
+        return np.array([[p.area() for p in row] for row in self.pieces], np.int64).reshape(
+            self.ring_size, self.num_steps
+        )
+
+    @property
+    def empty(self) -> np.ndarray:
+        """(R, T) True where a ring rank has no work at a kept step (skipped: zero tiles)."""
+        return self.piece_area == 0
+
+    @cached_property
+    def rank_area(self) -> np.ndarray:
+        """(N,) mask pairs each rank computes, per query head (its ring shard's area / U)."""
+        per_ring = self.piece_area.sum(axis=1) / self.ulysses_size
+        return np.array([per_ring[self.ring_rank(g)] for g in range(self.world_size)])
+
+    @property
+    def load_balance(self) -> float:
+        """max / mean of rank_area (1.0 = perfect)."""
+        mean = float(self.rank_area.mean())
+        return float(self.rank_area.max()) / mean if mean > 0 else 1.0
+
+    @property
+    def critical_area(self) -> float:
+        """Sum over steps of the slowest ring rank's area / U: what a lock-step ring waits for."""
+        return float(self.piece_area.max(axis=0).sum()) / self.ulysses_size
+
+    @property
+    def kv_replication(self) -> int:
+        """How many times each K/V head is repeated before the Ulysses all-to-all (U > Hkv)."""
+        if self.num_heads_kv is None or self.ulysses_size <= self.num_heads_kv:
+            return 1
+        return self.ulysses_size // self.num_heads_kv
+
+    def comm_volume(
+        self,
+        num_heads_q: int | None = None,
+        num_heads_kv: int | None = None,
+        head_dim: int | None = None,
+        *,
+        itemsize: int = 2,
+        batch: int = 1,
+    ) -> dict[str, float]:
+        """Per-rank elements/bytes moved, fwd and bwd: SPEC 5.3 formulas and this executor's."""
+        hq = num_heads_q if num_heads_q is not None else self.num_heads_q
+        hkv = num_heads_kv if num_heads_kv is not None else self.num_heads_kv
+        d = head_dim if head_dim is not None else self.head_dim
+        if hq is None or hkv is None or d is None:
+            raise ValueError("comm_volume needs num_heads_q, num_heads_kv and head_dim")
+        return comm_volume(self, hq, hkv, d, itemsize=itemsize, batch=batch)
+
+    def summary(self) -> dict:
+        """Plain-number description for logs and result files."""
+        return {
+            "strategy": self.strategy,
+            "layout": self.layout.name,
+            "world_size": self.world_size,
+            "ulysses_size": self.ulysses_size,
+            "ring_size": self.ring_size,
+            "num_windows": self.num_windows,
+            "inner_axis": self.inner_axis,
+            "seqlen": self.seqlen,
+            "padded_seqlen": self.padded_seqlen,
+            "num_steps": self.num_steps,
+            "dropped_steps": len(self.dropped),
+            "empty_pieces": int(self.empty.sum()),
+            "load_balance": self.load_balance,
+            "critical_area": self.critical_area,
+            "ideal_area": self.mask.area() / self.world_size,
+        }
+
+
+def default_usp_ulysses(world_size: int) -> int:
+    """Largest divisor U of N with U <= 8 and U < N (the reference's U = min(N, 8) for N > 8,
+    and a genuine U x R hybrid with R >= 2 below that)."""
+    if world_size == 1:
+        return 1
+    return max(d for d in range(1, min(8, world_size - 1) + 1) if world_size % d == 0)
+
+
+def _factor(strategy: str, world_size: int, ulysses_size: int | None) -> int:
+    """The Ulysses size U of `strategy` on `world_size` ranks (R = N / U)."""
+    if strategy in ("ring", "allgather"):
+        if ulysses_size not in (None, 1):
+            raise ValueError(
+                f"strategy {strategy!r} has no Ulysses axis; got ulysses_size={ulysses_size}"
+            )
+        return 1
+    if strategy == "ulysses":
+        if ulysses_size not in (None, world_size):
+            raise ValueError(
+                f"strategy 'ulysses' uses all {world_size} ranks; got ulysses_size={ulysses_size} "
+                "(use 'usp' for a U x R hybrid)"
+            )
+        return world_size
+    if ulysses_size is None:
+        return default_usp_ulysses(world_size) if strategy == "usp" else 1
+    if ulysses_size < 1 or world_size % ulysses_size:
+        raise ValueError(f"ulysses_size {ulysses_size} must divide world_size {world_size}")
+    return ulysses_size
+
+
+def check_heads(ulysses_size: int, num_heads_q: int | None, num_heads_kv: int | None) -> None:
+    """Raise ValueError when the heads cannot be split over a Ulysses group of `ulysses_size`."""
+    if num_heads_q is None or num_heads_kv is None:
+        return
+    if num_heads_kv < 1 or num_heads_q % num_heads_kv:
+        raise ValueError(
+            f"num_heads_q {num_heads_q} must be a multiple of num_heads_kv {num_heads_kv}"
+        )
+    u = ulysses_size
+    if num_heads_q % u:
+        raise ValueError(
+            f"Ulysses over {u} ranks needs num_heads_q ({num_heads_q}) divisible by {u}"
+        )
+    if num_heads_kv % u and u % num_heads_kv:
+        raise ValueError(
+            f"Ulysses over {u} ranks needs num_heads_kv ({num_heads_kv}) to divide or be divisible "
+            f"by {u} (K/V heads are replicated when {u} > {num_heads_kv})"
+        )
+
+
+def padded_mask(mask: Mask, padded_seqlen: int) -> Mask:
+    """The same slices over a larger square: positions >= seqlen see and are seen by nothing."""
+    if padded_seqlen == mask.seqlen_q:
+        return mask
+    return from_slices(
+        mask.q_ranges, mask.k_ranges, mask.types, padded_seqlen, padded_seqlen, name=mask.name
+    )
+
+
+def make_plan(
+    mask: Mask,
+    world_size: int,
+    strategy: str,
+    layout: str = "zigzag",
+    ulysses_size: int | None = None,
+    *,
+    num_windows: int | None = None,
+    inner_axis: str = "ulysses",
+    num_heads_q: int | None = None,
+    num_heads_kv: int | None = None,
+    head_dim: int | None = None,
+    pad_multiple: int = 1,
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+) -> CPPlan:
+    """Plan `strategy` for `mask` on `world_size` ranks with token `layout`.
+
+    ulysses_size: U for usp/double_ring (default: usp largest divisor <= 8 leaving R >= 2,
+    double_ring 1). num_windows: double_ring windows (default SPEC 5.3 heuristic). inner_axis:
+    which axis is made of consecutive ranks ("ulysses" or "ring"). Heads, when given, are checked
+    against U. pad_multiple: every ring shard length is a multiple of it (e.g. a kernel tile).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    if inner_axis not in INNER_AXES:
+        raise ValueError(f"inner_axis must be one of {INNER_AXES}, got {inner_axis!r}")
+    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    u = _factor(strategy, world_size, ulysses_size)
+    check_heads(u, num_heads_q, num_heads_kv)
+    ring = world_size // u
+    if strategy == "double_ring":
+        windows = schedules.default_num_windows(ring) if num_windows is None else num_windows
+    elif num_windows not in (None, 1):
+        raise ValueError(f"num_windows applies to 'double_ring' only, not {strategy!r}")
+    else:
+        windows = 1
+    lay = make_layout(mask, ring, layout, math.lcm(u, pad_multiple), chunks_per_rank)
+    full = padded_mask(mask, lay.padded_seqlen)
+    if strategy == "allgather" or ring == 1:
+        all_steps = [Step(0, 0, np.full(ring, -1 if strategy == "allgather" else 0))]
+    else:
+        all_steps = [
+            Step(o, i, schedules.step_sources(ring, windows, (o, i)))
+            for o, i in schedules.visiting_order(ring, windows)
+        ]
+
+    def keys(r: int, step: Step) -> np.ndarray:
+        src = int(step.sources[r])
+        return lay.order() if src < 0 else lay.positions[src]
+
+    grid = [[full.restrict(lay.positions[r], keys(r, s)) for s in all_steps] for r in range(ring)]
+    nonempty = [any(grid[r][t].area() > 0 for r in range(ring)) for t in range(len(all_steps))]
+    if not any(nonempty):
+        nonempty[0] = True
+    keep = [t for t, ok in enumerate(nonempty) if ok]
+    return CPPlan(
+        mask=mask,
+        strategy=strategy,
+        layout=lay,
+        world_size=int(world_size),
+        ulysses_size=u,
+        num_windows=windows,
+        inner_axis=inner_axis,
+        steps=tuple(all_steps[t] for t in keep),
+        dropped=tuple(s for s, ok in zip(all_steps, nonempty) if not ok),
+        pieces=tuple(tuple(grid[r][t] for t in keep) for r in range(ring)),
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+    )
