@@ -52,11 +52,26 @@ flags.DEFINE_list(
     "fwd_bwd only: dK/dV walks block_q/split query rows per step "
     "and dQ block_k/split keys per step.",
 )
+flags.DEFINE_list(
+    "fused_bwd",
+    ["0"],
+    "fwd_bwd only: 0 = dQ and dK/dV kernels, 1 = one fused kernel adding dQ with atomics "
+    "(KernelConfig.fused_bwd). With include_default, 1 also times the default config fused.",
+)
+flags.DEFINE_list(
+    "relaxed_atomics",
+    ["0"],
+    "Fused candidates only: 0 = Pallas' acq_rel atomic_add, 1 = relaxed-order adds "
+    "(KernelConfig.relaxed_atomics).",
+)
+flags.DEFINE_list("num_warps_bwd", [], "fwd_bwd only: backward warps (empty: as num_warps).")
+flags.DEFINE_list("num_stages_bwd", [], "fwd_bwd only: backward stages (empty: as num_stages).")
+flags.DEFINE_integer("fwd_block_k", 0, "Forward kernel key tile (0: the mask tile block_k).")
 flags.DEFINE_integer(
     "top_k",
     4,
     "Sweep every config at the first seqlen only; later seqlens time the top_k "
-    "configs (by mean TFLOP/s over the masks there) and the default. 0: every config everywhere.",
+    "configs (by mean TFLOP/s over the masks there) and the defaults. 0: every config everywhere.",
 )
 flags.DEFINE_boolean("include_default", True, "Also time the library's default config.")
 flags.DEFINE_integer("batch", 1, "Batch size.")
@@ -83,26 +98,78 @@ class Candidate:
     config: KernelConfig
 
 
-def _candidates(mode: str) -> list[Candidate]:
-    out = []
-    splits = [int(s) for s in FLAGS.bwd_splits] if mode == "fwd_bwd" else [1]
-    for bq, bk, w, s, split in itertools.product(
-        *(map(int, FLAGS[f].value) for f in ("block_q", "block_k", "num_warps", "num_stages")),
-        splits,
-    ):
-        config = KernelConfig(
-            num_warps=w,
-            num_stages=s,
-            num_warps_bwd=w,
-            num_stages_bwd=s,
-            block_q_dkv=bq // split,
-            block_k_dq=bk // split,
-        )
-        out.append(Candidate(f"q{bq}k{bk}w{w}s{s}x{split}", bq, bk, config))
-    if FLAGS.include_default:
-        bq, bk = block_sizes(FLAGS.head_dim, FLAGS.dtype)
-        out.append(Candidate("default", bq, bk, default_config(FLAGS.head_dim, FLAGS.dtype)))
+def _backward_kinds() -> list[tuple[bool, bool]]:
+    """(fused, relaxed atomics) pairs selected by --fused_bwd and --relaxed_atomics."""
+    kinds = [(False, False)] if "0" in FLAGS.fused_bwd else []
+    if "1" in FLAGS.fused_bwd:
+        kinds += [(True, bool(int(r))) for r in FLAGS.relaxed_atomics]
+    return kinds
+
+
+def _backward_options(w: int, s: int) -> list[tuple[int, int, int, bool, bool]]:
+    """(split, warps, stages, fused, relaxed) of the backward after a (w warps, s stages) fwd."""
+    warps = [int(x) for x in FLAGS.num_warps_bwd] or [w]
+    stages = [int(x) for x in FLAGS.num_stages_bwd] or [s]
+    options = itertools.product(map(int, FLAGS.bwd_splits), warps, stages, _backward_kinds())
+    return [(split, wb, sb, *kind) for split, wb, sb, kind in options]
+
+
+def _kind_suffix(fused: bool, relaxed: bool) -> str:
+    """Candidate-name suffix of a backward kind: "", "-fused" or "-fused-relaxed"."""
+    return ("-fused" if fused else "") + ("-relaxed" if relaxed else "")
+
+
+def _candidate_name(mode: str, bq: int, bk: int, w: int, s: int, backward: tuple) -> str:
+    """e.g. q128k128w4s2f64x2-bw8s2-fused: mask tiles, forward, split, backward launch, kind."""
+    split, wb, sb, fused, relaxed = backward
+    name = f"q{bq}k{bk}w{w}s{s}" + (f"f{FLAGS.fwd_block_k}" if FLAGS.fwd_block_k else "")
+    name += f"x{split}"
+    if mode == "fwd_bwd" and (FLAGS.num_warps_bwd or FLAGS.num_stages_bwd):
+        name += f"-bw{wb}s{sb}"
+    return name + _kind_suffix(fused, relaxed)
+
+
+def _defaults(mode: str) -> list[Candidate]:
+    """The library default, plus (fwd_bwd) its fused variants selected by the flags."""
+    if not FLAGS.include_default:
+        return []
+    bq, bk = block_sizes(FLAGS.head_dim, FLAGS.dtype)
+    config = default_config(FLAGS.head_dim, FLAGS.dtype)
+    out = [Candidate("default", bq, bk, config)]
+    fused_kinds = [k for k in _backward_kinds() if k[0]] if mode == "fwd_bwd" else []
+    for fused, relaxed in fused_kinds:
+        variant = dataclasses.replace(config, fused_bwd=fused, relaxed_atomics=relaxed)
+        out.append(Candidate("default" + _kind_suffix(fused, relaxed), bq, bk, variant))
     return out
+
+
+def _candidates(mode: str) -> list[Candidate]:
+    """Swept configs (those equal to a default dropped), then the defaults."""
+    defaults = _defaults(mode)
+    seen = {(c.block_q, c.block_k, c.config) for c in defaults}
+    out = []
+    for bq, bk, w, s in itertools.product(
+        *(map(int, FLAGS[f].value) for f in ("block_q", "block_k", "num_warps", "num_stages"))
+    ):
+        options = _backward_options(w, s) if mode == "fwd_bwd" else [(1, w, s, False, False)]
+        for backward in options:
+            split, wb, sb, fused, relaxed = backward
+            config = KernelConfig(
+                block_k=FLAGS.fwd_block_k or None,
+                num_warps=w,
+                num_stages=s,
+                num_warps_bwd=wb,
+                num_stages_bwd=sb,
+                block_q_dkv=bq // split,
+                block_k_dq=bk // split,
+                fused_bwd=fused,
+                relaxed_atomics=relaxed,
+            )
+            if (bq, bk, config) not in seen:
+                seen.add((bq, bk, config))
+                name = _candidate_name(mode, bq, bk, w, s, backward)
+                out.append(Candidate(name, bq, bk, config))
+    return out + defaults
 
 
 def _inputs(seqlen: int, key: jax.Array) -> tuple[jax.Array, ...]:
@@ -241,13 +308,13 @@ def _load_records(path: str) -> list[dict[str, Any]]:
 
 
 def _shortlist(mode: str, cands: list[Candidate], records: list[dict], seqlen: int) -> list:
-    """The top_k candidates by mean TFLOP/s over the masks at `seqlen`, plus the default."""
+    """The top_k candidates by mean TFLOP/s over the masks at `seqlen`, plus the defaults."""
     score: dict[str, list[float]] = {}
     for r in records:
         if (r["mode"], r["seqlen"], r["status"]) == (mode, seqlen, "ok"):
             score.setdefault(r["candidate"], []).append(r["tflops"])
     ranked = sorted(score, key=lambda n: -statistics.mean(score[n]))[: FLAGS.top_k]
-    return [c for c in cands if c.name in ranked or c.name == "default"]
+    return [c for c in cands if c.name in ranked or c.name.startswith("default")]
 
 
 def _masks(seqlen: int) -> dict[str, Mask]:

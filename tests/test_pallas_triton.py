@@ -1,6 +1,9 @@
-"""Pallas Triton flash attention (interpret mode on CPU) against the float64 oracle."""
+"""Pallas Triton flash attention (CPU interpret mode), both backward variants, vs the oracle."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,7 @@ import pytest
 from attn_masks import MaskType, from_slices, reference_attention
 from attn_masks.generators import MASK_NAMES, make_mask
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
-from jax_attn.pallas_triton import KernelConfig, block_sizes, flash_attention
+from jax_attn.pallas_triton import KernelConfig, block_sizes, default_config, flash_attention
 from jax_attn.reference import reference_attention as jnp_reference
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = (int(t) for t in MaskType)
@@ -37,34 +40,52 @@ def _rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / (np.abs(want).max() + 1e-6))
 
 
+def _variants(config: KernelConfig | None, d: int, dtype) -> tuple[KernelConfig, ...]:
+    """The config (default if None) with the two-kernel backward and with the fused one."""
+    base = default_config(d, dtype) if config is None else config
+    return tuple(dataclasses.replace(base, fused_bwd=f) for f in (False, True))
+
+
+@functools.partial(jax.jit, static_argnames=("configs", "scale"))
+def _outputs(q, k, v, do, arrays, *, configs, scale):
+    """(out, lse, dq, dk, dv) under each config: one compilation checks every variant."""
+    results = []
+    for config in configs:
+
+        def run(q, k, v, config=config):
+            return flash_attention(q, k, v, arrays, scale=scale, return_lse=True, config=config)
+
+        (out, lse), vjp = jax.vjp(run, q, k, v)
+        results.append((out, lse, *vjp((do, jnp.zeros_like(lse)))))
+    return results
+
+
 def _check(mask, arrays, *, b, hq, hkv, d, dtype, seed=0, config=None) -> None:
-    """Forward (out, lse) and gradients (dq, dk, dv) of the kernel against the oracle."""
+    """Forward (out, lse) and gradients (dq, dk, dv) of both backward variants vs the oracle."""
     (q, k, v, do), (q64, k64, v64, do64) = _inputs(
         seed, b, mask.seqlen_q, mask.seqlen_k, hq, hkv, d, dtype
     )
     scale = d**-0.5
     ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=do64)
-
-    def run(q, k, v):
-        return flash_attention(q, k, v, arrays, scale=scale, return_lse=True, config=config)
-
-    (out, lse), vjp = jax.vjp(run, q, k, v)
-    dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == jnp.float32 and lse.shape == (b, hq, mask.seqlen_q)
+    configs = _variants(config, d, dtype)
+    results = _outputs(q, k, v, do, arrays, configs=configs, scale=scale)
     tol = TOL[dtype]
-    lse = np.asarray(lse)
-    assert (np.isneginf(lse) == np.isneginf(ref.lse)).all(), "empty rows differ"
     seen = np.isfinite(ref.lse)
-    assert np.abs(lse[seen] - ref.lse[seen]).max(initial=0.0) < 10 * tol
-    for name, got, want in (
-        ("out", out, ref.out),
-        ("dq", dq, ref.dq),
-        ("dk", dk, ref.dk),
-        ("dv", dv, ref.dv),
-    ):
-        err = _rel_err(got, want)
-        assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+    for config, (out, lse, dq, dk, dv) in zip(configs, results):
+        variant = "fused" if config.fused_bwd else "two-kernel"
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert lse.dtype == jnp.float32 and lse.shape == (b, hq, mask.seqlen_q)
+        lse = np.asarray(lse)
+        assert (np.isneginf(lse) == np.isneginf(ref.lse)).all(), f"{variant}: empty rows differ"
+        assert np.abs(lse[seen] - ref.lse[seen]).max(initial=0.0) < 10 * tol
+        for name, got, want in (
+            ("out", out, ref.out),
+            ("dq", dq, ref.dq),
+            ("dk", dk, ref.dk),
+            ("dv", dv, ref.dv),
+        ):
+            err = _rel_err(got, want)
+            assert err < tol, f"{variant} {name}: relative error {err:.2e} >= {tol:.0e}"
 
 
 def _doc_mask(seqlens, typ: int, sk_extra: int = 0):
@@ -200,7 +221,10 @@ def test_all_benchmark_masks() -> None:
 
 
 def test_kernel_subtiles() -> None:
-    """Kernel tiles smaller than the mask tiles walk each listed tile as several sub-tiles."""
+    """Kernel tiles smaller than the mask tiles walk each listed tile as several sub-tiles.
+
+    The fused variant here adds dQ with relaxed atomics (the other tests: Pallas' atomic_add).
+    """
     config = KernelConfig(
         block_q=32,
         block_k=16,
@@ -210,10 +234,34 @@ def test_kernel_subtiles() -> None:
         block_k_dkv=32,
         num_warps=4,
         num_stages=2,
+        relaxed_atomics=True,
     )
     masks = [_doc_mask([30, 50, 40], CAUSAL), _random_slices(11, 120, 120)]
     for i, (mask, arr) in enumerate(zip(masks, _shared_arrays(masks, 64, 64))):
         _check(mask, arr, b=1, hq=4, hkv=2, d=32, dtype=jnp.float32, seed=i, config=config)
+
+
+@pytest.mark.parametrize("fused, relaxed", [(False, False), (True, False), (True, True)])
+def test_lowers_to_triton(fused: bool, relaxed: bool) -> None:
+    """Forward and backward lower to Triton kernels for the GPU (no GPU needed to lower)."""
+    arr = prepare_mask(from_slices([[0, 96]], [[0, 96]], [CAUSAL], 96, 96), 32, 32)
+    q = jax.ShapeDtypeStruct((1, 96, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 96, 2, 64), jnp.bfloat16)
+    config = KernelConfig(fused_bwd=fused, relaxed_atomics=relaxed)
+
+    def grads(q, k, v, do, arr):
+        def run(q, k, v):
+            return flash_attention(
+                q, k, v, arr, scale=0.125, return_lse=True, config=config, interpret=False
+            )
+
+        (_, lse), vjp = jax.vjp(run, q, k, v)
+        return vjp((do, jnp.zeros_like(lse)))
+
+    lowered = jax.jit(grads).trace(q, kv, kv, q, arr).lower(lowering_platforms=("cuda",))
+    kernels = ["masked_flash_fused_bwd"] if fused else ["masked_flash_dq", "masked_flash_dkv"]
+    text = lowered.as_text()
+    assert all(name in text for name in ["masked_flash_forward", *kernels])
 
 
 def test_new_mask_does_not_retrace() -> None:
@@ -272,18 +320,23 @@ def test_lse_cotangent() -> None:
     (q, k, v, do), _ = _inputs(3, 1, 96, 96, 2, 1, 32, jnp.float32)
     w = jnp.asarray(np.random.default_rng(4).standard_normal((1, 2, 96)), jnp.float32)
 
-    def loss(fn):
+    def grads(fn):
         def run(q, k, v):
             out, lse = fn(q, k, v)
             return jnp.sum(out * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w, 0.0))
 
         return jax.grad(run, argnums=(0, 1, 2))(q, k, v)
 
-    got = loss(lambda q, k, v: flash_attention(q, k, v, arr, scale=0.3, return_lse=True))
+    def kernel(config):
+        return lambda q, k, v: flash_attention(
+            q, k, v, arr, scale=0.3, return_lse=True, config=config
+        )
+
     with jax.default_matmul_precision("highest"):  # GPU default would be TF32
-        want = loss(lambda q, k, v: jnp_reference(q, k, v, arr, scale=0.3))
-    for g, r in zip(got, want):
-        assert _rel_err(g, np.asarray(r, np.float64)) < 1e-4
+        want = jax.jit(lambda: grads(lambda q, k, v: jnp_reference(q, k, v, arr, scale=0.3)))()
+    for got in jax.jit(lambda: [grads(kernel(c)) for c in _variants(None, 32, jnp.float32)])():
+        for g, r in zip(got, want):
+            assert _rel_err(g, np.asarray(r, np.float64)) < 1e-4
 
 
 def test_rejects_bad_inputs() -> None:

@@ -13,6 +13,7 @@ from ..mask_arrays import MaskArrays
 from .backward import backward_dkv, backward_dq
 from .config import KernelConfig, default_config, padded_head_dim
 from .forward import forward
+from .fused import backward_fused
 from .tiles import TileLists, split_partial_full
 
 
@@ -145,8 +146,12 @@ def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
         mask_block_k=geo.mask_block_k,
         interpret=static.interpret,
     )
-    dq = backward_dq(qp, kp, vp, dop, lse, delta, lo, hi, _kv_lists(arrays, geo), **common)
-    dk, dv = backward_dkv(qp, kp, vp, dop, lse, delta, lo, hi, _q_lists(arrays, geo), **common)
+    q_lists = _q_lists(arrays, geo)
+    if static.config.fused_bwd:
+        dq, dk, dv = backward_fused(qp, kp, vp, dop, lse, delta, lo, hi, q_lists, **common)
+    else:
+        dq = backward_dq(qp, kp, vp, dop, lse, delta, lo, hi, _kv_lists(arrays, geo), **common)
+        dk, dv = backward_dkv(qp, kp, vp, dop, lse, delta, lo, hi, q_lists, **common)
     sq, sk, d = geo.seq_q, geo.seq_k, geo.head_dim
     return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d], None
 

@@ -2,6 +2,7 @@
 
 dK/dV programs own one (key tile, kv head) and loop over the `group` q heads that share it, so
 GQA needs neither repeated K/V nor atomics. `delta` is rowsum(dO * O) minus the LSE cotangent.
+fused.py has the one-kernel variant (KernelConfig.fused_bwd).
 """
 
 from __future__ import annotations
@@ -19,19 +20,17 @@ from .common import (
     NN,
     NT,
     backward_lse,
+    dkv_update,
     load_intervals,
     matmul,
     precision_for,
     visible,
     walk_tiles,
+    whole_spec,
 )
 from .compat import triton_params
 from .config import KernelConfig
 from .tiles import TileLists
-
-
-def _whole(x: jax.Array) -> pl.BlockSpec:
-    return pl.BlockSpec(x.shape, lambda i, bh: (0,) * x.ndim)
 
 
 def _dq_kernel(
@@ -123,23 +122,21 @@ def _dkv_kernel(
     qk_scale = scale * LOG2E
 
     def step(start: jax.Array, rep: jax.Array, carry: Any, masked: bool) -> Any:
-        dk, dv = carry
         head = head0 + rep
         rows = pl.ds(start, block_q)
-        q = q_ref[rows, head, :]
-        do = do_ref[rows, head, :]
-        lse = backward_lse(lse_ref[head, rows])
-        delta = delta_ref[head, rows]
-        s_t = matmul(k, q, NT, precision) * qk_scale  # (keys, rows)
-        if masked:
-            intervals = load_intervals(lo_ref, hi_ref, start, block_q)
-            vis = visible(intervals, col0, block_k, keys_first=True)
-            s_t = jnp.where(vis, s_t, -jnp.inf)
-        p_t = jnp.exp2(s_t - lse[None, :])
-        dv = dv + matmul(p_t.astype(do.dtype), do, NN, precision)
-        dp_t = matmul(v, do, NT, precision)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = dk + matmul(ds_t.astype(q.dtype), q, NN, precision)
+        intervals = load_intervals(lo_ref, hi_ref, start, block_q) if masked else None
+        dk, dv, _ = dkv_update(
+            k,
+            v,
+            q_ref[rows, head, :],
+            do_ref[rows, head, :],
+            backward_lse(lse_ref[head, rows]),
+            delta_ref[head, rows],
+            visible(intervals, col0, block_k, keys_first=True) if masked else None,
+            carry,
+            qk_scale=qk_scale,
+            precision=precision,
+        )
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -212,11 +209,11 @@ def backward_dq(
             q_spec,
             row_spec,
             row_spec,
-            _whole(lo),
-            _whole(hi),
-            _whole(lists.index),
-            _whole(lists.n_partial),
-            _whole(lists.count),
+            whole_spec(lo),
+            whole_spec(hi),
+            whole_spec(lists.index),
+            whole_spec(lists.n_partial),
+            whole_spec(lists.count),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -279,11 +276,11 @@ def backward_dkv(
             seq_spec,
             row_spec,
             row_spec,
-            _whole(lo),
-            _whole(hi),
-            _whole(lists.index),
-            _whole(lists.n_partial),
-            _whole(lists.count),
+            whole_spec(lo),
+            whole_spec(hi),
+            whole_spec(lists.index),
+            whole_spec(lists.n_partial),
+            whole_spec(lists.count),
         ],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],

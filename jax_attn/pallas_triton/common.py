@@ -15,6 +15,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def precision_for(dtype: Any) -> lax.Precision:
@@ -27,6 +28,11 @@ def matmul(a: jax.Array, b: jax.Array, dims: Any, precision: lax.Precision) -> j
     return lax.dot_general(
         a, b, dims, precision=(precision, precision), preferred_element_type=jnp.float32
     )
+
+
+def whole_spec(x: jax.Array) -> pl.BlockSpec:
+    """The whole array as one block, for every program of a 2-D grid."""
+    return pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
 
 
 def load_intervals(
@@ -61,6 +67,35 @@ def visible(
 def backward_lse(lse: jax.Array) -> jax.Array:
     """Natural-log LSE in base 2, +inf for empty rows so that exp2(s - lse) is 0 there."""
     return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+
+
+def dkv_update(
+    k: jax.Array,
+    v: jax.Array,
+    q: jax.Array,
+    do: jax.Array,
+    lse2: jax.Array,
+    delta: jax.Array,
+    vis: jax.Array | None,
+    carry: tuple[jax.Array, jax.Array],
+    *,
+    qk_scale: float,
+    precision: lax.Precision,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dK, dV) plus one query sub-tile, keys first; also dS^T (keys, rows) in q's dtype.
+
+    lse2 is the base-2 LSE of backward_lse; vis (keys, rows) masks a partial tile (None: full).
+    """
+    dk, dv = carry
+    s_t = matmul(k, q, NT, precision) * qk_scale
+    if vis is not None:
+        s_t = jnp.where(vis, s_t, -jnp.inf)
+    p_t = jnp.exp2(s_t - lse2[None, :])
+    dv = dv + matmul(p_t.astype(do.dtype), do, NN, precision)
+    dp_t = matmul(v, do, NT, precision)
+    ds_t = (p_t * (dp_t - delta[None, :])).astype(q.dtype)
+    dk = dk + matmul(ds_t, q, NN, precision)
+    return dk, dv, ds_t
 
 
 Step = Callable[[jax.Array, jax.Array, Any, bool], Any]

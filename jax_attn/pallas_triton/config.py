@@ -14,7 +14,10 @@ class KernelConfig:
     Kernel tiles must divide the mask tiles (block_q, block_k of the MaskArrays) because the
     kernels walk the mask's tile lists: a mask tile is visited as several kernel sub-tiles.
     Forward and dQ use (block_q, block_k) / (block_q_dq, block_k_dq) tiles over a q tile; dK/dV
-    holds a block_k_dkv key tile and steps over block_q_dkv query sub-tiles.
+    holds a block_k_dkv key tile and steps over block_q_dkv query sub-tiles. fused_bwd replaces
+    the two backward kernels by one dK/dV kernel that also adds each tile's dQ into an fp32 buffer
+    with atomics (5 matmuls per tile pair instead of 7; the dQ tiles are unused then);
+    relaxed_atomics makes those adds relaxed-ordered (atomics.py) instead of Pallas' acq_rel.
     """
 
     block_q: int | None = None
@@ -27,6 +30,8 @@ class KernelConfig:
     block_k_dkv: int | None = None
     num_warps_bwd: int = 8
     num_stages_bwd: int = 2
+    fused_bwd: bool = False
+    relaxed_atomics: bool = False
 
     def resolve(self, mask_block_q: int, mask_block_k: int) -> KernelConfig:
         """This config with every tile set, checked against the mask tiles."""

@@ -1,0 +1,194 @@
+"""Correctness check of every point against exact float64 attention, before it is timed.
+
+Small problems (B*Hq*Sq*Sk <= FULL_CHECK_ELEMENTS) are compared whole with
+`attn_masks.reference_attention`: out, and dq, dk, dv in backward modes. Larger ones compare a
+random subset of query rows (always the first and last row too), all heads and batches: the
+output rows and, for backward modes, the dq rows are exact functions of those rows alone
+(dq_i = scale * sum_j P_ij (dP_ij - dO_i.O_i) K_j), so they are computed exactly in float64 over
+just the keys those rows see; only those rows of q/dout and those keys of k/v leave the device.
+dk/dv need every query row that sees a key (O(S^2) work), so at large sizes they are only
+checked to be finite.
+
+Metric: relative Frobenius error ||got - ref|| / ||ref|| per tensor, against a per-dtype
+threshold (bf16 2e-2, fp16 1e-2, fp32 1e-4 on CPU / 2e-3 on GPU where fp32 matmuls may use TF32);
+gradients get twice the output's threshold. Any NaN or inf fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FULL_CHECK_ELEMENTS = 1 << 24
+ROW_CHECK_BUDGET = 1 << 22  # rows * keys per (batch, head) in the row check
+MAX_ROWS, MIN_ROWS = 64, 8
+RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
+RTOL_FP32_GPU = 2e-3
+GRAD_FACTOR = 2.0
+GRADS = ("dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """What to compare: everything (rows None) or the given query rows over the keys `cols`."""
+
+    rows: np.ndarray | None = None
+    cols: np.ndarray | None = None
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.rows is None else "rows"
+
+
+def plan_check(mask, batch: int, heads_q: int, seed: int) -> CheckPlan:
+    """A whole comparison for small problems, else sampled query rows and the keys they see."""
+    sq, sk = mask.seqlen_q, mask.seqlen_k
+    if batch * heads_q * sq * sk <= FULL_CHECK_ELEMENTS:
+        return CheckPlan()
+    n = int(np.clip(ROW_CHECK_BUDGET // max(sk, 1), MIN_ROWS, MAX_ROWS))
+    rng = np.random.default_rng(seed + 7919)
+    picked = rng.choice(sq, size=min(n, sq), replace=False)
+    rows = np.unique(np.concatenate([[0, sq - 1], picked])).astype(np.int64)
+    cols = np.flatnonzero(_visible(mask, rows).any(axis=0))
+    return CheckPlan(rows, cols)
+
+
+def _visible(mask, rows: np.ndarray) -> np.ndarray:
+    """(len(rows), Sk) bool: which keys each of the rows sees, from the per-row intervals."""
+    lo, hi = (x[rows] for x in mask.row_intervals())
+    keys = np.arange(mask.seqlen_k)
+    return ((keys >= lo[:, :, None]) & (keys < hi[:, :, None])).any(axis=1)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The inputs a framework ran on, rounded to its dtype and held exactly in float32. Under a
+    row plan q/dout hold only the plan's rows and k/v only its keys."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one comparison: relative errors per tensor and the threshold used."""
+
+    ok: bool
+    kind: str
+    errors: dict[str, float]
+    rtol: dict[str, float]
+    rows: int | None = None
+    unchecked: list[str] = field(default_factory=list)
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        """JSON-friendly form for the record."""
+        return {
+            "ok": self.ok,
+            "kind": self.kind,
+            "errors": self.errors,
+            "rtol": self.rtol,
+            "rows": self.rows,
+            "unchecked": self.unchecked,
+            "message": self.message,
+        }
+
+
+def tolerance(dtype: str, *, on_gpu: bool, override: float | None = None) -> float:
+    """Relative error threshold for the output in a dtype."""
+    if override is not None:
+        return override
+    if dtype == "fp32" and on_gpu:
+        return RTOL_FP32_GPU
+    return RTOL[dtype]
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, np.float64)
+    if got.shape != ref.shape:
+        raise ValueError(f"shape {got.shape} does not match the reference {ref.shape}")
+    if not np.isfinite(got).all():
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    diff = np.linalg.norm(got - ref)
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+def rows_reference(
+    inp: Inputs, mask, plan: CheckPlan, scale: float, grads: bool
+) -> dict[str, np.ndarray]:
+    """Exact float64 out (and dq) for the plan's query rows, per (batch, head)."""
+    vis = _visible(mask, plan.rows)[:, plan.cols]
+    b, nrows, hq, d = inp.q.shape
+    group = hq // inp.k.shape[2]
+    out = np.zeros((b, nrows, hq, d))
+    dq = np.zeros_like(out)
+    for bi in range(b):
+        for h in range(hq):
+            q = inp.q[bi, :, h].astype(np.float64)
+            k = inp.k[bi, :, h // group].astype(np.float64)
+            v = inp.v[bi, :, h // group].astype(np.float64)
+            s = np.where(vis, (q @ k.T) * scale, -np.inf)
+            m = s.max(axis=1, keepdims=True, initial=-np.inf)
+            m = np.where(np.isfinite(m), m, 0.0)
+            e = np.where(vis, np.exp(s - m), 0.0)
+            den = e.sum(axis=1, keepdims=True)
+            p = e / np.where(den > 0, den, 1.0)
+            o = p @ v
+            out[bi, :, h] = o
+            if grads:
+                do = inp.dout[bi, :, h].astype(np.float64)
+                dp = do @ v.T
+                delta = (do * o).sum(axis=1, keepdims=True)
+                dq[bi, :, h] = (p * (dp - delta)) @ k * scale
+    return {"out": out, "dq": dq} if grads else {"out": out}
+
+
+def compare(
+    mask,
+    inp: Inputs,
+    got: dict[str, np.ndarray],
+    *,
+    plan: CheckPlan,
+    grads: bool,
+    rtol: float,
+    finite: dict[str, bool] | None = None,
+    scale: float | None = None,
+) -> CheckResult:
+    """Compare an impl's results with exact float64 attention.
+
+    `got` holds 'out' (and 'dq', 'dk', 'dv' when grads): whole arrays under a full plan,
+    otherwise 'out' and 'dq' at the plan's rows; `finite` says whether the tensors a row plan
+    cannot compare (dk, dv) are free of NaN/inf.
+    """
+    from attn_masks import reference_attention
+
+    scale = 1.0 / np.sqrt(inp.q.shape[-1]) if scale is None else scale
+    names = ("out", *GRADS) if grads else ("out",)
+    tol = {n: rtol * (GRAD_FACTOR if n in GRADS else 1.0) for n in names}
+    if plan.rows is None:
+        dout = inp.dout if grads else None
+        ref = reference_attention(inp.q, inp.k, inp.v, mask, scale=scale, dout=dout)
+        refs = {n: getattr(ref, n) for n in names}
+    else:
+        refs = rows_reference(inp, mask, plan, scale, grads)
+    unchecked = [n for n in names if n not in refs]
+    errors = {n: _rel(got[n], refs[n]) for n in refs}
+    bad = [n for n, e in errors.items() if not e <= tol[n]]
+    for n in unchecked:
+        if not (finite or {}).get(n, True):
+            errors[n] = float("inf")
+            bad.append(n)
+    message = "; ".join(f"{n}: rel err {errors[n]:.3g} > {tol[n]:.3g}" for n in bad)
+    return CheckResult(
+        ok=not bad,
+        kind=plan.kind,
+        errors=errors,
+        rtol=tol,
+        rows=None if plan.rows is None else int(plan.rows.size),
+        unchecked=unchecked,
+        message=message,
+    )

@@ -1,0 +1,315 @@
+"""Plans a run (preset + flags -> points), skips finished points, dispatches the rest to the
+JAX runner, the torch runner and the torch CP ranks, then writes the report."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+from absl import app
+
+from experiments import cp_launch, frameworks, presets, provenance, sweep
+from experiments.flags import Settings
+from experiments.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
+from experiments.progress import Progress
+from experiments.results import ResultsStore, latest_by_key, read_records
+
+
+@dataclass
+class Plan:
+    """What a run will do: its points, device facts and notes to print."""
+
+    points: list[Point]
+    on_gpu: dict[str, bool]
+    notes: list[str] = field(default_factory=list)
+
+
+def _detect_gpu(framework: str) -> tuple[bool, str]:
+    """(has GPU, why not) for a framework; an unimportable framework counts as CPU."""
+    try:
+        if framework == "jax":
+            import jax
+
+            return jax.default_backend() == "gpu", ""
+        import torch
+
+        return torch.cuda.is_available(), ""
+    except ImportError as e:
+        return False, f"{framework} not importable: {e}"
+
+
+def _cp_devices(framework: str, settings: Settings) -> int:
+    """Number of CP devices/ranks for a framework's CP points."""
+    if framework == "jax":
+        import jax
+
+        available = jax.device_count()
+        if settings.num_devices > available:
+            raise app.UsageError(
+                f"--num_devices={settings.num_devices} but JAX sees only {available} devices"
+            )
+        return settings.num_devices or available
+    return cp_launch.torch_world_size(settings.num_devices)
+
+
+def _supported_anywhere(framework: str, impl: str, points: list[Point]) -> bool:
+    """Whether an impl supports at least one point (first mask) of a grid."""
+    cache: dict = {}
+    for p in points:
+        key = (p.mask, p.total_seqlen)
+        try:
+            if key not in cache:
+                cache[key] = frameworks.make_masks(dataclasses.replace(p, num_masks=1))[0]
+            if frameworks.supports(framework, impl, cache[key], p) is True:
+                return True
+        except Exception:
+            continue
+    return False
+
+
+def _resolve_impls(framework: str, grid: Grid) -> tuple[str, ...]:
+    """Concrete impl names of a grid for a framework: 'all' expanded, names it lacks dropped."""
+    if grid.is_cp and grid.impls == (DEFAULT_IMPL,):
+        return grid.impls
+    try:
+        known = frameworks.impl_names(framework)
+    except ImportError:
+        return grid.impls
+    if ALL in grid.impls:
+        return known
+    keep = [i for i in grid.impls if i in known or i == DEFAULT_IMPL]
+    if not grid.is_cp and DEFAULT_IMPL in keep:
+        default = frameworks.default_impl(framework)
+        keep = [default if i == DEFAULT_IMPL else i for i in keep]
+    return tuple(dict.fromkeys(keep))
+
+
+def _check_impl_names(settings: Settings, grids: list[Grid]) -> None:
+    """Reject impl names that no requested (importable) framework knows."""
+    known: dict[str, tuple[str, ...]] = {}
+    for fw in settings.frameworks:
+        try:
+            known[fw] = frameworks.impl_names(fw)
+        except ImportError:
+            return
+    valid = sorted({n for names in known.values() for n in names})
+    for g in grids:
+        for impl in g.impls:
+            if impl not in (ALL, DEFAULT_IMPL) and impl not in valid:
+                raise app.UsageError(
+                    f"unknown impl {impl!r} for --framework={'/'.join(settings.frameworks)}; "
+                    f"valid impls: {', '.join(valid)}, all"
+                )
+
+
+def _grid_points(
+    fw: str, grid: Grid, num_devices: int, settings: Settings, notes: list[str]
+) -> list[Point]:
+    """A grid's points for one framework; 'all' keeps the impls that support some point."""
+    impls = _resolve_impls(fw, grid)
+    points = expand(
+        grid,
+        fw,
+        impls,
+        seed=settings.seed,
+        num_devices=num_devices,
+        ulysses_size=settings.ulysses_size,
+        ulysses_intra_node=settings.ulysses_intra_node,
+        workload=settings.workload,
+    )
+    if ALL not in grid.impls or impls == grid.impls:
+        return points
+    keep = {i for i in impls if _supported_anywhere(fw, i, [p for p in points if p.impl == i])}
+    dropped = sorted(set(impls) - keep)
+    if dropped:
+        notes.append(
+            f"{fw} impls supporting no point of grid {grid.name!r} "
+            f"(left out of 'all'): {', '.join(dropped)}"
+        )
+    return [p for p in points if p.impl in keep]
+
+
+def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Plan:
+    """Expand preset + flags into the run's points."""
+    _check_launch(settings)
+    detected = {fw: _detect_gpu(fw) for fw in settings.frameworks}
+    on_gpu = {fw: d[0] for fw, d in detected.items()}
+    preset = presets.get_preset(settings.preset, on_gpu=all(on_gpu.values()))
+    grids = presets.apply_overrides(presets.select_grids(preset, cps), overrides)
+    _check_impl_names(settings, grids)
+    notes = []
+    if settings.preset == "smoke" and not all(on_gpu.values()):
+        cpu = [fw for fw, g in on_gpu.items() if not g]
+        notes.append(
+            f"No GPU for {'/'.join(cpu)}: using the embedded CPU default (smoke preset at CPU "
+            "sizes; JAX CP on virtual CPU devices, torch CP on gloo processes on 127.0.0.1)."
+        )
+    if settings.preset != "smoke" and not all(on_gpu.values()):
+        notes.append(f"The {settings.preset} preset has GPU sizes; without a GPU it is very slow.")
+    notes += [why for _, why in detected.values() if why]
+    # One CP size for every framework, so --framework=both compares like with like.
+    cp_size = 1
+    if any(g.is_cp for g in grids):
+        cp_size = min(_cp_devices(fw, settings) for fw in settings.frameworks)
+    points: list[Point] = []
+    for fw in settings.frameworks:
+        for grid in grids:
+            points += _grid_points(fw, grid, cp_size if grid.is_cp else 1, settings, notes)
+    return Plan(dedupe(points), on_gpu, notes)
+
+
+def _torch_launched(settings: Settings) -> bool:
+    """Torch ranks started by torchrun/srun rather than by this driver."""
+    return settings.frameworks == ("torch",) and cp_launch.launched_rank() is not None
+
+
+def _is_writer(settings: Settings) -> bool:
+    """Only one process records results: torch rank 0 / JAX process 0 / a plain run."""
+    if _torch_launched(settings):
+        return cp_launch.launched_rank() == 0
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_index() == 0
+
+
+def _lazy_runner(make):
+    """A runner_for(point) that builds one runner on first use (imports happen then)."""
+    cache: list = []
+
+    def runner_for(point: Point):
+        if not cache:
+            cache.append(make())
+        return cache[0]
+
+    return runner_for
+
+
+def _jax_runner(rtol: float | None):
+    from experiments.jax_runner import JaxRunner
+
+    return JaxRunner(rtol_override=rtol)
+
+
+def _torch_runner(rtol: float | None):
+    from experiments.torch_runner import TorchRunner
+
+    return TorchRunner(rtol_override=rtol)
+
+
+def _todo(points: list[Point], store: ResultsStore, retry_errors: bool) -> list[Point]:
+    """Points not yet recorded, as the writing process sees them (shared with other JAX
+    processes, whose view of the results file may differ)."""
+    done = store.done_keys(retry_errors=retry_errors)
+    flags = np.array([p.key not in done for p in points], bool)
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.broadcast_one_to_all(flags), bool)
+    return [p for p, todo in zip(points, flags) if todo]
+
+
+def _check_launch(settings: Settings) -> None:
+    """Reject framework/launcher combinations that cannot work."""
+    if cp_launch.under_torchrun() and "jax" in settings.frameworks:
+        raise app.UsageError(
+            "torchrun launches torch ranks; run JAX multi-host with "
+            "--coordinator_address/--num_processes/--process_id or SLURM"
+        )
+    if cp_launch.slurm_multi_task() and len(settings.frameworks) > 1:
+        raise app.UsageError("under a multi-task SLURM step run one --framework at a time")
+
+
+def _run_torch(
+    settings: Settings, points: list[Point], store: ResultsStore, progress, prov: dict, total: int
+) -> None:
+    """Torch kernel points in this process, CP points (all points under torchrun) on ranks."""
+    on_ranks = points if _torch_launched(settings) else [p for p in points if p.is_cp]
+    if not _torch_launched(settings):
+        sweep.run_points(
+            [p for p in points if not p.is_cp],
+            _lazy_runner(lambda: _torch_runner(settings.check_rtol)),
+            store=store,
+            progress=progress,
+            provenance=prov,
+        )
+    if not on_ranks:
+        return
+    try:
+        cp_launch.run_torch_cp(
+            on_ranks,
+            world=cp_launch.torch_world_size(settings.num_devices),
+            out_dir=settings.out_dir,
+            provenance=prov,
+            rtol=settings.check_rtol,
+            offset=progress.done if progress is not None else 0,
+            total=total,
+        )
+    except ImportError as e:
+        _record_unavailable(on_ranks, e, store, progress, prov)
+
+
+def _finish(settings: Settings, points: list[Point], store: ResultsStore) -> None:
+    """Print the status counts of this run's points and write the report."""
+    latest = latest_by_key(read_records(store.path))
+    counts = collections.Counter(latest[p.key]["status"] for p in points if p.key in latest)
+    print("Statuses: " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())), flush=True)
+    if settings.report:
+        from experiments import report
+
+        paths = report.write_report(store.path, settings.out_dir)
+        print(f"Report: {paths['markdown']}", flush=True)
+
+
+def _record_unavailable(
+    points: list[Point], exc: ImportError, store: ResultsStore, progress, prov: dict
+) -> None:
+    """Record points whose launcher cannot even be imported as unsupported."""
+
+    def runner_for(point: Point):
+        raise exc
+
+    sweep.run_points(points, runner_for, store=store, progress=progress, provenance=prov)
+
+
+def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:
+    """Run (or resume) a sweep and write its report; returns the process exit code."""
+    _check_launch(settings)
+    if "jax" in settings.frameworks:
+        try:
+            cp_launch.init_jax_distributed(
+                settings.coordinator_address, settings.num_processes, settings.process_id
+            )
+        except ImportError:
+            pass
+    run_plan = plan(settings, cps, overrides)
+    writer = _is_writer(settings)
+    say = print if writer else (lambda *a, **k: None)
+    for note in run_plan.notes:
+        say(note, flush=True)
+    if settings.dry_run:
+        by_grid = collections.Counter((p.framework, p.grid) for p in run_plan.points)
+        for (fw, grid), n in sorted(by_grid.items()):
+            say(f"{fw} {grid}: {n} points")
+        for p in run_plan.points:
+            say(p.key)
+        return 0
+    store = ResultsStore(settings.out_dir)
+    todo = _todo(run_plan.points, store, settings.retry_errors)
+    total = len(run_plan.points)
+    say(f"{total} points, {total - len(todo)} already in {store.path}, {len(todo)} to run.")
+    prov = provenance.collect(settings.flag_values)
+    progress = Progress(total, total - len(todo)) if writer else None
+    sweep.run_points(
+        [p for p in todo if p.framework == "jax"],
+        _lazy_runner(lambda: _jax_runner(settings.check_rtol)),
+        store=store if writer else None,
+        progress=progress,
+        provenance=prov,
+    )
+    _run_torch(settings, [p for p in todo if p.framework == "torch"], store, progress, prov, total)
+    if writer:
+        _finish(settings, run_plan.points, store)
+    return 0

@@ -1,0 +1,286 @@
+"""Command-line flags of run.py (absl) with validators, and their conversion to grids/settings.
+
+Flags left unset take the preset's value; an explicitly given flag replaces it in every grid.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from absl import flags
+
+from experiments import points, presets
+
+FLAGS = flags.FLAGS
+
+_SEQLEN = re.compile(r"^(\d+)([kKmM]?)$")
+
+
+def parse_seqlen(text: str) -> int:
+    """'8K' -> 8192, '1M' -> 1048576, '512' -> 512."""
+    m = _SEQLEN.match(text.strip())
+    if not m:
+        raise ValueError(f"bad seqlen {text!r}: expected an integer with optional K or M suffix")
+    value = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"seqlen must be positive, got {text!r}")
+    return value
+
+
+def _choices(values: list[str] | None, valid: tuple[str, ...], what: str, allow_all=False) -> bool:
+    for v in values or []:
+        if v == points.ALL and allow_all:
+            continue
+        if v not in valid:
+            extra = ", all" if allow_all else ""
+            raise flags.ValidationError(
+                f"unknown {what} {v!r}; valid values: {', '.join(valid)}{extra}"
+            )
+    return True
+
+
+def _mask_names() -> tuple[str, ...]:
+    try:
+        from attn_masks import MASK_NAMES
+    except ImportError:
+        return presets.ALL_MASKS
+    return tuple(MASK_NAMES)
+
+
+def _check_masks(values: list[str] | None) -> bool:
+    return _choices(values, _mask_names(), "mask", allow_all=True)
+
+
+def _check_seqlens(values: list[str] | None) -> bool:
+    for v in values or []:
+        try:
+            parse_seqlen(v)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+    return True
+
+
+def _check_positive_ints(values: list[str] | None, what: str) -> bool:
+    for v in values or []:
+        if not v.isdigit() or int(v) <= 0:
+            raise flags.ValidationError(f"bad {what} {v!r}: expected a positive integer")
+    return True
+
+
+def define_flags() -> None:
+    """Register every run.py flag on the global absl FLAGS (once)."""
+    if "framework" in FLAGS:
+        return
+    flags.DEFINE_enum("framework", "jax", ["jax", "torch", "both"], "Framework(s) to measure.")
+    flags.DEFINE_enum(
+        "workload",
+        "attention",
+        ["attention", "train_step"],
+        "What to measure: attention calls, or a Transformer LM training step.",
+    )
+    flags.DEFINE_list(
+        "impl",
+        None,
+        "Kernel impls (comma list) or 'all' = every impl that supports the point. "
+        "Default: all for kernel sweeps, the strategy's default kernel under CP.",
+    )
+    flags.DEFINE_list(
+        "cp",
+        None,
+        "Context parallelism: none|ring|allgather|ulysses|usp|"
+        "double_ring (comma list, or all). Default: from the preset.",
+    )
+    flags.DEFINE_list("layout", None, "CP token layout: contiguous|zigzag|balanced (list).")
+    flags.DEFINE_list("mask", None, "Mask names (comma list) or 'all'.")
+    flags.DEFINE_list(
+        "seqlen",
+        None,
+        "Sequence lengths, K/M suffix accepted (8K = 8192). For CP: "
+        "tokens per device with --cp_scaling=weak, total with strong.",
+    )
+    flags.DEFINE_enum("cp_scaling", None, list(points.SCALINGS), "CP scaling (default weak).")
+    flags.DEFINE_integer("batch", None, "Batch size.", lower_bound=1)
+    flags.DEFINE_list(
+        "heads_q", None, "Query heads (list, zipped with --heads_kv; alone it means MHA)."
+    )
+    flags.DEFINE_list(
+        "heads_kv", None, "Key/value heads (list; each Hq a multiple; alone it means MHA)."
+    )
+    flags.DEFINE_integer("head_dim", None, "Head dimension.", lower_bound=1)
+    flags.DEFINE_enum("dtype", None, list(points.DTYPES), "Input dtype.")
+    flags.DEFINE_list("mode", None, "Directions: fwd|bwd|fwd_bwd (comma list).")
+    flags.DEFINE_integer("warmup", None, "Untimed warm-up calls per mask.", lower_bound=0)
+    flags.DEFINE_integer("iters", None, "Timed calls per mask.", lower_bound=1)
+    flags.DEFINE_integer("seed", 42, "Seed of masks (mask i uses seed + i) and inputs.")
+    flags.DEFINE_integer("num_masks", None, "Masks drawn per point.", lower_bound=1)
+    flags.DEFINE_integer("window", None, "Sliding-window size.", lower_bound=0)
+    flags.DEFINE_bool("reference_compat", None, "Reproduce the published (buggy) masks.")
+    flags.DEFINE_enum("preset", "smoke", list(presets.PRESETS), "Sweep preset (smoke|paper|full).")
+    flags.DEFINE_string(
+        "out_dir",
+        None,
+        "Output folder (default results/local/<run name>); rerunning into the same folder resumes.",
+    )
+    flags.DEFINE_integer(
+        "num_devices",
+        0,
+        "CP size (0 = all JAX devices; torch: all GPUs or 4 CPU gloo ranks).",
+        lower_bound=0,
+    )
+    flags.DEFINE_integer(
+        "ulysses_size",
+        0,
+        "Ulysses group size for usp/double_ring (0 = the strategy's default).",
+        lower_bound=0,
+    )
+    flags.DEFINE_bool(
+        "ulysses_intra_node",
+        True,
+        "Place Ulysses groups on consecutive devices "
+        "(same node) and the ring across; False = the reverse.",
+    )
+    flags.DEFINE_string("coordinator_address", None, "JAX multi-host coordinator host:port.")
+    flags.DEFINE_integer("num_processes", None, "JAX multi-host process count.", lower_bound=1)
+    flags.DEFINE_integer("process_id", None, "JAX multi-host process id.", lower_bound=0)
+    flags.DEFINE_float(
+        "check_rtol",
+        None,
+        "Relative error threshold of the correctness check "
+        "(default per dtype: bf16 2e-2, fp16 1e-2, fp32 1e-4 on CPU).",
+    )
+    flags.DEFINE_bool("retry_errors", False, "Re-run points recorded with status error.")
+    flags.DEFINE_bool("report", True, "Write CSV/plots/markdown after the sweep.")
+    flags.DEFINE_bool("dry_run", False, "List the planned points and exit without running.")
+
+    flags.register_validator("cp", lambda v: _choices(v, points.CP_CHOICES, "cp", True))
+    flags.register_validator("layout", lambda v: _choices(v, points.LAYOUTS, "layout"))
+    flags.register_validator("mode", lambda v: _choices(v, points.MODES, "mode"))
+    flags.register_validator("mask", _check_masks)
+    flags.register_validator("seqlen", _check_seqlens)
+    flags.register_validator("heads_q", lambda v: _check_positive_ints(v, "heads_q"))
+    flags.register_validator("heads_kv", lambda v: _check_positive_ints(v, "heads_kv"))
+    flags.register_multi_flags_validator(
+        ["heads_q", "heads_kv"], _check_heads, "heads_q/heads_kv mismatch"
+    )
+
+
+def _heads_pairs(hq: list[str] | None, hkv: list[str] | None) -> list[tuple[int, int]] | None:
+    if hq is None and hkv is None:
+        return None
+    hq = [int(x) for x in hq] if hq else None
+    hkv = [int(x) for x in hkv] if hkv else None
+    hq = hq or hkv
+    hkv = hkv or hq
+    if len(hq) != len(hkv) and 1 not in (len(hq), len(hkv)):
+        raise ValueError(f"--heads_q has {len(hq)} values and --heads_kv {len(hkv)}")
+    n = max(len(hq), len(hkv))
+    pairs = [(hq[i % len(hq)], hkv[i % len(hkv)]) for i in range(n)]
+    for a, b in pairs:
+        if a % b:
+            raise ValueError(f"heads_q={a} must be a multiple of heads_kv={b}")
+    return pairs
+
+
+def _check_heads(values: dict) -> bool:
+    try:
+        _heads_pairs(values["heads_q"], values["heads_kv"])
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Run-wide settings (not grid axes), picklable for spawned CP workers."""
+
+    frameworks: tuple[str, ...]
+    workload: str
+    preset: str
+    seed: int
+    out_dir: str
+    num_devices: int
+    ulysses_size: int | None
+    ulysses_intra_node: bool
+    check_rtol: float | None
+    retry_errors: bool
+    report: bool
+    dry_run: bool
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    flag_values: dict
+
+
+def requested_cps() -> tuple[str, ...] | None:
+    """--cp as a tuple ('all' expanded), or None when not given."""
+    if FLAGS.cp is None:
+        return None
+    out: list[str] = []
+    for c in FLAGS.cp:
+        out += list(points.CP_STRATEGIES) if c == points.ALL else [c]
+    return tuple(dict.fromkeys(out))
+
+
+def grid_overrides() -> dict:
+    """Grid fields given explicitly on the command line."""
+    o: dict = {}
+    if FLAGS.impl is not None:
+        o["impls"] = tuple(FLAGS.impl)
+    if FLAGS.layout is not None:
+        o["layouts"] = tuple(FLAGS.layout)
+    if FLAGS.mask is not None:
+        o["masks"] = _mask_names() if points.ALL in FLAGS.mask else tuple(FLAGS.mask)
+    if FLAGS.seqlen is not None:
+        o["seqlens"] = tuple(parse_seqlen(s) for s in FLAGS.seqlen)
+    heads = _heads_pairs(FLAGS.heads_q, FLAGS.heads_kv)
+    if heads is not None:
+        o["heads"] = tuple(heads)
+    if FLAGS.mode is not None:
+        o["modes"] = tuple(dict.fromkeys(FLAGS.mode))
+    simple = {
+        "cp_scaling": "scaling",
+        "batch": "batch",
+        "head_dim": "head_dim",
+        "dtype": "dtype",
+        "warmup": "warmup",
+        "iters": "iters",
+        "num_masks": "num_masks",
+        "window": "window",
+        "reference_compat": "reference_compat",
+    }
+    for flag, field in simple.items():
+        if FLAGS[flag].value is not None:
+            o[field] = FLAGS[flag].value
+    return o
+
+
+def default_out_dir() -> str:
+    """A folder named after the run, so the same command resumes into the same folder."""
+    cps = requested_cps()
+    cp = "-".join(cps) if cps else "default"
+    return f"results/local/{FLAGS.preset}-{FLAGS.framework}-{cp}"
+
+
+def settings() -> Settings:
+    """Run-wide settings from the parsed flags."""
+    frameworks = points.FRAMEWORKS if FLAGS.framework == "both" else (FLAGS.framework,)
+    names = [f.name for f in FLAGS.get_flags_for_module(__name__)]
+    return Settings(
+        frameworks=frameworks,
+        workload=FLAGS.workload,
+        preset=FLAGS.preset,
+        seed=FLAGS.seed,
+        out_dir=FLAGS.out_dir or default_out_dir(),
+        num_devices=FLAGS.num_devices,
+        ulysses_size=FLAGS.ulysses_size or None,
+        ulysses_intra_node=FLAGS.ulysses_intra_node,
+        check_rtol=FLAGS.check_rtol,
+        retry_errors=FLAGS.retry_errors,
+        report=FLAGS.report,
+        dry_run=FLAGS.dry_run,
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id,
+        flag_values={n: FLAGS[n].value for n in sorted(names)},
+    )

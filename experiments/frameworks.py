@@ -1,0 +1,161 @@
+"""Lazy access to the framework packages and masks by their public names.
+
+Nothing here imports jax, torch or a colleague's package at module import time, so a missing
+piece turns into an "unsupported: not available: ..." point instead of a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import ModuleType
+
+from experiments.outcomes import UNSUPPORTED, PointFailure, not_available
+from experiments.points import DTYPE_NAMES, Point
+
+KERNEL_PACKAGES = {"jax": "jax_attn", "torch": "torch_attn"}
+CP_MODULES = {"jax": "shard_strategies.jax_cp", "torch": "shard_strategies.torch_cp"}
+
+
+def kernels(framework: str) -> ModuleType:
+    """jax_attn or torch_attn (ImportError if not importable, or lacking the public API)."""
+    mod = importlib.import_module(KERNEL_PACKAGES[framework])
+    for name in ("attention", "IMPLS", "supports"):
+        if not hasattr(mod, name):
+            raise ImportError(f"cannot import name {name!r} from {mod.__name__!r}")
+    return mod
+
+
+def cp_module(framework: str) -> ModuleType:
+    """shard_strategies.jax_cp or .torch_cp (ImportError if not importable)."""
+    mod = importlib.import_module(CP_MODULES[framework])
+    if not hasattr(mod, "attention"):
+        raise ImportError(f"cannot import name 'attention' from {mod.__name__!r}")
+    return mod
+
+
+def cp_kwargs(attention, point: Point) -> dict:
+    """Optional CP keywords the executor accepts: the intra-node axis for the placement flag."""
+    from experiments.cp_launch import inner_axis
+
+    try:
+        params = inspect.signature(attention).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"inner_axis": inner_axis(point.ulysses_intra_node)} if "inner_axis" in params else {}
+
+
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def cp_plan_info(point: Point, mask) -> dict:
+    """The strategy's plan for this point (load balance, steps, per-rank bytes moved); a
+    configuration the plan rejects (e.g. heads that do not split over Ulysses) is unsupported."""
+    from experiments.cp_launch import inner_axis
+
+    try:
+        import shard_strategies
+    except ImportError as e:
+        raise not_available(e) from e
+    try:
+        plan = shard_strategies.make_plan(
+            mask,
+            point.num_devices,
+            point.cp,
+            point.layout,
+            point.ulysses_size,
+            inner_axis=inner_axis(point.ulysses_intra_node),
+            num_heads_q=point.heads_q,
+            num_heads_kv=point.heads_kv,
+            head_dim=point.head_dim,
+        )
+    except ValueError as e:
+        raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
+    volume = plan.comm_volume(itemsize=ITEMSIZE[point.dtype], batch=point.batch)
+    return {"plan": plan.summary(), "comm": volume}
+
+
+def default_impl(framework: str) -> str:
+    """The impl the framework's attention() uses when none is named."""
+    return inspect.signature(kernels(framework).attention).parameters["impl"].default
+
+
+def impl_names(framework: str) -> tuple[str, ...]:
+    """The framework's impl names (ImportError if its package is not available)."""
+    return tuple(kernels(framework).IMPLS)
+
+
+def make_masks(point: Point) -> list:
+    """The point's masks: mask i is make_mask(..., seed=point.seed + i) over the total length."""
+    try:
+        from attn_masks import make_mask
+    except ImportError as e:
+        raise not_available(e) from e
+    try:
+        return [
+            make_mask(
+                point.mask,
+                point.total_seqlen,
+                seed=point.seed + i,
+                window=point.window,
+                reference_compat=point.reference_compat,
+            )
+            for i in range(point.num_masks)
+        ]
+    except ValueError as e:
+        raise PointFailure(UNSUPPORTED, f"mask not defined here: {e}") from e
+
+
+def framework_dtype(framework: str, name: str):
+    """The framework's dtype object for 'bf16' / 'fp16' / 'fp32'."""
+    full = DTYPE_NAMES[name]
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.dtype(full)
+    import torch
+
+    return getattr(torch, full)
+
+
+_SUPPORT_KWARGS = {
+    "dtype": lambda p: framework_dtype(p.framework, p.dtype),
+    "head_dim": lambda p: p.head_dim,
+    "heads_q": lambda p: p.heads_q,
+    "heads_kv": lambda p: p.heads_kv,
+    "num_heads_q": lambda p: p.heads_q,
+    "num_heads_kv": lambda p: p.heads_kv,
+    "mode": lambda p: p.mode,
+    "backward": lambda p: p.mode != "fwd",
+    "batch": lambda p: p.batch,
+}
+
+
+def supports(framework: str, impl: str, mask, point: Point) -> bool | str:
+    """True or the reason the impl cannot run this point (keyword arguments passed as far as
+    the framework's `supports` accepts them)."""
+    fn = kernels(framework).supports
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kw = {n: get(point) for n, get in _SUPPORT_KWARGS.items() if n in params}
+    result = fn(impl, mask, **kw)
+    return True if result is True else str(result)
+
+
+def require_support(framework: str, impl: str, masks: list, point: Point) -> None:
+    """Raise an "unsupported" PointFailure unless the impl supports every mask of the point."""
+    for m in masks:
+        ok = supports(framework, impl, m, point)
+        if ok is not True:
+            raise PointFailure(UNSUPPORTED, ok)
+
+
+def available(framework: str) -> tuple[bool, str]:
+    """(True, "") if the framework's kernel package imports, else (False, the ImportError)."""
+    try:
+        kernels(framework)
+    except ImportError as e:
+        return False, str(e)
+    return True, ""

@@ -1,0 +1,211 @@
+"""Runs one JAX point (single-device kernel or shard_map CP): build, check, time, measure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from experiments import checks, frameworks, inputs, measure, timing
+from experiments.outcomes import WRONG, PointFailure
+from experiments.points import DEFAULT_IMPL, Point
+
+
+def _attention_fn(point: Point, mask, mesh) -> Callable:
+    """(q, k, v) -> out for the point's impl or CP strategy (looked up at call time)."""
+    if not point.is_cp:
+        mod = frameworks.kernels("jax")
+        return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
+    impl = None if point.impl == DEFAULT_IMPL else point.impl
+    cp = frameworks.cp_module("jax")
+    kw = frameworks.cp_kwargs(cp.attention, point)
+    return lambda q, k, v: cp.attention(
+        q,
+        k,
+        v,
+        mask,
+        mesh=mesh,
+        strategy=point.cp,
+        layout=point.layout,
+        axis="cp",
+        ulysses_size=point.ulysses_size,
+        impl=impl,
+        **kw,
+    )
+
+
+def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:
+    """Multi-process runs: per call the slowest process's time, and the highest peak."""
+    import jax
+
+    if jax.process_count() == 1:
+        return times, peak
+    from jax.experimental import multihost_utils
+
+    t = multihost_utils.process_allgather(np.asarray(times, np.float64))
+    p = multihost_utils.process_allgather(np.asarray(-1.0 if peak is None else peak))
+    return t.max(axis=0).tolist(), (None if peak is None else float(p.max()))
+
+
+INPUT_CACHE_SIZE = 4
+
+
+class JaxRunner:
+    """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
+
+    def __init__(self, *, rtol_override: float | None = None) -> None:
+        import jax
+
+        self.jax = jax
+        self.device = jax.local_devices()[0]
+        self.on_gpu = jax.default_backend() == "gpu"
+        self.flush = timing.jax_l2_flusher(jax.local_devices())
+        self.rtol_override = rtol_override
+        self._meshes: dict = {}
+        self._input_cache: dict = {}
+
+    def mesh(self, point: Point):
+        """A 1-D 'cp' mesh over the point's first num_devices devices."""
+        from jax.sharding import Mesh
+
+        if point.num_devices not in self._meshes:
+            devs = self.jax.devices()[: point.num_devices]
+            self._meshes[point.num_devices] = Mesh(np.array(devs), ("cp",))
+        return self._meshes[point.num_devices]
+
+    def _sharding(self, shape: tuple[int, ...], mesh):
+        """One device, or the CP mesh split along the sequence when it divides."""
+        from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+        if mesh is None:
+            return SingleDeviceSharding(self.device)
+        spec = PartitionSpec(None, "cp") if shape[1] % mesh.size == 0 else PartitionSpec()
+        return NamedSharding(mesh, spec)
+
+    def _inputs(self, point: Point, index: int, mesh) -> dict:
+        """q, k, v, dout in the point's dtype; each process builds only the shards it holds."""
+        import jax
+
+        dtype = frameworks.framework_dtype("jax", point.dtype)
+        sizes = inputs.shapes(
+            point.batch, point.total_seqlen, point.heads_q, point.heads_kv, point.head_dim
+        )
+        key = (tuple(sizes.items()), str(dtype), point.seed, index, id(mesh))
+        if key in self._input_cache:
+            return self._input_cache[key]
+        out = {}
+        for name, shape in sizes.items():
+
+            def shard(idx, name=name, shape=shape):
+                x = inputs.block(name, shape, point.seed, index, idx[1])
+                return x[idx[0], :, idx[2], idx[3]].astype(dtype)
+
+            out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
+        if len(self._input_cache) >= INPUT_CACHE_SIZE:  # host generation dominates large points
+            self._input_cache.pop(next(iter(self._input_cache)))
+        self._input_cache[key] = out
+        return out
+
+    def _fetch(self, x, index: np.ndarray | None) -> np.ndarray:
+        """Float32 host copy of x, only the given positions along the sequence axis."""
+        import jax.numpy as jnp
+        from jax.experimental import multihost_utils
+
+        if index is not None:
+            x = jnp.take(x, jnp.asarray(index), axis=1)
+        if not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x.astype(jnp.float32))
+
+    def _finite(self, x) -> bool:
+        import jax.numpy as jnp
+
+        return bool(jnp.isfinite(x).all())
+
+    def _barrier(self) -> Callable[[], None] | None:
+        """Lines the processes up before each timed call in multi-process runs."""
+        if self.jax.process_count() == 1:
+            return None
+        from jax.experimental import multihost_utils
+
+        return lambda: multihost_utils.sync_global_devices("experiments.timing")
+
+    def _check(self, point: Point, mask, index: int, args: dict, got: dict):
+        """Compare the first results with float64 attention (whole, or sampled rows)."""
+        plan = checks.plan_check(mask, point.batch, point.heads_q, point.seed + index)
+        compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
+        inputs = checks.Inputs(
+            **{
+                n: self._fetch(x, plan.cols if n in ("k", "v") else plan.rows)
+                for n, x in args.items()
+            }
+        )
+        rtol = checks.tolerance(point.dtype, on_gpu=self.on_gpu, override=self.rtol_override)
+        return checks.compare(
+            mask,
+            inputs,
+            {n: self._fetch(x, plan.rows) for n, x in compared.items()},
+            plan=plan,
+            grads=point.mode != "fwd",
+            rtol=rtol,
+            finite={n: self._finite(x) for n, x in got.items() if n not in compared},
+        )
+
+    def _run_mask(self, point: Point, mask, index: int, mesh) -> dict:
+        """Build, check, then time one mask of a point."""
+        devices = list(mesh.devices.flat) if mesh is not None else [self.device]
+        local = [d for d in devices if d.process_index == self.jax.process_index()]
+        args = self._inputs(point, index, mesh)
+        plan = frameworks.cp_plan_info(point, mask) if point.is_cp else None
+        peak_before = timing.jax_peak_bytes(local)
+        attn = _attention_fn(point, mask, mesh)
+        fn, call_args, got = self._build_and_call(point.mode, attn, args)
+        check = self._check(point, mask, index, args, got)
+        if not check.ok:
+            raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
+        del got
+        times = timing.jax_time_calls(
+            fn,
+            call_args,
+            warmup=point.warmup,
+            iters=point.iters,
+            flush=self.flush,
+            barrier=self._barrier(),
+        )
+        resident = timing.L2_FLUSH_BYTES if self.flush is not None else 0
+        peak, source = timing.jax_call_peak(
+            peak_before, timing.jax_peak_bytes(local), fn, call_args, resident=resident
+        )
+        times, peak = _slowest_process(times, peak)
+        return measure.mask_result(point, mask, index, times, peak, source, check.as_dict(), plan)
+
+    def run(self, point: Point) -> dict:
+        """Metrics and check summary of a point; raises on any non-ok outcome."""
+        masks = frameworks.make_masks(point)
+        if not point.is_cp:
+            frameworks.require_support("jax", point.impl, masks, point)
+        mesh = self.mesh(point) if point.is_cp else None
+        per_mask = [self._run_mask(point, m, i, mesh) for i, m in enumerate(masks)]
+        return measure.aggregate(point, per_mask)
+
+    def _build_and_call(self, mode: str, attn: Callable, a: dict) -> tuple[Callable, tuple, dict]:
+        """(timed jitted fn, its args, first results by name) for a direction."""
+        jax = self.jax
+        q, k, v, do = a["q"], a["k"], a["v"], a["dout"]
+        if mode == "fwd":
+            fn = jax.jit(attn)
+            return fn, (q, k, v), {"out": fn(q, k, v)}
+        if mode == "bwd":
+            forward = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v))
+            out, vjp_fn = forward(q, k, v)
+            fn = jax.jit(lambda f, d: f(d))
+            dq, dk, dv = fn(vjp_fn, do)
+            return fn, (vjp_fn, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+        def fwd_bwd(q, k, v, d):
+            out, f = jax.vjp(attn, q, k, v)
+            return out, f(d)
+
+        fn = jax.jit(fwd_bwd)
+        out, (dq, dk, dv) = fn(q, k, v, do)
+        return fn, (q, k, v, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}

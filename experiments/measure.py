@@ -1,0 +1,83 @@
+"""Turns per-call times of each mask into a point's metrics (TFLOP/s from the exact mask area).
+
+Per mask: FLOPs = attention_flops(mask, Hq, D, mode, batch); per-device TFLOP/s = FLOPs / N /
+time (N = 1 without CP; under CP the time is the slowest rank's). Over the masks of a point the
+rates are averaged (the reference's mean of rates, SPEC.md 2); `tflops_total` is the ratio of
+summed FLOPs to summed median times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from experiments import timing
+from experiments.points import Point
+
+QUANTILES = ("median", "p20", "p80")
+
+
+def mask_result(
+    point: Point,
+    mask,
+    index: int,
+    times_ms: list[float],
+    peak_gib: float | None,
+    mem_source: str | None,
+    check: dict,
+    extra: dict | None = None,
+) -> dict:
+    """Metrics of one mask of a point."""
+    from attn_masks import attention_flops
+
+    flops = attention_flops(mask, point.heads_q, point.head_dim, point.mode, point.batch)
+    t = timing.time_stats(times_ms)
+    return {
+        "index": index,
+        "seed": point.seed + index,
+        "area": mask.area(),
+        "density": mask.density(),
+        "flops": flops,
+        "time_ms": t,
+        "tflops": timing.tflops_stats(flops / point.num_devices, t),
+        "peak_mem_gib": peak_gib,
+        "mem_source": mem_source,
+        "check": check,
+        **(extra or {}),
+    }
+
+
+def summarize_checks(checks: list[dict]) -> dict:
+    """Worst relative error per tensor over the masks of a point, with the check kind."""
+    errors: dict[str, float] = {}
+    for c in checks:
+        for n, e in c["errors"].items():
+            errors[n] = max(errors.get(n, 0.0), e)
+    first = checks[0]
+    unchecked = sorted({n for c in checks for n in c["unchecked"]})
+    return {
+        "ok": all(c["ok"] for c in checks),
+        "kind": first["kind"],
+        "rows": first["rows"],
+        "rtol": first["rtol"],
+        "max_errors": errors,
+        "unchecked": unchecked,
+    }
+
+
+def aggregate(point: Point, per_mask: list[dict]) -> dict:
+    """{'metrics', 'check', 'masks'} of a point from its per-mask results."""
+    mean = lambda key, q: float(np.mean([m[key][q] for m in per_mask]))  # noqa: E731
+    peaks = [m["peak_mem_gib"] for m in per_mask if m["peak_mem_gib"] is not None]
+    total_s = sum(m["time_ms"]["median"] for m in per_mask) * 1e-3
+    total_flops = sum(m["flops"] for m in per_mask)
+    metrics = {
+        "time_ms": {q: mean("time_ms", q) for q in QUANTILES},
+        "tflops": {q: mean("tflops", q) for q in QUANTILES},
+        "tflops_total": total_flops / point.num_devices / total_s / 1e12,
+        "flops": total_flops / len(per_mask),
+        "density": float(np.mean([m["density"] for m in per_mask])),
+        "peak_mem_gib": max(peaks) if peaks else None,
+        "mem_source": per_mask[0]["mem_source"],
+    }
+    checks = [m.pop("check") for m in per_mask]
+    return {"metrics": metrics, "check": summarize_checks(checks), "masks": per_mask}

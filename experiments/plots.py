@@ -1,0 +1,113 @@
+"""Matplotlib (Agg) figures: TFLOP/s bars per series vs sequence length, and an image grid.
+
+Points that did not produce a number are drawn as a labelled marker where their bar would be
+(OOM, unsupported, wrong, error), never as a zero bar.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from matplotlib import image as mpimg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+MARKERS = {
+    "oom": ("OOM", "x", "tab:red"),
+    "unsupported": ("unsup.", "s", "tab:gray"),
+    "wrong": ("WRONG", "X", "tab:purple"),
+    "error": ("error", "D", "black"),
+}
+
+
+def _seqlen_label(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 and s >= 1024 else str(s)
+
+
+def bar_plot(
+    rows: list[dict], path: str | Path, *, title: str, xlabel: str = "sequence length"
+) -> Path:
+    """Grouped TFLOP/s bars (median, p20-p80 whiskers) and a peak-memory panel.
+
+    rows: dicts with series, seqlen, status, tflops (median), tflops_at_p20_time (the faster,
+    higher rate), tflops_at_p80_time and peak_mem_gib.
+    """
+    series = sorted({r["series"] for r in rows})
+    seqlens = sorted({r["seqlen"] for r in rows})
+    fig = Figure(figsize=(max(6.0, 1.2 * len(seqlens) * max(1, len(series)) / 2.5 + 3), 7.0))
+    ax, ax_mem = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    width = 0.8 / max(len(series), 1)
+    top = max([r["tflops"] for r in rows if r["status"] == "ok"] or [1.0])
+    mem_top = max([r["peak_mem_gib"] or 0.0 for r in rows if r["status"] == "ok"] or [1.0])
+    cmap = matplotlib.colormaps["viridis"]
+    used_markers = set()
+    handles: list = []
+    for si, name in enumerate(series):
+        color = cmap(si / max(len(series) - 1, 1))
+        xs, ys, lo, hi, mx, my = [], [], [], [], [], []
+        for r in rows:
+            if r["series"] != name:
+                continue
+            x = seqlens.index(r["seqlen"]) + (si - (len(series) - 1) / 2) * width
+            if r["status"] == "ok":
+                xs.append(x)
+                ys.append(r["tflops"])
+                lo.append(max(r["tflops"] - r["tflops_at_p80_time"], 0.0))
+                hi.append(max(r["tflops_at_p20_time"] - r["tflops"], 0.0))
+                if r.get("peak_mem_gib") is not None:
+                    mx.append(x)
+                    my.append(r["peak_mem_gib"])
+                continue
+            text, marker, mcolor = MARKERS.get(r["status"], (r["status"], "o", "black"))
+            used_markers.add(r["status"])
+            ax.scatter([x], [0.03 * top], marker=marker, color=mcolor, s=50, zorder=3)
+            ax.text(
+                x, 0.07 * top, text, rotation=90, ha="center", va="bottom", fontsize=8, color=mcolor
+            )
+        handles.append(Patch(color=color, label=name))
+        ax.bar(xs, ys, width=width, color=color, yerr=[lo, hi], capsize=2)
+        if mx:
+            ax_mem.bar(mx, my, width=width, color=color)
+    ax.set_ylim(0, 1.15 * top)
+    ax.set_ylabel("TFLOP/s (median; whiskers p20-p80 time)")
+    ax.set_title(title)
+    for status in sorted(used_markers):
+        text, marker, mcolor = MARKERS.get(status, (status, "o", "black"))
+        handles.append(
+            Line2D([], [], marker=marker, color=mcolor, linestyle="", label=f"{text} ({status})")
+        )
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax_mem.set_ylim(0, 1.15 * (mem_top or 1.0))
+    ax_mem.set_ylabel("peak GiB")
+    ax_mem.set_xticks(range(len(seqlens)), [_seqlen_label(s) for s in seqlens])
+    ax_mem.set_xlabel(xlabel)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+def image_grid(paths: list[Path], out: str | Path, *, tile_inches: float = 5.0) -> Path | None:
+    """All images in a near-square grid, each scaled into its own cell (any sizes mix)."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        return None
+    cols = math.ceil(math.sqrt(len(paths)))
+    rows = math.ceil(len(paths) / cols)
+    fig = Figure(figsize=(cols * tile_inches, rows * tile_inches * 0.8))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, p in zip(axes.flat, paths):
+        ax.imshow(mpimg.imread(str(p)))
+        ax.set_title(p.stem, fontsize=8)
+    out = Path(out)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    return out

@@ -1,0 +1,191 @@
+"""Sweep grids and the points they expand to, each with a stable key used for resuming."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+FRAMEWORKS = ("jax", "torch")
+CP_STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
+CP_CHOICES = ("none", *CP_STRATEGIES)
+HYBRID_STRATEGIES = ("usp", "double_ring")  # the ones with a Ulysses x ring mesh
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPES = tuple(DTYPE_NAMES)
+MODES = ("fwd", "bwd", "fwd_bwd")
+SCALINGS = ("weak", "strong")
+DEFAULT_IMPL = "default"  # CP: the strategy's local kernel; kernels: the package's default
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One family of points (a kernel sweep or a CP sweep); every field is a grid axis or knob."""
+
+    name: str
+    cps: tuple[str, ...]
+    layouts: tuple[str, ...]
+    impls: tuple[str, ...]
+    masks: tuple[str, ...]
+    seqlens: tuple[int, ...]
+    heads: tuple[tuple[int, int], ...]
+    head_dim: int
+    dtype: str
+    modes: tuple[str, ...]
+    batch: int = 1
+    warmup: int = 5
+    iters: int = 20
+    num_masks: int = 1
+    window: int = 1024
+    reference_compat: bool = False
+    scaling: str = "weak"
+
+    @property
+    def is_cp(self) -> bool:
+        return any(c != "none" for c in self.cps)
+
+    def replace(self, **changes: object) -> Grid:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration: a result record is written per point."""
+
+    workload: str
+    framework: str
+    impl: str
+    cp: str
+    layout: str
+    ulysses_size: int | None
+    ulysses_intra_node: bool | None
+    mask: str
+    seqlen: int
+    scaling: str
+    total_seqlen: int
+    num_devices: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+    mode: str
+    num_masks: int
+    seed: int
+    window: int
+    reference_compat: bool
+    warmup: int
+    iters: int
+    grid: str
+
+    @property
+    def is_cp(self) -> bool:
+        return self.cp != "none"
+
+    @property
+    def key(self) -> str:
+        """Stable identity of the point: same flags, same key, across runs and machines."""
+        placement = {True: "i", False: "x", None: ""}[self.ulysses_intra_node]
+        cp = "kernel"
+        if self.is_cp:
+            cp = (
+                f"{self.cp}-{self.layout}-u{self.ulysses_size or 0}{placement}"
+                f"-n{self.num_devices}-{self.scaling}"
+            )
+        compat = "c" if self.reference_compat else ""
+        return "/".join(
+            (
+                self.workload,
+                self.framework,
+                self.impl,
+                cp,
+                self.mask,
+                f"S{self.total_seqlen}",
+                f"b{self.batch}h{self.heads_q}:{self.heads_kv}d{self.head_dim}",
+                self.dtype,
+                self.mode,
+                f"m{self.num_masks}s{self.seed}w{self.window}{compat}",
+                f"r{self.warmup}:{self.iters}",
+            )
+        )
+
+    def label(self) -> str:
+        """Short human-readable description for progress lines."""
+        where = "" if not self.is_cp else f" {self.cp}/{self.layout} x{self.num_devices}"
+        return (
+            f"{self.framework}/{self.impl}{where} {self.mask} S={self.total_seqlen} "
+            f"h{self.heads_q}:{self.heads_kv} {self.dtype} {self.mode}"
+        )
+
+    def as_dict(self) -> dict:
+        """Plain fields for the JSON record."""
+        return dataclasses.asdict(self)
+
+
+def total_seqlen(seqlen: int, scaling: str, num_devices: int, cp: str) -> int:
+    """Global tokens: per-device seqlen times devices under weak CP scaling, else as given."""
+    return seqlen * num_devices if cp != "none" and scaling == "weak" else seqlen
+
+
+def expand(
+    grid: Grid,
+    framework: str,
+    impls: tuple[str, ...],
+    *,
+    seed: int,
+    num_devices: int,
+    ulysses_size: int | None,
+    ulysses_intra_node: bool,
+    workload: str = "attention",
+) -> list[Point]:
+    """All points of a grid for one framework, in a stable order (mask-major, seqlen-minor)."""
+    points = []
+    axes = itertools.product(
+        grid.modes, grid.masks, grid.heads, grid.cps, grid.layouts, impls, grid.seqlens
+    )
+    for mode, mask, (hq, hkv), cp, layout, impl, seqlen in axes:
+        is_cp = cp != "none"
+        n = num_devices if is_cp else 1
+        points.append(
+            Point(
+                workload=workload,
+                framework=framework,
+                impl=impl,
+                cp=cp,
+                layout=layout if is_cp else "none",
+                ulysses_size=ulysses_size if cp in HYBRID_STRATEGIES else None,
+                ulysses_intra_node=ulysses_intra_node if cp in HYBRID_STRATEGIES else None,
+                mask=mask,
+                seqlen=seqlen,
+                scaling=grid.scaling if is_cp else "none",
+                total_seqlen=total_seqlen(seqlen, grid.scaling, n, cp),
+                num_devices=n,
+                batch=grid.batch,
+                heads_q=hq,
+                heads_kv=hkv,
+                head_dim=grid.head_dim,
+                dtype=grid.dtype,
+                mode=mode,
+                num_masks=grid.num_masks,
+                seed=seed,
+                window=grid.window,
+                reference_compat=grid.reference_compat,
+                warmup=grid.warmup,
+                iters=grid.iters,
+                grid=grid.name,
+            )
+        )
+    return dedupe(points)
+
+
+def dedupe(points: list[Point]) -> list[Point]:
+    """Points in order with repeated keys dropped (grids of a preset may overlap)."""
+    seen: set[str] = set()
+    out = []
+    for p in points:
+        if p.key not in seen:
+            seen.add(p.key)
+            out.append(p)
+    return out

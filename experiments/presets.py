@@ -1,0 +1,162 @@
+"""Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full.
+
+paper = SPEC.md 3 (kernel benchmark) + SPEC.md 5.5 (CP benchmark) with the reference's masks
+(reference_compat); full = the same grids with the corrected masks, plus every static mask under
+every CP strategy with the mask-area-balanced layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from experiments.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, Grid
+
+PRESETS = ("smoke", "paper", "full")
+K = 1024
+
+STATIC_MASKS = (
+    "full",
+    "causal",
+    "full_document",
+    "causal_document",
+    "sliding_window_causal",
+    "sliding_window",
+    "share_question",
+    "causal_blockwise",
+    "prefix_lm_causal",
+    "prefix_lm_document",
+    "global_sliding_window",
+    "block_causal_document",
+)
+ALL_MASKS = (*STATIC_MASKS, "full_document_long", "causal_document_long")
+CP_PAPER_MASKS = ("full", "causal", "full_document_long", "causal_document_long")
+PAPER_KERNEL_SEQLENS = tuple(n * K for n in (1, 2, 4, 8, 16, 24, 32, 40, 48))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Kernel and CP grids of a preset; `default_cp` says whether a run without --cp does CP."""
+
+    name: str
+    kernel: tuple[Grid, ...]
+    cp: tuple[Grid, ...]
+    default_cp: bool
+
+
+def _paper_kernel(compat: bool) -> Grid:
+    return Grid(
+        name="kernel",
+        cps=("none",),
+        layouts=("none",),
+        impls=(ALL,),
+        masks=STATIC_MASKS,
+        seqlens=PAPER_KERNEL_SEQLENS,
+        heads=((64, 8), (64, 64)),
+        head_dim=128,
+        dtype="bf16",
+        modes=("fwd", "bwd"),
+        batch=1,
+        warmup=5,
+        iters=20,
+        num_masks=1,
+        window=1024,
+        reference_compat=compat,
+    )
+
+
+def _paper_cp(compat: bool) -> Grid:
+    return Grid(
+        name="cp",
+        cps=CP_STRATEGIES,
+        layouts=("zigzag",),
+        impls=(DEFAULT_IMPL,),
+        masks=CP_PAPER_MASKS,
+        seqlens=(8 * K,),
+        heads=((64, 8),),
+        head_dim=128,
+        dtype="bf16",
+        modes=("fwd", "bwd", "fwd_bwd"),
+        batch=1,
+        warmup=5,
+        iters=15,
+        num_masks=30,
+        window=1024,
+        reference_compat=compat,
+        scaling="weak",
+    )
+
+
+def _smoke(on_gpu: bool) -> Preset:
+    if on_gpu:
+        sizes = dict(heads=((32, 8),), head_dim=128, dtype="bf16", window=1024)
+        kernel_seqlens, cp_seqlens = (8 * K, 16 * K), (8 * K,)
+        warmup, iters = 2, 5
+    else:
+        sizes = dict(heads=((4, 2),), head_dim=32, dtype="fp32", window=64)
+        kernel_seqlens, cp_seqlens = (256, 512), (64,)
+        warmup, iters = 1, 3
+    common = dict(
+        masks=("causal", "causal_document", "sliding_window"),
+        modes=("fwd", "bwd"),
+        warmup=warmup,
+        iters=iters,
+        num_masks=1,
+        **sizes,
+    )
+    kernel = Grid(
+        name="kernel",
+        cps=("none",),
+        layouts=("none",),
+        impls=(ALL,),
+        seqlens=kernel_seqlens,
+        **common,
+    )
+    cp = Grid(
+        name="cp",
+        cps=("ring",),
+        layouts=("zigzag",),
+        impls=(DEFAULT_IMPL,),
+        seqlens=cp_seqlens,
+        **common,
+    )
+    return Preset("smoke", (kernel,), (cp,), default_cp=False)
+
+
+def get_preset(name: str, *, on_gpu: bool) -> Preset:
+    """The grids of a named preset; smoke picks CPU or GPU sizes, the others are fixed."""
+    if name == "smoke":
+        return _smoke(on_gpu)
+    if name == "paper":
+        return Preset("paper", (_paper_kernel(True),), (_paper_cp(True),), default_cp=True)
+    if name == "full":
+        balanced = _paper_cp(False).replace(
+            name="cp_all_masks", masks=STATIC_MASKS, layouts=("balanced",)
+        )
+        return Preset(
+            "full", (_paper_kernel(False),), (_paper_cp(False), balanced), default_cp=True
+        )
+    raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+
+
+def select_grids(preset: Preset, cps: tuple[str, ...] | None) -> list[Grid]:
+    """The grids a run uses: --cp=none picks the kernel grids, other --cp values the CP grids
+    (with their strategies replaced), a mix both; without --cp the preset decides."""
+    if cps is None:
+        return [*preset.kernel, *(preset.cp if preset.default_cp else ())]
+    grids = list(preset.kernel) if "none" in cps else []
+    strategies = tuple(c for c in cps if c != "none")
+    if strategies:
+        grids += [g.replace(cps=strategies) for g in preset.cp]
+    return grids
+
+
+def apply_overrides(grids: list[Grid], overrides: dict) -> list[Grid]:
+    """Grids with the explicitly given flag values replacing the preset's values."""
+    out = []
+    for g in grids:
+        changes = dict(overrides)
+        if not g.is_cp:
+            changes.pop("layouts", None)
+            changes.pop("scaling", None)
+        out.append(g.replace(**changes))
+    return out

@@ -1,0 +1,375 @@
+"""Reports from a results.jsonl: CSV, plots per (mode, mask), report.md, mask pictures, a
+JAX-vs-PyTorch table and a grid image of all plots.
+
+    python experiments/report.py --results=results/local/x/results.jsonl --out_dir=report/
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments import plots  # noqa: E402
+from experiments.results import latest_by_key, read_records  # noqa: E402
+
+POINT_FIELDS = (
+    "framework",
+    "impl",
+    "cp",
+    "layout",
+    "ulysses_size",
+    "mask",
+    "seqlen",
+    "total_seqlen",
+    "num_devices",
+    "scaling",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mode",
+    "num_masks",
+    "seed",
+    "window",
+    "reference_compat",
+    "grid",
+)
+METRIC_FIELDS = (
+    "tflops",
+    "tflops_at_p20_time",
+    "tflops_at_p80_time",
+    "tflops_total",
+    "time_ms",
+    "time_ms_p20",
+    "time_ms_p80",
+    "peak_mem_gib",
+    "mem_source",
+    "density",
+)
+CHECK_FIELDS = ("check_kind", "err_out", "err_dq", "err_dk", "err_dv")
+COLUMNS = (
+    "key",
+    "status",
+    *POINT_FIELDS,
+    *METRIC_FIELDS,
+    *CHECK_FIELDS,
+    "reason",
+    "elapsed_s",
+    "timestamp",
+)
+STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
+CUDNN_CONTROL = {"jax": ("cudnn",), "torch": ("sdpa_cudnn", "cudnn")}
+
+
+def flat_row(rec: dict) -> dict:
+    """One CSV row from a record (metrics empty unless status is ok)."""
+    p = rec["point"]
+    row = {"key": rec["key"], "status": rec["status"], **{f: p.get(f) for f in POINT_FIELDS}}
+    m = rec.get("metrics") or {}
+    if m:
+        row.update(
+            tflops=m["tflops"]["median"],
+            tflops_at_p20_time=m["tflops"]["p20"],
+            tflops_at_p80_time=m["tflops"]["p80"],
+            tflops_total=m.get("tflops_total"),
+            time_ms=m["time_ms"]["median"],
+            time_ms_p20=m["time_ms"]["p20"],
+            time_ms_p80=m["time_ms"]["p80"],
+            peak_mem_gib=m.get("peak_mem_gib"),
+            mem_source=m.get("mem_source"),
+            density=m.get("density"),
+        )
+    c = rec.get("check") or {}
+    errors = c.get("max_errors") or c.get("errors") or {}
+    row["check_kind"] = c.get("kind")
+    for n in ("out", "dq", "dk", "dv"):
+        row[f"err_{n}"] = errors.get(n)
+    row.update(
+        reason=rec.get("reason"), elapsed_s=rec.get("elapsed_s"), timestamp=rec.get("timestamp")
+    )
+    return {c: row.get(c) for c in COLUMNS}
+
+
+def load_rows(results: str | Path) -> tuple[list[dict], list[dict]]:
+    """(flat rows, records): the latest record of each point key, in file order."""
+    records = list(latest_by_key(read_records(results)).values())
+    return [flat_row(r) for r in records], records
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """All rows with the fixed COLUMNS header."""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def _kind(row: dict) -> str:
+    return "kernel" if row["cp"] in (None, "none") else "cp"
+
+
+def _config(row: dict) -> str:
+    cfg = f"b{row['batch']} h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
+    if _kind(row) == "cp":
+        cfg += f" x{row['num_devices']} {row['scaling']}"
+    if row["reference_compat"]:
+        cfg += " ref-compat"
+    return cfg
+
+
+def series_name(row: dict) -> str:
+    """Bar series: framework/impl for kernels, framework/strategy/layout[/impl] under CP."""
+    if _kind(row) == "kernel":
+        return f"{row['framework']}/{row['impl']}"
+    name = f"{row['framework']}/{row['cp']}/{row['layout']}"
+    return name if row["impl"] == "default" else f"{name}/{row['impl']}"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")
+
+
+def _cell(row: dict) -> str:
+    if row["status"] == "ok":
+        return f"{row['tflops']:.3g}"
+    return STATUS_LABEL.get(row["status"], row["status"])
+
+
+def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per (kind, mode, mask, config)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(_kind(r), r["mode"], r["mask"], _config(r))].append(r)
+    paths = []
+    for (kind, mode, mask, cfg), members in sorted(groups.items()):
+        plot_rows = [
+            {
+                "series": series_name(r),
+                "seqlen": r["total_seqlen"],
+                "status": r["status"],
+                "tflops": r["tflops"],
+                "tflops_at_p20_time": r["tflops_at_p20_time"],
+                "tflops_at_p80_time": r["tflops_at_p80_time"],
+                "peak_mem_gib": r["peak_mem_gib"],
+            }
+            for r in members
+        ]
+        unit = "per-device " if kind == "cp" else ""
+        title = f"{unit}attn-{mode} with {mask} mask\n{kind}: {cfg}"
+        path = out_dir / "plots" / f"{_slug(f'{kind}_{mode}_{mask}_{cfg}')}.png"
+        paths.append(plots.bar_plot(plot_rows, path, title=title, xlabel="total sequence length"))
+    return paths
+
+
+def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], str]:
+    """A picture of each mask used (its smallest length); (paths, note if not possible)."""
+    try:
+        from attn_masks import make_mask, render_mask_png
+    except ImportError as e:
+        return [], f"mask pictures not available: {e}"
+    smallest: dict[tuple, int] = {}
+    for r in rows:
+        k = (r["mask"], r["window"], bool(r["reference_compat"]), r["seed"])
+        smallest[k] = min(smallest.get(k, r["total_seqlen"]), r["total_seqlen"])
+    paths, notes = [], []
+    (out_dir / "masks").mkdir(parents=True, exist_ok=True)
+    for (mask, window, compat, seed), s in sorted(smallest.items()):
+        name = f"{mask}_S{s}_w{window}{'_compat' if compat else ''}.png"
+        try:
+            m = make_mask(mask, s, seed=seed, window=window, reference_compat=compat)
+            paths.append(render_mask_png(m, out_dir / "masks" / name))
+        except Exception as e:
+            notes.append(f"{mask} at {s}: {type(e).__name__}: {e}")
+    return paths, "; ".join(notes)
+
+
+def cross_framework(rows: list[dict]) -> list[dict]:
+    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
+        groups[(cp, r["mask"], r["total_seqlen"], r["mode"], _config(r))].append(r)
+    out = []
+    for (cp, mask, seqlen, mode, cfg), members in sorted(groups.items()):
+        if {r["framework"] for r in members} != {"jax", "torch"}:
+            continue
+        row = {"cp": cp, "mask": mask, "seqlen": seqlen, "mode": mode, "config": cfg}
+        best = {}
+        for fw in ("jax", "torch"):
+            ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
+            b = max(ok, key=lambda r: r["tflops"]) if ok else None
+            best[fw] = b
+            row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
+            control = [
+                r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]
+            ]
+            row[f"cudnn_{fw}"] = _cell(control[0]) if control else "-"
+        if best["jax"] and best["torch"]:
+            row["jax_over_torch"] = f"{best['jax']['tflops'] / best['torch']['tflops']:.2f}x"
+        else:
+            row["jax_over_torch"] = "-"
+        out.append(row)
+    return out
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
+    return lines
+
+
+def _provenance_lines(records: list[dict]) -> list[str]:
+    prov = next((r.get("provenance") for r in records if r.get("provenance")), None)
+    if not prov:
+        return []
+    git = prov.get("git") or {}
+    devices = prov.get("devices") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items())
+    lines = [
+        f"- versions: {versions}",
+        f"- git: {git.get('commit')} (dirty: {git.get('dirty')})",
+        f"- host: {prov.get('host')}",
+    ]
+    for fw, d in devices.items():
+        if d:
+            lines.append(
+                f"- {fw} devices: {d.get('device_count')} x "
+                f"{', '.join(d.get('device_kind') or [])} ({d.get('backend')})"
+            )
+    return lines
+
+
+def write_markdown(
+    rows: list[dict],
+    records: list[dict],
+    out_dir: Path,
+    plot_paths: list[Path],
+    mask_paths: list[Path],
+    cross: list[dict],
+    notes: list[str],
+) -> Path:
+    """report.md: provenance, status counts, TFLOP/s tables, cross-framework table, figures."""
+    lines = ["# Attention benchmark report", ""]
+    lines += _provenance_lines(records)
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[r["status"]] += 1
+    lines += [
+        "",
+        "Statuses: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())),
+        "",
+        "Cells: median TFLOP/s per device (CP: global FLOPs / devices / slowest rank's "
+        "time); OOM, unsup. (unsupported), WRONG (failed the float64 check) and error "
+        "points carry no number.",
+        "",
+    ]
+    tables: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        tables[(_kind(r), r["mode"], _config(r))].append(r)
+    for (kind, mode, cfg), members in sorted(tables.items()):
+        series = sorted({series_name(r) for r in members})
+        cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for r in members:
+            cells[(r["mask"], r["total_seqlen"])][series_name(r)] = _cell(r)
+        body = [
+            [mask, s, *(c.get(n, "") for n in series)] for (mask, s), c in sorted(cells.items())
+        ]
+        lines += [f"## {kind} {mode}: {cfg}", ""]
+        lines += _md_table(["mask", "seqlen", *series], body) + [""]
+    if cross:
+        lines += [
+            "## JAX vs PyTorch",
+            "",
+            "Best impl of each framework per point, with cuDNN in both as a control.",
+            "",
+        ]
+        keys = [
+            "cp",
+            "mask",
+            "seqlen",
+            "mode",
+            "config",
+            "best_jax",
+            "best_torch",
+            "jax_over_torch",
+            "cudnn_jax",
+            "cudnn_torch",
+        ]
+        lines += _md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
+    problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
+    if problems:
+        lines += ["## Failed points", ""]
+        lines += _md_table(
+            ["key", "status", "reason"],
+            [
+                [r["key"], r["status"], (r["reason"] or "").replace("|", "/").splitlines()[0][:200]]
+                for r in problems
+            ],
+        ) + [""]
+    if plot_paths:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in plot_paths]
+    if mask_paths:
+        lines += ["", "## Masks", ""] + [
+            f"![{p.stem}]({p.relative_to(out_dir)})" for p in mask_paths
+        ]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_report(results: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Write every report artefact into out_dir; returns their paths by kind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, records = load_rows(results)
+    csv_path = write_csv(rows, out_dir / "results.csv")
+    plot_paths = write_plots(rows, out_dir)
+    mask_paths, mask_note = write_mask_pictures(rows, out_dir)
+    cross = cross_framework(rows)
+    cross_path = None
+    if cross:
+        cross_path = out_dir / "cross_framework.csv"
+        with cross_path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(cross[0]))
+            w.writeheader()
+            w.writerows(cross)
+    grid = plots.image_grid(plot_paths, out_dir / "all_plots.png")
+    notes = [mask_note] if mask_note else []
+    md = write_markdown(rows, records, out_dir, plot_paths, mask_paths, cross, notes)
+    return {
+        "csv": csv_path,
+        "markdown": md,
+        "plots": plot_paths,
+        "masks": mask_paths,
+        "cross_framework": cross_path,
+        "grid": grid,
+    }
+
+
+def main(argv: list[str]) -> None:
+    """CLI: report on an existing results.jsonl."""
+    from absl import app, flags
+
+    del argv
+    fv = flags.FLAGS
+    if not Path(fv.results).is_file():
+        raise app.UsageError(f"--results={fv.results!r} is not a file")
+    paths = write_report(fv.results, fv.out_dir or str(Path(fv.results).parent))
+    print(f"Report: {paths['markdown']} ({len(paths['plots'])} plots)")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("results", None, "Path of a results.jsonl.", required=True)
+    flags.DEFINE_string("out_dir", None, "Report folder (default: beside the results file).")
+    app.run(main)

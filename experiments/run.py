@@ -1,0 +1,77 @@
+"""One driver for kernel sweeps, CP sweeps and JAX-vs-PyTorch comparisons.
+
+    python experiments/run.py --framework=jax --cp=ring        # CPU: embedded small default
+    python experiments/run.py --framework=both --preset=paper   # the published sweeps
+
+Results go to <out_dir>/results.jsonl (one record per point, resumable), plus CSV, plots and
+report.md. See experiments/flags.py for every flag.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+VIRTUAL_CPU_DEVICES = 8
+
+
+def _want_virtual_cpu_devices() -> bool:
+    """Virtual CPU devices for JAX CP unless the environment picks GPUs or sets the count."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return False
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    return not any(p in platforms for p in ("cuda", "gpu", "rocm"))
+
+
+if _want_virtual_cpu_devices():
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={VIRTUAL_CPU_DEVICES}"
+    ).strip()
+
+from absl import app, flags, logging  # noqa: E402
+
+from experiments import driver  # noqa: E402
+from experiments import flags as run_flags  # noqa: E402
+from experiments.workloads import flags as workload_flags  # noqa: E402
+
+run_flags.define_flags()
+flags.adopt_module_key_flags(run_flags)
+workload_flags.define_flags()
+flags.adopt_module_key_flags(workload_flags)
+
+
+def main(argv: list[str]) -> int:
+    """absl entry point: run or resume the sweep the flags describe."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
+    if not run_flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    if run_flags.FLAGS.parity_bundle:
+        from experiments.workloads import parity
+
+        return parity.run_from_flags(run_flags.FLAGS)
+    if run_flags.FLAGS.workload == "train_step":
+        from experiments.workloads import train_step
+
+        return train_step.run_from_flags(run_flags.FLAGS)
+    return driver.execute(
+        run_flags.settings(), run_flags.requested_cps(), run_flags.grid_overrides()
+    )
+
+
+def run_cli(args: list[str]) -> int:
+    """Parse `args` as command-line flags and run main in this process (for tests, notebooks)."""
+    flags = run_flags.FLAGS
+    flags.unparse_flags()
+    argv = flags(["run.py", *args])
+    return main(argv)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,237 @@
+"""Runs one PyTorch point: a single-device kernel, or a CP strategy on every rank of a group.
+
+Under CP every rank holds the same global inputs (same seed), calls the strategy collectively,
+rank 0 checks the global result, and all ranks agree on each phase's outcome before going on,
+so one failing rank ends the point on every rank instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from experiments import checks, frameworks, inputs, measure, timing
+from experiments.outcomes import OK, WRONG, PointFailure, classify, short_traceback
+from experiments.points import DEFAULT_IMPL, Point
+
+
+class TorchRunner:
+    """Device, process group and tolerance shared by the torch points of a sweep."""
+
+    def __init__(self, *, device=None, group=None, rtol_override: float | None = None) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.group = group
+        self.rtol_override = rtol_override
+
+    # ------------------------------------------------------------------ collective helpers
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group) if self.group is not None else 0
+
+    def _agree(self, failure: BaseException | None) -> None:
+        """Raise the same PointFailure on every rank if any rank failed in this phase."""
+        if self.group is None:
+            if failure is not None:
+                raise failure
+            return
+        import torch.distributed as dist
+
+        mine = (OK, "") if failure is None else classify(failure)
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        details = {} if failure is None else {"traceback": short_traceback(failure)}
+        for rank, (status, reason) in enumerate(everyone):
+            if status != OK:
+                raise PointFailure(
+                    status, reason if rank == 0 else f"rank {rank}: {reason}", details
+                ) from failure
+
+    def _phase(self, fn: Callable[[], object]) -> object:
+        """Run fn on this rank, then agree on success across ranks."""
+        try:
+            result, failure = fn(), None
+        except Exception as e:
+            result, failure = None, e
+        self._agree(failure)
+        return result
+
+    def _share(self, obj: object) -> object:
+        """Rank 0's object on every rank."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _barrier(self) -> Callable[[], None] | None:
+        if self.group is None:
+            return None
+        import torch.distributed as dist
+
+        return lambda: dist.barrier(group=self.group)
+
+    def _slowest(self, times: list[float]) -> tuple[list[float], list[float]]:
+        """(per-call time of the slowest rank, per-rank median times)."""
+        median = float(np.median(times))
+        if self.group is None:
+            return times, [median]
+        import torch.distributed as dist
+
+        t = self.torch.tensor(times, dtype=self.torch.float64, device=self.device)
+        medians = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(medians, median, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().tolist(), medians
+
+    def _peaks(self, peak: float | None) -> tuple[float | None, float | None]:
+        """(max, mean) peak GiB over ranks."""
+        if self.group is None or peak is None:
+            return peak, peak
+        import torch.distributed as dist
+
+        peaks = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(peaks, peak, group=self.group)
+        return max(peaks), sum(peaks) / len(peaks)
+
+    # ------------------------------------------------------------------------------ points
+
+    def _attention_fn(self, point: Point, mask) -> Callable:
+        if not point.is_cp:
+            mod = frameworks.kernels("torch")
+            return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
+        impl = None if point.impl == DEFAULT_IMPL else point.impl
+        cp = frameworks.cp_module("torch")
+        kw = frameworks.cp_kwargs(cp.attention, point)
+        return lambda q, k, v: cp.attention(
+            q,
+            k,
+            v,
+            mask,
+            group=self.group,
+            strategy=point.cp,
+            layout=point.layout,
+            ulysses_size=point.ulysses_size,
+            impl=impl,
+            **kw,
+        )
+
+    def _callable(self, mode: str, attn: Callable, t: dict) -> tuple[Callable, dict]:
+        """(timed fn, first results by name). bwd times only the backward of one untimed
+        forward, with fresh gradients per call (autograd.grad, nothing accumulates)."""
+        torch = self.torch
+        q, k, v, do = t["q"], t["k"], t["v"], t["dout"]
+        if mode == "fwd":
+            fn = lambda: attn(q, k, v)  # noqa: E731
+            return fn, {"out": fn()}
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        if mode == "bwd":
+            out = attn(q, k, v)
+            fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+            dq, dk, dv = fn()
+            return fn, {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+        def fwd_bwd():
+            out = attn(q, k, v)
+            return out, torch.autograd.grad(out, (q, k, v), do)
+
+        out, (dq, dk, dv) = fwd_bwd()
+        return fwd_bwd, {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+    def _inputs(self, point: Point, index: int) -> dict:
+        """q, k, v, dout in the point's dtype on this rank's device (same on every rank)."""
+        dtype = frameworks.framework_dtype("torch", point.dtype)
+        sizes = inputs.shapes(
+            point.batch, point.total_seqlen, point.heads_q, point.heads_kv, point.head_dim
+        )
+        return {
+            n: self.torch.from_numpy(inputs.block(n, s, point.seed, index)).to(self.device, dtype)
+            for n, s in sizes.items()
+        }
+
+    def _fetch(self, x, index) -> object:
+        """Float32 host copy of x, only the given positions along the sequence axis."""
+        if index is not None:
+            x = x[:, self.torch.as_tensor(index, device=x.device)]
+        return x.detach().float().cpu().numpy()
+
+    def _check(self, point: Point, mask, index: int, args: dict, got: dict) -> dict:
+        """Rank 0 compares with float64 attention; every rank gets the verdict."""
+
+        def run() -> dict:
+            plan = checks.plan_check(mask, point.batch, point.heads_q, point.seed + index)
+            compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
+            inputs = checks.Inputs(
+                **{
+                    n: self._fetch(x, plan.cols if n in ("k", "v") else plan.rows)
+                    for n, x in args.items()
+                }
+            )
+            finite = {
+                n: bool(self.torch.isfinite(x).all()) for n, x in got.items() if n not in compared
+            }
+            rtol = checks.tolerance(
+                point.dtype, on_gpu=self.device.type == "cuda", override=self.rtol_override
+            )
+            return checks.compare(
+                mask,
+                inputs,
+                {n: self._fetch(x, plan.rows) for n, x in compared.items()},
+                plan=plan,
+                grads=point.mode != "fwd",
+                rtol=rtol,
+                finite=finite,
+            ).as_dict()
+
+        verdict, failure = None, None
+        if self.rank == 0:
+            try:
+                verdict = run()
+            except Exception as e:
+                failure = e
+        self._agree(failure)
+        return self._share(verdict)
+
+    def _run_mask(self, point: Point, mask, index: int) -> dict:
+        """Build, check, then time one mask of a point (collectively under CP)."""
+        args = self._inputs(point, index)
+        plan = self._phase(lambda: frameworks.cp_plan_info(point, mask)) if point.is_cp else None
+        attn = self._attention_fn(point, mask)
+        fn, got = self._phase(lambda: self._callable(point.mode, attn, args))
+        check = self._check(point, mask, index, args, got)
+        if not check["ok"]:
+            raise PointFailure(WRONG, f"mask {index}: {check['message']}", {"check": check})
+        del got
+        times, peak = self._phase(
+            lambda: timing.torch_time_calls(
+                fn,
+                warmup=point.warmup,
+                iters=point.iters,
+                device=self.device,
+                barrier=self._barrier(),
+            )
+        )
+        slowest, rank_medians = self._slowest(times)
+        peak_max, peak_mean = self._peaks(peak)
+        extra = None
+        if point.is_cp:
+            extra = {"rank_median_ms": rank_medians, "peak_mem_gib_mean": peak_mean, **plan}
+        source = "torch_max_memory_allocated" if peak_max is not None else None
+        return measure.mask_result(point, mask, index, slowest, peak_max, source, check, extra)
+
+    def run(self, point: Point) -> dict:
+        """Metrics and check summary of a point; raises on any non-ok outcome."""
+        masks = self._phase(lambda: frameworks.make_masks(point))
+        if not point.is_cp:
+            frameworks.require_support("torch", point.impl, masks, point)
+        per_mask = [self._run_mask(point, m, i) for i, m in enumerate(masks)]
+        return measure.aggregate(point, per_mask)

@@ -1,0 +1,192 @@
+"""absl flags of the train-step workload and the parity bundle, and their conversion to configs.
+
+Importing this module needs absl only (run.py defines these flags even without jax or flax).
+
+These flags are defined next to run.py's own (experiments/flags.py), whose shared flags keep
+their meaning where it applies: --seqlen (one value: the total packed length), --batch, --dtype,
+--seed, --warmup (untimed steps), --iters (timed calls of the attention-share measurement),
+--impl, --cp, --layout (one value each), --num_devices, --ulysses_size, --out_dir, --framework,
+--mask and --check_rtol (parity bundle), and the multi-host settings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from absl import flags
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+FLAGS = flags.FLAGS
+
+CPU_DEFAULTS = {
+    "depth": 2,
+    "width": 64,
+    "lm_heads_q": 4,
+    "lm_heads_kv": 2,
+    "vocab": 64,
+    "seqlen": 512,
+    "batch": 2,
+    "dtype": "fp32",
+    "steps": 20,
+    "warmup": 2,
+    "iters": 5,
+}
+GPU_DEFAULTS = {
+    "depth": 8,
+    "width": 2048,
+    "lm_heads_q": 16,
+    "lm_heads_kv": 4,
+    "vocab": 32768,
+    "seqlen": 32768,
+    "batch": 1,
+    "dtype": "bf16",
+    "steps": 50,
+    "warmup": 5,
+    "iters": 20,
+}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Register the workload flags on `flag_values` (once; later calls do nothing)."""
+    if "steps" in flag_values:
+        return
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("steps", None, "train_step: total training steps.", lower_bound=1, **fv)
+    flags.DEFINE_integer(
+        "checkpoint_every",
+        0,
+        "train_step: Orbax checkpoint every N steps and at the end (0: never).",
+        lower_bound=0,
+        **fv,
+    )
+    flags.DEFINE_string(
+        "ckpt_dir", None, "train_step: checkpoint folder (default <out_dir>/checkpoints).", **fv
+    )
+    flags.DEFINE_bool(
+        "resume", False, "train_step: continue from the newest checkpoint in --ckpt_dir.", **fv
+    )
+    flags.DEFINE_integer("depth", None, "train_step: Transformer blocks.", lower_bound=1, **fv)
+    flags.DEFINE_integer("width", None, "train_step: model width.", lower_bound=2, **fv)
+    flags.DEFINE_integer("lm_heads_q", None, "train_step: query heads.", lower_bound=1, **fv)
+    flags.DEFINE_integer(
+        "lm_heads_kv", None, "train_step: key/value heads (GQA).", lower_bound=1, **fv
+    )
+    flags.DEFINE_integer("vocab", None, "train_step: vocabulary size.", lower_bound=2, **fv)
+    flags.DEFINE_string(
+        "lm_distribution",
+        None,
+        "train_step: document-length table (pile|prolong64k|prolong512k|long|short; "
+        "default: attn_masks' CP rule for the sequence length).",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "lm_doc_multiple",
+        0,
+        "train_step: round document lengths to this multiple (0: 2 x CP devices under zigzag).",
+        lower_bound=0,
+        **fv,
+    )
+    flags.DEFINE_float("learning_rate", 3e-3, "train_step: peak AdamW learning rate.", **fv)
+    flags.DEFINE_string(
+        "parity_bundle",
+        None,
+        "Parity bundle folder: --framework=jax saves one attention call (inputs, mask, outputs, "
+        "gradients) there; --framework=torch checks torch_attn on it.",
+        **fv,
+    )
+
+
+def shared(flag_values: flags.FlagValues, name: str, default: Any = None) -> Any:
+    """A run.py flag's value, or `default` when it is undefined or unset."""
+    if name not in flag_values or flag_values[name].value is None:
+        return default
+    return flag_values[name].value
+
+
+def single(flag_values: flags.FlagValues, name: str, default: str | None = None) -> str | None:
+    """The one value of a list flag (None or `default` when unset); several values are an error."""
+    values = shared(flag_values, name)
+    if not values:
+        return default
+    if len(values) != 1:
+        raise flags.ValidationError(f"--{name} takes one value here, got {','.join(values)}")
+    return values[0]
+
+
+def _seqlen(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from experiments.flags import parse_seqlen
+
+    return parse_seqlen(text)
+
+
+def defaults(on_gpu: bool) -> dict:
+    """Sizes used for flags left unset: a minute-long CPU default, or a GPU-sized model."""
+    return GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+
+
+def train_config(flag_values: flags.FlagValues, on_gpu: bool) -> TrainConfig:
+    """The TrainConfig the parsed flags describe."""
+    from .config import TrainConfig
+    from .data import DataConfig
+    from .lm import LMConfig
+    from .train import OptimConfig
+
+    d = defaults(on_gpu)
+
+    def get(name: str):
+        return shared(flag_values, name, d.get(name))
+
+    cp = single(flag_values, "cp")
+    impl = single(flag_values, "impl")
+    out_dir = shared(flag_values, "out_dir") or default_out_dir(cp)
+    return TrainConfig(
+        model=LMConfig(
+            vocab=get("vocab"),
+            width=get("width"),
+            depth=get("depth"),
+            heads_q=get("lm_heads_q"),
+            heads_kv=get("lm_heads_kv"),
+            dtype=DTYPES[get("dtype")],
+        ),
+        data=DataConfig(
+            seqlen=_seqlen(single(flag_values, "seqlen")) or d["seqlen"],
+            batch=get("batch"),
+            vocab=get("vocab"),
+            seed=get("seed") or 0,
+            distribution=get("lm_distribution"),
+            doc_multiple=get("lm_doc_multiple"),
+        ),
+        optim=OptimConfig(learning_rate=get("learning_rate")),
+        steps=get("steps"),
+        warmup=get("warmup"),
+        attention_iters=get("iters"),
+        impl=None if impl in (None, "default") else impl,
+        cp=None if cp in (None, "none") else cp,
+        layout=single(flag_values, "layout", "zigzag"),
+        num_devices=get("num_devices") or 0,
+        ulysses_size=get("ulysses_size") or None,
+        checkpoint_every=get("checkpoint_every"),
+        ckpt_dir=get("ckpt_dir") or f"{out_dir}/checkpoints",
+        resume=bool(get("resume")),
+        out_dir=out_dir,
+    )
+
+
+def default_out_dir(cp: str | None) -> str:
+    """results/local/train_step-<cp or kernel>, so the same command finds the same folder."""
+    return f"results/local/train_step-{cp or 'kernel'}"
+
+
+def flag_dict(flag_values: flags.FlagValues) -> dict:
+    """This module's flags and every flag given on the command line (for provenance)."""
+    own = {f.name for f in flag_values.get_flags_for_module(__name__)}
+    return {
+        name: flag_values[name].value
+        for name in sorted(flag_values)
+        if name in own or flag_values[name].present
+    }

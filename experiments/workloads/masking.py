@@ -1,0 +1,84 @@
+"""A step's mask in the form a jitted train step takes as an argument (so it compiles once).
+
+Single device: the impl's MaskArrays padded to fixed widths (full tile lists, a fixed number of
+intervals per row), so every document layout of a shape has the same array shapes. CP: a bound
+`shard_strategies.jax_cp` executor (a pytree whose static part is the plan's schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import jax_attn
+from attn_masks import Mask
+from jax_attn.mask_arrays import MaskArrays, stack_mask_arrays
+from jax_attn.nnx_attention import AttentionBackend
+
+RUNTIME_IMPLS = ("reference", "pallas")
+
+
+def _empty_like(arrays: MaskArrays, intervals: int) -> MaskArrays:
+    """A mask of the same geometry that sees nothing, with the widest possible tile lists."""
+    nq = -(-arrays.seqlen_q // arrays.block_q)
+    nk = -(-arrays.seqlen_k // arrays.block_k)
+    rows = np.zeros((arrays.seqlen_q, intervals), np.int32)
+    return MaskArrays(
+        lo=rows,
+        hi=rows,
+        kv_index=np.zeros((nq, nk), np.int32),
+        kv_count=np.zeros(nq, np.int32),
+        kv_full=np.zeros((nq, nk), bool),
+        q_index=np.zeros((nk, nq), np.int32),
+        q_count=np.zeros(nk, np.int32),
+        q_full=np.zeros((nk, nq), bool),
+        seqlen_q=arrays.seqlen_q,
+        seqlen_k=arrays.seqlen_k,
+        block_q=arrays.block_q,
+        block_k=arrays.block_k,
+    )
+
+
+def fixed_shape_arrays(mask: Mask, impl: str, head_dim: int, dtype: Any, intervals: int = 1):
+    """Host MaskArrays of `mask` for `impl`, padded to full-width tile lists and at least
+    `intervals` key intervals per row."""
+    arrays = jax_attn.mask_arrays_for(impl, mask, head_dim, dtype)
+    stacked = stack_mask_arrays([arrays, _empty_like(arrays, intervals)])
+    return jax.tree.map(lambda x: x[0], stacked)
+
+
+def runtime_mask(
+    mask: Mask,
+    backend: AttentionBackend,
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: Any,
+) -> Any:
+    """Device-side mask argument for the train step: MaskArrays, or a CP executor."""
+    impl = backend.resolved_impl
+    if impl not in RUNTIME_IMPLS:
+        raise jax_attn.Unsupported(
+            f"the train step passes masks as runtime arrays, which only {RUNTIME_IMPLS} take; "
+            f"got impl {impl!r}"
+        )
+    if backend.is_cp:
+        from shard_strategies import jax_cp
+
+        return jax_cp.build(
+            mask,
+            mesh=backend.mesh,
+            strategy=backend.strategy,
+            layout=backend.layout,
+            axis=backend.axis,
+            ulysses_size=backend.ulysses_size,
+            impl=impl,
+            num_heads_q=heads_q,
+            num_heads_kv=heads_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+    return jax.device_put(fixed_shape_arrays(mask, impl, head_dim, dtype))

@@ -1,0 +1,45 @@
+"""Where the train step's arrays live: one device, or a 1-D CP mesh with tokens split along the
+sequence and parameters replicated (works multi-process: every process builds the same host
+batch and contributes its own shards)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_attn.nnx_attention import AttentionBackend
+
+CP_AXIS = "cp"
+
+
+def cp_mesh(num_devices: int = 0) -> Mesh:
+    """A 1-D mesh named 'cp' over the first num_devices devices (0: all of them)."""
+    devices = jax.devices()
+    n = num_devices or len(devices)
+    if n > len(devices):
+        raise ValueError(f"asked for {n} CP devices but JAX sees {len(devices)}")
+    return Mesh(np.array(devices[:n]), (CP_AXIS,))
+
+
+def token_sharding(backend: AttentionBackend, seqlen: int) -> Sharding:
+    """(B, S, ...) arrays: split on S over the CP mesh when it divides, else replicated."""
+    if not backend.is_cp:
+        return SingleDeviceSharding(jax.devices()[0])
+    mesh = backend.mesh
+    spec = P(None, mesh.axis_names) if seqlen % mesh.size == 0 else P()
+    return NamedSharding(mesh, spec)
+
+
+def replicated(backend: AttentionBackend) -> Sharding:
+    """Parameters and optimizer state: on every CP device, or on the one device."""
+    if not backend.is_cp:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(backend.mesh, P())
+
+
+def put_global(x: np.ndarray, sharding: Sharding) -> jax.Array:
+    """A global array from a host array that every process holds in full."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])

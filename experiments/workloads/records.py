@@ -1,0 +1,122 @@
+"""Result records of the train-step workload, in the shape the sweep records and reports use.
+
+results.jsonl gets one summary record per run (key, status, point, metrics, provenance);
+train_log.jsonl gets one line per step (loss, time), keyed so a resumed run supersedes lines.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+
+from experiments import timing
+from experiments.results import ResultsStore
+
+STEP_LOG_FILE = "train_log.jsonl"
+
+
+class StepLog(ResultsStore):
+    """Durable JSON-lines log of per-step losses and times next to results.jsonl."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        super().__init__(out_dir)
+        self.path = self.out_dir / STEP_LOG_FILE
+
+
+@dataclass
+class StepTime:
+    """One executed step: loss, milliseconds, FLOPs, whether it is timed (warm, compiled)."""
+
+    step: int
+    loss: float
+    time_ms: float
+    flops: dict[str, float]
+    density: float
+    timed: bool
+
+
+def now() -> str:
+    """UTC timestamp as the sweep records write it."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def step_record(key: str, s: StepTime, compile_s: float | None) -> dict:
+    """The train_log.jsonl line of one step."""
+    return {
+        "key": f"{key}/step{s.step}",
+        "step": s.step,
+        "loss": s.loss,
+        "time_ms": s.time_ms,
+        "timed": s.timed,
+        "compile_s": compile_s,
+        "timestamp": now(),
+    }
+
+
+def step_metrics(
+    steps: list[StepTime],
+    *,
+    tokens_per_step: int,
+    num_devices: int,
+    depth: int,
+    attention_ms: list[float] | None,
+) -> dict:
+    """Step time, tokens/s, model TFLOP/s per device and attention's FLOP and time shares.
+
+    Timing quantiles use the timed steps (past warm-up, not compiling); if there are none, all
+    steps, flagged by `timed_steps` = 0.
+    """
+    timed = [s for s in steps if s.timed] or steps
+    t = timing.time_stats([s.time_ms for s in timed])
+    flops = float(np.mean([s.flops["total"] for s in timed]))
+    attn_flops = float(np.mean([s.flops["attention"] for s in timed]))
+    total_s = sum(s.time_ms for s in timed) * 1e-3
+    metrics = {
+        "time_ms": t,
+        "tflops": timing.tflops_stats(flops / num_devices, t),
+        "tflops_total": sum(s.flops["total"] for s in timed) / num_devices / total_s / 1e12,
+        "tokens_per_s": {q: tokens_per_step / (t[q] * 1e-3) for q in ("median", "p20", "p80")},
+        "flops": flops,
+        "attention_flops": attn_flops,
+        "attention_flop_share": attn_flops / flops,
+        "density": float(np.mean([s.density for s in timed])),
+        "timed_steps": sum(s.timed for s in steps),
+        "losses": {str(s.step): s.loss for s in steps},
+        "first_loss": steps[0].loss,
+        "last_loss": steps[-1].loss,
+    }
+    if attention_ms:
+        a = timing.time_stats(attention_ms)
+        metrics["attention_time_ms"] = a
+        metrics["attention_time_share"] = depth * a["median"] / t["median"]
+    return metrics
+
+
+def summary_record(
+    key: str,
+    point: dict,
+    metrics: dict | None,
+    elapsed_s: float,
+    prov: dict,
+    *,
+    status: str = "ok",
+    reason: str | None = None,
+    traceback: str | None = None,
+) -> dict:
+    """The results.jsonl record of a run: ok with metrics, or a failure status and reason."""
+    return {
+        "key": key,
+        "status": status,
+        "reason": reason,
+        "point": point,
+        "metrics": metrics,
+        "check": None,
+        "masks": None,
+        "traceback": traceback,
+        "elapsed_s": round(elapsed_s, 3),
+        "timestamp": now(),
+        "provenance": prov,
+    }

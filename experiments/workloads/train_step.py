@@ -1,0 +1,280 @@
+"""The train-step workload: a small LM trained on packed synthetic documents, timed per step.
+
+    python experiments/run.py --workload=train_step --steps=50 --cp=ring --layout=zigzag \
+        --checkpoint_every=10 [--resume]
+
+Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor), then
+the compiled step runs and is synchronised; that wall time is the step time. Steps that compile
+and the first `warmup` steps are not timed. Reports step time, tokens/s, model TFLOP/s per device
+and attention's share of the step (its FLOPs, and the time of one layer's attention call alone x
+depth). Results: <out_dir>/results.jsonl (one record per run) and <out_dir>/train_log.jsonl (one
+line per step). Checkpoints (Orbax) every `checkpoint_every` steps and at the end; `resume`
+continues from the newest one with the same subsequent losses.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+
+from experiments import provenance, timing
+from experiments.outcomes import classify, short_traceback
+from experiments.progress import Progress
+from experiments.results import ResultsStore
+from jax_attn.nnx_attention import AttentionBackend
+
+from . import attention_time, data, lm, masking, placement, records, train
+from .checkpoint import Checkpointer
+from .config import TrainConfig, device_count, fingerprint, point_fields, run_key
+
+
+@dataclass
+class TrainResult:
+    """Losses by step of the steps this run executed, its first step, and its summary record."""
+
+    losses: dict[int, float]
+    start_step: int
+    record: dict | None
+
+
+@cache
+def _compiled_steps(graphdef: Any, optim: train.OptimConfig) -> train.CompiledSteps:
+    """One compile cache per model structure and optimizer (shared by runs in one process)."""
+    return train.CompiledSteps(train.make_step(graphdef, optim.transform()))
+
+
+def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
+    """(batch, placed token arrays, mask argument) of a step, ready on the device(s)."""
+    batch = data.batch_at(cfg.data, step)
+    m = cfg.model
+    mask_arg = masking.runtime_mask(
+        batch.mask,
+        backend,
+        heads_q=m.heads_q,
+        heads_kv=m.heads_kv,
+        head_dim=m.head_dim,
+        dtype=jnp.dtype(m.dtype),
+    )
+    sharding = placement.token_sharding(backend, cfg.data.seqlen)
+    arrays = tuple(
+        placement.put_global(x, sharding) for x in (batch.tokens, batch.targets, batch.weights)
+    )
+    return batch, jax.block_until_ready(arrays), mask_arg
+
+
+def _attention_ms(cfg: TrainConfig, backend: AttentionBackend, mask_arg: Any) -> list[float]:
+    """Per-call times of one layer's attention fwd+bwd alone ([] when not asked for)."""
+    if cfg.attention_iters <= 0:
+        return []
+    m, d = cfg.model, cfg.data
+    return attention_time.time_attention(
+        backend,
+        mask_arg,
+        shape_q=(d.batch, d.seqlen, m.heads_q, m.head_dim),
+        heads_kv=m.heads_kv,
+        dtype=jnp.dtype(m.dtype),
+        warmup=1,
+        iters=cfg.attention_iters,
+        seed=d.seed,
+    )
+
+
+def _progress_record(s: records.StepTime, flops_per_device: float) -> dict:
+    """What Progress prints for a step: its model TFLOP/s and time."""
+    tflops = flops_per_device / (s.time_ms * 1e-3) / 1e12
+    return {
+        "status": "ok",
+        "metrics": {"tflops": {"median": tflops}, "time_ms": {"median": s.time_ms}},
+    }
+
+
+class Trainer:
+    """The live state of a run: placed params and optimizer state, compiled steps, checkpoints."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.backend = cfg.backend()
+        self.cfg = cfg.resolved(self.backend)
+        tx = self.cfg.optim.transform()
+        sharding = placement.replicated(self.backend)
+        graphdef, self.params, self.opt_state = train.init_state(
+            self.cfg.model, self.backend, tx, self.cfg.data.seed, sharding
+        )
+        self.compiled = _compiled_steps(graphdef, self.cfg.optim)
+        self.ckpt = None
+        if self.cfg.ckpt_dir and (self.cfg.checkpoint_every > 0 or self.cfg.resume):
+            self.ckpt = Checkpointer(self.cfg.ckpt_dir, self.cfg.checkpoint_every)
+
+    def restore(self, say: Callable[[str], None]) -> int:
+        """Load the newest checkpoint when resuming (it must be of this run); the first step."""
+        if not (self.cfg.resume and self.ckpt is not None):
+            return 0
+        step = self.ckpt.latest_step()
+        if step is None:
+            say(f"--resume: no checkpoint in {self.ckpt.directory}; starting from step 0")
+            return 0
+        meta = self.ckpt.meta(step)
+        want = fingerprint(self.cfg)
+        got = {k: meta.get(k) for k in want}
+        if got != want:
+            raise ValueError(
+                f"checkpoint {self.ckpt.directory}/{step} is of another run: {got} != {want}"
+            )
+        self.params, self.opt_state = self.ckpt.restore(step, self.params, self.opt_state)
+        say(f"Resumed from {self.ckpt.directory} at step {meta['data_position']}")
+        return int(meta["data_position"])
+
+    def step(self, step: int) -> tuple[records.StepTime, float | None, Any]:
+        """Run training step `step`: (its StepTime, compile seconds or None, mask argument)."""
+        cfg = self.cfg
+        batch, arrays, mask_arg = _step_inputs(cfg, self.backend, step)
+        fn, compile_s = self.compiled.get(self.params, self.opt_state, *arrays, mask_arg)
+        t0 = time.perf_counter()
+        self.params, self.opt_state, loss = fn(self.params, self.opt_state, *arrays, mask_arg)
+        loss = float(jax.block_until_ready(loss))
+        s = records.StepTime(
+            step=step,
+            loss=loss,
+            time_ms=(time.perf_counter() - t0) * 1e3,
+            flops=lm.step_flops(cfg.model, batch.mask, cfg.data.batch),
+            density=batch.mask.density(),
+            timed=compile_s is None,
+        )
+        return s, compile_s, mask_arg
+
+    def checkpoint(self, done: int) -> None:
+        """Save after `done` steps when it is a save step (and always after the last step)."""
+        if self.ckpt is None or self.cfg.checkpoint_every <= 0:
+            return
+        meta = {"step": done, "data_position": done, **fingerprint(self.cfg)}
+        self.ckpt.save(done, self.params, self.opt_state, meta, force=done == self.cfg.steps)
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes."""
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+def run(
+    cfg: TrainConfig,
+    *,
+    prov: dict | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+    stream: TextIO | None = None,
+) -> TrainResult:
+    """Train up to cfg.steps steps (from the newest checkpoint with cfg.resume), log and record.
+
+    on_step(step, loss) is called after every step and its checkpoint (tests interrupt with it).
+    """
+    t_start = time.monotonic()
+    writer = jax.process_index() == 0
+    out = stream or sys.stdout
+    say = (lambda msg: print(msg, file=out, flush=True)) if writer else (lambda msg: None)
+    trainer = Trainer(cfg)
+    cfg, backend = trainer.cfg, trainer.backend
+    key = run_key(cfg, backend)
+    log = records.StepLog(cfg.out_dir) if cfg.out_dir and writer else None
+    executed: list[records.StepTime] = []
+    first_mask = None
+    try:
+        start = trainer.restore(say)
+        progress = Progress(cfg.steps, start, stream=out) if writer else None
+        for step in range(start, cfg.steps):
+            s, compile_s, mask_arg = trainer.step(step)
+            s.timed = s.timed and step - start >= cfg.warmup
+            first_mask = mask_arg if first_mask is None else first_mask
+            executed.append(s)
+            if log is not None:
+                log.append(records.step_record(key, s, compile_s))
+            if progress is not None:
+                per_device = s.flops["total"] / device_count(backend)
+                progress.update(f"step {step} loss {s.loss:.4f}", _progress_record(s, per_device))
+            trainer.checkpoint(step + 1)
+            if on_step is not None:
+                on_step(step, s.loss)
+    finally:
+        trainer.close()
+    result = TrainResult({s.step: s.loss for s in executed}, start, None)
+    if not executed:
+        say(f"Nothing to do: the checkpoint is already at step {start} of {cfg.steps}")
+        return result
+    metrics = records.step_metrics(
+        executed,
+        tokens_per_step=cfg.data.batch * cfg.data.seqlen,
+        num_devices=device_count(backend),
+        depth=cfg.model.depth,
+        attention_ms=_attention_ms(cfg, backend, first_mask),
+    )
+    peak = timing.jax_peak_bytes(jax.local_devices())
+    metrics["peak_mem_gib"] = None if peak is None else peak / timing.GIB
+    metrics["mem_source"] = None if peak is None else "device_peak_bytes_in_use"
+    metrics["start_step"] = start
+    result.record = records.summary_record(
+        key, point_fields(cfg, backend), metrics, time.monotonic() - t_start, prov or {}
+    )
+    if cfg.out_dir and writer:
+        ResultsStore(cfg.out_dir).append(result.record)
+    return result
+
+
+def run_from_flags(flag_values: Any) -> int:
+    """run.py --workload=train_step: run (or resume) the configured training; exit code."""
+    from experiments import cp_launch
+
+    from . import flags as workload_flags
+
+    cp_launch.init_jax_distributed(
+        workload_flags.shared(flag_values, "coordinator_address"),
+        workload_flags.shared(flag_values, "num_processes"),
+        workload_flags.shared(flag_values, "process_id"),
+    )
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = workload_flags.train_config(flag_values, on_gpu)
+    if not on_gpu and jax.process_index() == 0:
+        print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
+    prov = provenance.collect(workload_flags.flag_dict(flag_values))
+    t0 = time.monotonic()
+    try:
+        result = run(cfg, prov=prov)
+    except Exception as e:
+        status, reason = classify(e)
+        backend = cfg.backend()
+        cfg = cfg.resolved(backend)
+        record = records.summary_record(
+            run_key(cfg, backend),
+            point_fields(cfg, backend),
+            None,
+            time.monotonic() - t0,
+            prov,
+            status=status,
+            reason=reason,
+            traceback=short_traceback(e),
+        )
+        if jax.process_index() == 0:
+            ResultsStore(cfg.out_dir).append(record)
+            print(f"train_step: {status}: {reason}", flush=True)
+        return 1
+    if result.record is not None and jax.process_index() == 0:
+        _print_summary(result.record, cfg.out_dir)
+    return 0
+
+
+def _print_summary(record: dict, out_dir: str | None) -> None:
+    """One paragraph: step time, tokens/s, TFLOP/s, attention shares, losses, files."""
+    m = record["metrics"]
+    share = m.get("attention_time_share")
+    time_share = "" if share is None else f", {100 * share:.1f}% of the step time"
+    print(
+        f"train_step: {m['time_ms']['median']:.4g} ms/step, "
+        f"{m['tokens_per_s']['median']:.4g} tokens/s, "
+        f"{m['tflops']['median']:.4g} model TFLOP/s per device; attention "
+        f"{100 * m['attention_flop_share']:.1f}% of the FLOPs{time_share}; "
+        f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f}. Results: {out_dir}",
+        flush=True,
+    )

@@ -1,0 +1,279 @@
+"""The public entry points: attention on global tensors, shard_attention on local shards."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torch_attn
+from attn_masks import Mask
+from shard_strategies import CPPlan, check_heads, make_plan
+
+from ._allgather import AllGatherAttention
+from ._dispatch import Dispatch, Undispatch
+from ._groups import Groups, group_members, plan_groups
+from ._local import default_impl
+from ._ring import Mover, Ring, RingAttention
+from ._steps import Piece
+from ._ulysses import HeadsToSeq, SeqToHeads
+
+_PLAN_CACHE_SIZE = 16
+_PLANS: OrderedDict[tuple, tuple[Mask, CPPlan]] = OrderedDict()
+_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def get_plan(
+    mask: Mask,
+    world_size: int,
+    strategy: str,
+    layout: str = "zigzag",
+    ulysses_size: int | None = None,
+    **kwargs,
+) -> CPPlan:
+    """shard_strategies.make_plan, cached per (mask object, settings): host work done once."""
+    key = (id(mask), world_size, strategy, layout, ulysses_size, tuple(sorted(kwargs.items())))
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not mask:
+        plan = make_plan(mask, world_size, strategy, layout, ulysses_size, **kwargs)
+        hit = _PLANS[key] = (mask, plan)
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return hit[1]
+
+
+def _piece(mask: Mask, trim: bool) -> Piece | None:
+    """The non-empty part of a plan piece (its bounding rows x columns when trimming)."""
+    if mask.area() == 0:
+        return None
+    everything = Piece(slice(0, mask.seqlen_q), slice(0, mask.seqlen_k), mask)
+    if not trim:
+        return everything
+    lo, hi = mask.row_intervals()
+    seen = hi > lo
+    rows = np.nonzero(seen.any(axis=1))[0]
+    r0, r1 = int(rows[0]), int(rows[-1]) + 1
+    c0, c1 = int(lo[seen].min()), int(hi[seen].max())
+    if (r0, r1, c0, c1) == (0, mask.seqlen_q, 0, mask.seqlen_k):
+        return everything
+    sub = mask.restrict(np.arange(r0, r1), np.arange(c0, c1))
+    return Piece(slice(r0, r1), slice(c0, c1), sub)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A plan bound to this process: its groups, its pieces, the strategy's core."""
+
+    plan: CPPlan
+    groups: Groups
+    impl: str
+    core: str  # "ring" | "allgather" | "local"
+    ring: Ring | None
+    piece: Piece | None
+    all_pieces: tuple[Mask, ...]
+    checked: set = field(default_factory=set)
+
+
+def _ring(plan: CPPlan, groups: Groups, pieces: tuple[Piece | None, ...]) -> Ring:
+    """This rank's Ring: the plan's kept steps grouped per outer offset, and its mover."""
+    steps: OrderedDict[int, list[int]] = OrderedDict()
+    for s in plan.steps:
+        steps.setdefault(s.outer, []).append(s.inner)
+    window = plan.ring_size // plan.num_windows
+    mover = Mover(
+        plan.ring_rank(groups.rank),
+        window,
+        plan.num_windows,
+        groups.ring_members,
+        groups.inner,
+        groups.outer,
+    )
+    return Ring(tuple((o, tuple(i)) for o, i in steps.items()), pieces, mover)
+
+
+def bind(plan: CPPlan, group: dist.ProcessGroup | None, impl: str) -> Binding:
+    """Groups and per-step pieces of `plan` for this rank (cached per plan, group and impl).
+
+    Pieces are trimmed to the rows/columns that see anything, except for flex, which skips
+    empty tiles itself and would otherwise compile one kernel per distinct trimmed shape.
+    """
+    per_plan = _BINDINGS.setdefault(plan, {})
+    key = (dist.group.WORLD if group is None else group, impl)
+    if key not in per_plan:
+        groups = plan_groups(plan, group)
+        trim = impl != "flex"
+        grid = [[_piece(m, trim) for m in row] for row in plan.pieces]
+        mine = tuple(grid[plan.ring_rank(groups.rank)])
+        every = tuple(p.mask for row in grid for p in row if p is not None)
+        if plan.strategy == "allgather":
+            core, ring = "allgather", None
+        elif plan.is_ring:
+            core, ring = "ring", _ring(plan, groups, mine)
+        else:
+            core, ring = "local", None
+        per_plan[key] = Binding(plan, groups, impl, core, ring, mine[0], every)
+    return per_plan[key]
+
+
+def _check_supported(b: Binding, qkv: tuple[torch.Tensor, ...], heads_q: int, heads_kv: int):
+    """Raise torch_attn.Unsupported (alike on every rank, before any communication) if the impl
+    cannot run some rank's piece for these inputs."""
+    q = qkv[0]
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)
+    key = (q.dtype, heads_q, heads_kv, q.shape[3], q.device, backward)
+    if key in b.checked:
+        return
+    for m in b.all_pieces:
+        verdict = torch_attn.supports(
+            b.impl,
+            m,
+            dtype=q.dtype,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=q.shape[3],
+            device=q.device,
+            backward=backward,
+        )
+        if verdict is not True:
+            raise torch_attn.Unsupported(f"{b.impl} cannot run CP piece {m}: {verdict}")
+    b.checked.add(key)
+
+
+def _local_core(q, k, v, piece: Piece | None, plan: CPPlan, scale: float, impl: str):
+    """R = 1 (plain Ulysses): one call on the whole shard, autograd straight through the impl."""
+    if piece is None:
+        return torch_attn.attention(
+            q, k, v, plan.pieces[0][0], impl=impl, scale=scale, return_lse=True
+        )
+    out, lse = torch_attn.attention(
+        q[:, piece.rows],
+        k[:, piece.cols],
+        v[:, piece.cols],
+        piece.mask,
+        impl=impl,
+        scale=scale,
+        return_lse=True,
+    )
+    before, after = piece.rows.start, q.shape[1] - piece.rows.stop
+    out = torch.nn.functional.pad(out, (0, 0, 0, 0, before, after))
+    lse = torch.nn.functional.pad(lse, (before, after), value=float("-inf"))
+    return out, lse
+
+
+def shard_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: CPPlan,
+    *,
+    group: dist.ProcessGroup | None = None,
+    impl: str | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """CP attention on this rank's shards (tokens plan.positions[rank], L = plan.local_len):
+    q (B,L,Hq,D), k/v (B,L,Hkv,D) -> out (B,L,Hq,D) [, lse (B,Hq,L) fp32]; differentiable."""
+    impl = default_impl(q.device) if impl is None else impl
+    b = bind(plan, group, impl)
+    u, hq, hkv = plan.ulysses_size, q.shape[2], k.shape[2]
+    check_heads(u, hq, hkv)
+    if q.shape[1] != plan.local_len or k.shape[1] != plan.local_len:
+        raise ValueError(
+            f"shards must hold plan.local_len={plan.local_len} tokens, got {q.shape[1]} "
+            f"and {k.shape[1]}"
+        )
+    rep = max(1, u // hkv)
+    _check_supported(b, (q, k, v), hq // u, hkv * rep // u)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if u > 1:
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = SeqToHeads.apply(b.groups, "", q, k, v)
+    if b.core == "ring":
+        out, lse = RingAttention.apply(q, k, v, b.ring, scale, impl)
+    elif b.core == "allgather":
+        out, lse = AllGatherAttention.apply(q, k, v, b.groups.ring, b.piece, scale, impl)
+    else:
+        out, lse = _local_core(q, k, v, b.piece, plan, scale, impl)
+    if u > 1:
+        (out,) = HeadsToSeq.apply(b.groups, "", out)
+        if return_lse:
+            (lse,) = HeadsToSeq.apply(b.groups, "lse", lse.transpose(1, 2)[..., None])
+            lse = lse[..., 0].transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def dispatch(
+    x: torch.Tensor,
+    plan: CPPlan,
+    rank: int | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dim: int = 1,
+) -> torch.Tensor:
+    """Global x (tokens along `dim`, global order) -> the shard of group rank `rank` (default:
+    this one). Backward all-gathers the shards' gradients: every rank gets the global gradient."""
+    rank = dist.get_rank(group) if rank is None else rank
+    return Dispatch.apply(plan, rank, group, dim, x)[0]
+
+
+def undispatch(
+    y: torch.Tensor, plan: CPPlan, *, group: dist.ProcessGroup | None = None, dim: int = 1
+) -> torch.Tensor:
+    """This rank's shard y (tokens along `dim`) -> the global tensor in global token order.
+    Backward keeps this rank's slice of the gradient (every rank back-propagates the same one)."""
+    return Undispatch.apply(plan, dist.get_rank(group), group, dim, y)[0]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    group: dist.ProcessGroup | None = None,
+    strategy: str,
+    layout: str = "zigzag",
+    ulysses_size: int | None = None,
+    impl: str | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    num_windows: int | None = None,
+    inner_axis: str = "ulysses",
+):
+    """Context-parallel attention of global q (B,S,Hq,D), k/v (B,S,Hkv,D), identical on every
+    rank of `group`: the global out (and lse (B,Hq,S)) in global token order.
+
+    Differentiable: each rank's q/k/v gradients are the full global ones (the dispatch backward
+    all-gathers the shards' gradients), provided every rank back-propagates the same dout.
+    """
+    seqlens = (q.shape[1], k.shape[1])
+    if q.dim() != 4 or k.shape != v.shape or seqlens != (mask.seqlen_q, mask.seqlen_k):
+        raise ValueError(
+            f"expected q (B,S,Hq,D), k and v (B,S,Hkv,D) over the mask's {mask.seqlen_q} tokens; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    plan = get_plan(
+        mask,
+        len(group_members(group)),
+        strategy,
+        layout,
+        ulysses_size,
+        num_windows=num_windows,
+        inner_axis=inner_axis,
+        num_heads_q=q.shape[2],
+        num_heads_kv=k.shape[2],
+        head_dim=q.shape[3],
+    )
+    rank = dist.get_rank(group)
+    shards = Dispatch.apply(plan, rank, group, 1, q, k, v)
+    res = shard_attention(*shards, plan, group=group, impl=impl, scale=scale, return_lse=return_lse)
+    if not return_lse:
+        return Undispatch.apply(plan, rank, group, 1, res)[0]
+    out = Undispatch.apply(plan, rank, group, 1, res[0])[0]
+    return out, Undispatch.apply(plan, rank, group, 2, res[1])[0]

@@ -1,0 +1,464 @@
+"""End-to-end tests of experiments/run.py (CPU, tiny sizes) and its reports, presets, checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import checks, inputs, outcomes, presets, report
+from experiments.flags import parse_seqlen
+from experiments.points import expand
+from experiments.results import read_records
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = str(ROOT / "experiments" / "run.py")
+TINY = [
+    "--seqlen=64",
+    "--heads_q=2",
+    "--heads_kv=1",
+    "--head_dim=16",
+    "--dtype=fp32",
+    "--warmup=0",
+    "--iters=2",
+    "--report=false",
+]
+
+
+def _run_in_process(args: list[str]) -> int:
+    from experiments import run
+
+    return run.run_cli(args)
+
+
+def _subprocess(args: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, RUN, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return read_records(out_dir / "results.jsonl")
+
+
+def _by_impl(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["point"]["impl"], []).append(r)
+    return out
+
+
+def test_jax_kernels_in_process_ok_and_unsupported(tmp_path):
+    """Measured points carry numbers, checks and provenance; cudnn on CPU is 'unsupported'."""
+    code = _run_in_process(
+        [
+            "--framework=jax",
+            "--impl=reference,xla,cudnn",
+            "--mask=causal",
+            "--mode=fwd,bwd",
+            f"--out_dir={tmp_path}",
+            *TINY,
+        ]
+    )
+    assert code == 0
+    recs = _records(tmp_path)
+    assert len(recs) == 6 and len({r["key"] for r in recs}) == 6
+    impls = _by_impl(recs)
+    for r in impls["reference"] + impls["xla"]:
+        assert r["status"] == "ok", r["reason"]
+        m = r["metrics"]
+        assert m["tflops"]["p20"] >= m["tflops"]["median"] >= m["tflops"]["p80"] > 0
+        assert m["time_ms"]["p20"] <= m["time_ms"]["median"] <= m["time_ms"]["p80"]
+        assert r["check"]["kind"] == "full" and r["check"]["ok"]
+        assert set(r["check"]["max_errors"]) == (
+            {"out"} if r["point"]["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        )
+        assert r["provenance"]["versions"]["jax"]
+        assert "commit" in r["provenance"]["git"]
+        assert r["provenance"]["flags"]["impl"] == ["reference", "xla", "cudnn"]
+    for r in impls["cudnn"]:
+        assert r["status"] == "unsupported" and r["metrics"] is None and r["reason"]
+
+
+def test_broken_impl_is_wrong_not_a_speed(tmp_path, monkeypatch):
+    """An impl returning wrong values is recorded as 'wrong' with its error, never timed."""
+    import jax_attn
+
+    real = jax_attn.attention
+    monkeypatch.setattr(jax_attn, "attention", lambda *a, **k: real(*a, **k) * 1.01)
+    code = _run_in_process(
+        [
+            "--framework=jax",
+            "--impl=reference",
+            "--mask=sliding_window",
+            "--window=8",
+            "--mode=fwd",
+            f"--out_dir={tmp_path}",
+            *TINY,
+        ]
+    )
+    assert code == 0
+    (rec,) = _records(tmp_path)
+    assert rec["status"] == "wrong" and rec["metrics"] is None
+    assert rec["check"]["errors"]["out"] > rec["check"]["rtol"]["out"]
+    assert "rel err" in rec["reason"]
+
+
+def test_missing_package_is_unsupported_not_a_crash(tmp_path, monkeypatch):
+    """A framework package that cannot be imported gives 'unsupported: not available: ...'."""
+    from experiments import frameworks
+
+    monkeypatch.setitem(frameworks.KERNEL_PACKAGES, "jax", "jax_attn_not_written_yet")
+    code = _run_in_process(
+        [
+            "--framework=jax",
+            "--impl=pallas",
+            "--mask=causal",
+            "--mode=fwd",
+            f"--out_dir={tmp_path}",
+            *TINY,
+        ]
+    )
+    assert code == 0
+    (rec,) = _records(tmp_path)
+    assert rec["status"] == "unsupported" and rec["metrics"] is None
+    assert rec["reason"] == "not available: No module named 'jax_attn_not_written_yet'"
+
+
+def test_jax_cp_in_process_and_resume(tmp_path, capsys):
+    """Ring CP on 4 virtual devices: per-device TFLOP/s; a rerun skips every finished point."""
+    args = [
+        "--framework=jax",
+        "--cp=ring,ulysses",
+        "--layout=zigzag",
+        "--num_devices=4",
+        "--mask=causal_document",
+        "--mode=fwd,bwd",
+        "--seqlen=16",
+        f"--out_dir={tmp_path}",
+        *TINY[1:],
+        "--heads_q=4",
+        "--heads_kv=2",
+    ]
+    assert _run_in_process(args) == 0
+    recs = _records(tmp_path)
+    assert len(recs) == 4
+    for r in recs:
+        assert r["masks"][0]["plan"]["world_size"] == 4
+        assert r["masks"][0]["comm"]["fwd_bytes"] > 0
+        assert r["status"] == "ok", r["reason"]
+        p, m = r["point"], r["metrics"]
+        assert p["num_devices"] == 4 and p["total_seqlen"] == 64 and p["scaling"] == "weak"
+        flops = r["masks"][0]["flops"]
+        assert m["tflops"]["median"] == pytest.approx(
+            flops / 4 / (m["time_ms"]["median"] * 1e-3) / 1e12
+        )
+    capsys.readouterr()
+    assert _run_in_process(args) == 0
+    assert "4 already in" in capsys.readouterr().out
+    assert len(_records(tmp_path)) == 4
+
+
+def test_torch_kernels_in_process(tmp_path):
+    """PyTorch kernels end to end on CPU, forward and backward, with float64 checks."""
+    code = _run_in_process(
+        [
+            "--framework=torch",
+            "--impl=naive,sdpa",
+            "--mask=causal_document",
+            "--mode=fwd,bwd",
+            f"--out_dir={tmp_path}",
+            *TINY,
+        ]
+    )
+    assert code == 0
+    recs = _records(tmp_path)
+    assert len(recs) == 4
+    assert all(r["status"] == "ok" for r in recs), [r["reason"] for r in recs]
+    assert all(r["provenance"]["versions"]["torch"] for r in recs)
+
+
+def test_torch_cp_subprocess_gloo(tmp_path):
+    """The driver spawns 2 gloo ranks itself and records the slowest rank's time."""
+    res = _subprocess(
+        [
+            "--framework=torch",
+            "--cp=ring",
+            "--num_devices=2",
+            "--mask=causal",
+            "--mode=fwd,bwd",
+            "--seqlen=32",
+            f"--out_dir={tmp_path}",
+            *TINY[1:],
+        ]
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "embedded CPU default" in res.stdout
+    recs = _records(tmp_path)
+    assert len(recs) == 2
+    for r in recs:
+        assert r["status"] == "ok", r["reason"]
+        assert r["point"]["num_devices"] == 2 and r["point"]["total_seqlen"] == 64
+        assert len(r["masks"][0]["rank_median_ms"]) == 2
+        assert r["metrics"]["time_ms"]["median"] >= max(r["masks"][0]["rank_median_ms"]) * 0.999
+
+
+def test_both_frameworks_cross_table(tmp_path):
+    """--framework=both measures each framework and the report compares them."""
+    code = _run_in_process(
+        [
+            "--framework=both",
+            "--impl=reference,naive",
+            "--mask=full",
+            "--mode=fwd",
+            f"--out_dir={tmp_path}",
+            "--report=true",
+            *TINY[:-1],
+        ]
+    )
+    assert code == 0
+    recs = _records(tmp_path)
+    assert {(r["point"]["framework"], r["point"]["impl"]) for r in recs} == {
+        ("jax", "reference"),
+        ("torch", "naive"),
+    }
+    cross = (tmp_path / "cross_framework.csv").read_text()
+    assert "reference" in cross and "naive" in cross
+    assert "JAX vs PyTorch" in (tmp_path / "report.md").read_text()
+    assert list((tmp_path / "masks").glob("full_*.png"))
+
+
+def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
+    """Kill a sweep after its first records, rerun it: every point exactly once."""
+    args = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=full,causal",
+        "--seqlen=32,48,64,80",
+        "--mode=fwd",
+        f"--out_dir={tmp_path}",
+        *TINY[1:],
+    ]
+    results = tmp_path / "results.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, RUN, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if results.exists() and len(_records(tmp_path)) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = _records(tmp_path)
+    assert 2 <= len(before) < 8, "the sweep should have been killed mid-way"
+    res = _subprocess(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"{len(before)} already in" in res.stdout
+    after = _records(tmp_path)
+    keys = [r["key"] for r in after]
+    assert len(keys) == 8 and len(set(keys)) == 8
+    assert after[: len(before)] == before
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--mask=nope", "unknown mask 'nope'"),
+        ("--cp=ringg", "unknown cp 'ringg'"),
+        ("--dtype=fp8", "fp8"),
+        ("--seqlen=12Q", "bad seqlen '12Q'"),
+        ("--heads_q=6 --heads_kv=4", "multiple of heads_kv=4"),
+        ("--impl=nonsense", "unknown impl 'nonsense'"),
+        ("--workload=bogus", "value should be one of"),
+    ],
+)
+def test_bad_flag_values_fail_clearly(flag, expected, tmp_path):
+    res = _subprocess([*flag.split(), f"--out_dir={tmp_path}"], timeout=120)
+    assert res.returncode != 0
+    assert expected in res.stderr, res.stderr[-2000:]
+    if "unknown mask" in expected:
+        assert "causal_document_long" in res.stderr
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_paper_preset_is_the_published_grid():
+    p = presets.get_preset("paper", on_gpu=True)
+    (kernel,), (cp,) = p.kernel, p.cp
+    assert presets.select_grids(p, None) == [kernel, cp]
+    assert kernel.seqlens == tuple(k * 1024 for k in (1, 2, 4, 8, 16, 24, 32, 40, 48))
+    assert kernel.heads == ((64, 8), (64, 64)) and kernel.head_dim == 128
+    assert kernel.dtype == "bf16" and kernel.modes == ("fwd", "bwd")
+    assert kernel.masks == presets.STATIC_MASKS and len(kernel.masks) == 12
+    assert (kernel.window, kernel.num_masks, kernel.warmup, kernel.iters) == (1024, 1, 5, 20)
+    assert kernel.reference_compat and kernel.batch == 1 and kernel.cps == ("none",)
+    assert cp.cps == ("ring", "allgather", "ulysses", "usp", "double_ring")
+    assert cp.masks == ("full", "causal", "full_document_long", "causal_document_long")
+    assert cp.seqlens == (8192,) and cp.scaling == "weak" and cp.heads == ((64, 8),)
+    assert (cp.head_dim, cp.dtype, cp.num_masks, cp.warmup, cp.iters) == (128, "bf16", 30, 5, 15)
+    assert cp.modes == ("fwd", "bwd", "fwd_bwd") and cp.reference_compat
+    kw = dict(seed=42, ulysses_size=None, ulysses_intra_node=True)
+    kpts = expand(kernel, "jax", ("a", "b"), num_devices=1, **kw)
+    assert len(kpts) == 9 * 2 * 12 * 2 * 2
+    cpts = expand(cp, "torch", ("default",), num_devices=8, **kw)
+    assert len(cpts) == 5 * 4 * 3
+    assert {p.total_seqlen for p in cpts} == {65536} and {p.num_masks for p in cpts} == {30}
+    full = presets.get_preset("full", on_gpu=True)
+    assert not any(g.reference_compat for g in (*full.kernel, *full.cp))
+    balanced = full.cp[1]
+    assert balanced.masks == presets.STATIC_MASKS and balanced.layouts == ("balanced",)
+    assert presets.select_grids(p, ("none",)) == [kernel]
+    assert presets.select_grids(p, ("ring",))[0].cps == ("ring",)
+
+
+def _fake_record(impl: str, seqlen: int, status: str, framework: str = "jax") -> dict:
+    point = dict(
+        framework=framework,
+        impl=impl,
+        cp="none",
+        layout="none",
+        ulysses_size=None,
+        mask="causal",
+        seqlen=seqlen,
+        total_seqlen=seqlen,
+        num_devices=1,
+        scaling="none",
+        batch=1,
+        heads_q=4,
+        heads_kv=2,
+        head_dim=32,
+        dtype="bf16",
+        mode="fwd",
+        num_masks=1,
+        seed=42,
+        window=1024,
+        reference_compat=False,
+        grid="kernel",
+    )
+    rec = {
+        "key": f"{framework}/{impl}/{seqlen}",
+        "status": status,
+        "point": point,
+        "reason": None if status == "ok" else f"{status} happened",
+        "metrics": None,
+    }
+    if status == "ok":
+        rec["metrics"] = {
+            "tflops": {"median": 10.0, "p20": 11.0, "p80": 9.0},
+            "time_ms": {"median": 1.0, "p20": 0.9, "p80": 1.1},
+            "tflops_total": 10.0,
+            "peak_mem_gib": 0.5,
+            "density": 0.5,
+        }
+    return rec
+
+
+def test_report_marks_failed_points_and_runs_standalone(tmp_path):
+    recs = [
+        _fake_record("pallas", 1024, "ok"),
+        _fake_record("pallas", 2048, "oom"),
+        _fake_record("cudnn", 1024, "unsupported"),
+        _fake_record("xla", 1024, "wrong"),
+        _fake_record("xla", 2048, "error"),
+        _fake_record("sdpa", 1024, "ok", "torch"),
+    ]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"torn line')
+    paths = report.write_report(results, tmp_path / "rep")
+    rows = (tmp_path / "rep" / "results.csv").read_text().splitlines()
+    assert len(rows) == 7
+    oom_row = next(r for r in rows if ",oom," in r)
+    assert ",10.0," not in oom_row
+    md = paths["markdown"].read_text()
+    for label in ("OOM", "unsup.", "WRONG", "error", "10"):
+        assert label in md
+    assert paths["plots"] and all(p.stat().st_size > 0 for p in paths["plots"])
+    assert paths["grid"].exists() and paths["cross_framework"].exists()
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "report.py"),
+            f"--results={results}",
+            f"--out_dir={tmp_path / 'cli'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "cli" / "report.md").exists()
+    assert (tmp_path / "cli" / "all_plots.png").exists()
+
+
+def test_row_check_matches_full_reference():
+    """The large-size row check is exact: equal to the full float64 reference on those rows."""
+    from attn_masks import make_mask, reference_attention
+
+    mask = make_mask("prefix_lm_document", 96, seed=3)
+    rng = np.random.default_rng(1)
+    shapes = inputs.shapes(2, 96, 4, 2, 8)
+    full_in = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    full = reference_attention(full_in["q"], full_in["k"], full_in["v"], mask, dout=full_in["dout"])
+    rows = np.array([0, 5, 17, 50, 95])
+    cols = np.arange(96)[mask.dense()[rows].any(axis=0)]
+    plan = checks.CheckPlan(rows, cols)
+    inp = checks.Inputs(
+        **{n: x[:, cols] if n in ("k", "v") else x[:, rows] for n, x in full_in.items()}
+    )
+    part = checks.rows_reference(inp, mask, plan, 1 / np.sqrt(8), grads=True)
+    np.testing.assert_allclose(part["out"], full.out[:, rows], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(part["dq"], full.dq[:, rows], rtol=1e-10, atol=1e-12)
+    got = {"out": full.out[:, rows] * 1.1, "dq": full.dq[:, rows]}
+    res = checks.compare(
+        mask, inp, got, plan=plan, grads=True, rtol=1e-4, finite={"dk": True, "dv": False}
+    )
+    assert not res.ok and res.kind == "rows" and "out" in res.message and "dv" in res.message
+    big = make_mask("causal", 4096)
+    auto = checks.plan_check(big, 1, 8, seed=0)
+    assert auto.kind == "rows" and 0 in auto.rows and 4095 in auto.rows
+    assert auto.cols.size == auto.rows.max() + 1
+
+
+def test_exception_classification_and_seqlen_parsing():
+    assert outcomes.classify(MemoryError())[0] == "oom"
+    assert outcomes.classify(RuntimeError("RESOURCE_EXHAUSTED: out of HBM"))[0] == "oom"
+    assert outcomes.classify(ImportError("no module x"))[1].startswith("not available: ")
+    assert outcomes.classify(NotImplementedError("nope"))[0] == "unsupported"
+    assert outcomes.classify(ValueError("bad"))[0] == "error"
+    import torch
+
+    assert outcomes.classify(torch.OutOfMemoryError("CUDA out of memory"))[0] == "oom"
+    assert [parse_seqlen(s) for s in ("8K", "512", "1m", "48k")] == [8192, 512, 1 << 20, 49152]
+
+
+def test_input_shards_match_the_global_inputs():
+    """A shard generated alone equals the same tokens of the whole input (any chunk split)."""
+    shape = (2, 10000, 1, 2)
+    whole = inputs.block("k", shape, 42, 3)
+    assert whole.shape == shape and whole.dtype == np.float32
+    for sl in (slice(0, 4096), slice(4000, 9000), slice(9999, 10000), slice(8192, None)):
+        np.testing.assert_array_equal(inputs.block("k", shape, 42, 3, sl), whole[:, sl])
+    assert not np.array_equal(inputs.block("q", shape, 42, 3), whole)
+    assert not np.array_equal(inputs.block("k", shape, 42, 4), whole)

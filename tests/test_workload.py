@@ -1,0 +1,202 @@
+"""The train-step workload on CPU: a tiny LM learns, resumes exactly, matches under CP; RoPE
+positions stay global under CP layouts; PyTorch verifies a JAX parity bundle."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import shard_strategies as ss
+from attn_masks import make_mask
+from experiments.results import read_records
+from experiments.workloads import data, lm, parity, train_step
+from experiments.workloads.config import TrainConfig
+from experiments.workloads.placement import cp_mesh
+from experiments.workloads.train import OptimConfig
+from jax_attn.nnx_attention import Attention, AttentionBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQLEN, BATCH, VOCAB = 128, 4, 64
+MODEL = lm.LMConfig(vocab=VOCAB, width=64, depth=2, heads_q=4, heads_kv=2)
+# Documents are multiples of 16 = 2 x 8 devices, so the zigzag layout needs no padding.
+DATA = data.DataConfig(seqlen=SEQLEN, batch=BATCH, vocab=VOCAB, seed=0, alphabet=2, doc_multiple=16)
+TINY = TrainConfig(model=MODEL, data=DATA, optim=OptimConfig(learning_rate=3e-3), steps=40)
+QUIET = io.StringIO()
+
+
+class Interrupted(Exception):
+    """Stands in for a kill in the middle of a run."""
+
+
+def run(cfg: TrainConfig, **kw) -> train_step.TrainResult:
+    return train_step.run(cfg, stream=QUIET, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[int, float]:
+    """Losses of an uninterrupted single-device run of TINY."""
+    return run(TINY).losses
+
+
+def test_batches_are_packed_documents_and_deterministic():
+    a, b = data.batch_at(DATA, 3), data.batch_at(DATA, 3)
+    assert np.array_equal(a.tokens, b.tokens) and a.seqlens == b.seqlens
+    assert sum(a.seqlens) == SEQLEN and all(n % 16 == 0 for n in a.seqlens)
+    assert a.mask.area() == make_mask("causal_document", SEQLEN, seqlens=list(a.seqlens)).area()
+    ends = np.cumsum(a.seqlens) - 1
+    assert (a.weights[:, ends] == 0).all() and a.weights.sum() == BATCH * (SEQLEN - len(ends))
+    doc_start = 0
+    for n in a.seqlens:  # every document uses at most `alphabet` distinct tokens
+        assert all(len(set(row[doc_start : doc_start + n])) <= DATA.alphabet for row in a.tokens)
+        doc_start += n
+
+
+def test_loss_goes_down(baseline):
+    losses = np.array([baseline[s] for s in sorted(baseline)])
+    assert np.isfinite(losses).all()
+    assert losses[-5:].mean() < losses[:5].mean() - 0.7, losses.round(2)
+
+
+def test_checkpoint_resume_reproduces_losses(baseline, tmp_path):
+    cfg = dataclasses.replace(TINY, steps=12, checkpoint_every=4, ckpt_dir=str(tmp_path / "ck"))
+
+    def kill_after_step_5(step: int, loss: float) -> None:
+        if step == 5:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run(cfg, on_step=kill_after_step_5)
+    resumed = run(dataclasses.replace(cfg, resume=True))
+    assert resumed.start_step == 4  # the last periodic checkpoint: at most 4 steps lost
+    assert sorted(resumed.losses) == list(range(4, 12))
+    for step, loss in resumed.losses.items():
+        assert abs(loss - baseline[step]) <= 1e-6, (step, loss, baseline[step])
+    done = run(dataclasses.replace(cfg, resume=True))  # the final checkpoint: nothing left
+    assert done.start_step == 12 and not done.losses
+
+
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("allgather", "balanced")])
+def test_cp_losses_match_single_device(baseline, strategy, layout):
+    cfg = dataclasses.replace(TINY, steps=3, cp=strategy, layout=layout, num_devices=8)
+    got = run(cfg)
+    assert got.record["point"]["num_devices"] == 8
+    for step, loss in got.losses.items():
+        assert abs(loss - baseline[step]) <= 1e-5, (step, loss, baseline[step])
+
+
+def _layer(backend: AttentionBackend | None = None) -> Attention:
+    return Attention(64, 4, 2, backend=backend, rngs=nnx.Rngs(0))
+
+
+def _packed_mask():
+    return make_mask("causal_document", SEQLEN, seqlens=[48, 16, 64])
+
+
+def test_rotary_positions_are_global_token_indices():
+    mask = _packed_mask()
+    x = jax.random.normal(jax.random.key(1), (2, SEQLEN, 64))
+    want = np.asarray(_layer()(x, mask))
+    order = ss.make_layout(mask, 4, "zigzag").order()  # the tokens in zigzag (rank) order
+    local = mask.restrict(order, order)
+    got = np.asarray(_layer()(x[:, order], local, positions=order))
+    np.testing.assert_allclose(got, want[:, order], rtol=1e-5, atol=1e-5)
+    wrong = np.asarray(_layer()(x[:, order], local))  # local indices as positions: not the same
+    assert np.abs(wrong - want[:, order]).max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "balanced"])
+def test_cp_attention_module_matches_single_device(layout):
+    mask = _packed_mask()
+    x = jax.random.normal(jax.random.key(2), (1, SEQLEN, 64))
+    backend = AttentionBackend(mesh=cp_mesh(8), strategy="ring", layout=layout)
+    want = np.asarray(_layer()(x, mask))
+    got = np.asarray(_layer(backend)(x, mask))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _parse_run_flags(args: list[str]):
+    """run.py's flags and the workload flags on the global FLAGS, parsed from `args`."""
+    from absl import flags
+
+    from experiments import flags as run_flags
+    from experiments.workloads import flags as workload_flags
+
+    run_flags.define_flags()
+    workload_flags.define_flags()
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["run.py", *args])
+    return flags.FLAGS
+
+
+TINY_FLAGS = ["--seqlen=128", "--batch=4", "--depth=2", "--width=64", "--lm_heads_q=4"]
+TINY_FLAGS += ["--lm_heads_kv=2", "--vocab=64", "--seed=0"]
+
+
+def test_run_from_flags_writes_results_and_checkpoints(tmp_path):
+    out = tmp_path / "out"
+    args = ["--workload=train_step", f"--out_dir={out}", "--steps=3", "--warmup=1", "--iters=2"]
+    fv = _parse_run_flags([*args, "--checkpoint_every=2", *TINY_FLAGS])
+    try:
+        assert train_step.run_from_flags(fv) == 0
+    finally:
+        fv.unparse_flags()
+    (record,) = read_records(out / "results.jsonl")
+    m = record["metrics"]
+    assert record["status"] == "ok" and record["point"]["workload"] == "train_step"
+    assert m["time_ms"]["median"] > 0 and m["tokens_per_s"]["median"] > 0
+    assert m["tflops"]["median"] > 0 and 0 < m["attention_flop_share"] < 1
+    assert m["attention_time_share"] > 0 and m["timed_steps"] == 2
+    assert len(read_records(out / "train_log.jsonl")) == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+
+
+def test_torch_verifies_a_jax_cp_parity_bundle(tmp_path):
+    from experiments.workloads import parity_jax
+
+    good = tmp_path / "bundle"
+    args = ["--framework=jax", f"--parity_bundle={good}", "--cp=ring", "--layout=zigzag"]
+    fv = _parse_run_flags([*args, *TINY_FLAGS])
+    try:
+        assert parity.run_from_flags(fv) == 0
+    finally:
+        fv.unparse_flags()
+    meta = json.loads((good / parity.META_JSON).read_text())
+    assert (meta["cp"], meta["num_devices"], meta["mask"]) == ("ring", 8, "causal_document")
+    via_orbax = parity_jax.load_bundle(good)
+    via_npz, _, mask = parity.read_bundle(good)
+    assert meta["shapes"]["dk"] == [BATCH, SEQLEN, 2, 16] and mask.seqlen_q == SEQLEN
+    for name, value in via_npz.items():
+        np.testing.assert_array_equal(via_orbax[name], value)
+    bad = tmp_path / "tampered"
+    bad.mkdir()
+    (bad / parity.META_JSON).write_text((good / parity.META_JSON).read_text())
+    arrays = dict(np.load(good / parity.BUNDLE_NPZ))
+    arrays["dk"] = arrays["dk"] * 1.01
+    np.savez(bad / parity.BUNDLE_NPZ, **arrays)
+    # The torch side runs without jax: block its import in a fresh interpreter.
+    code = (
+        "import json, sys; sys.modules['jax'] = None\n"
+        "from experiments.workloads.parity import verify_with_torch\n"
+        "print(json.dumps([verify_with_torch(p, impl='naive') for p in sys.argv[1:]]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(good), str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ok, tampered = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ok["ok"] and ok["jax_cp"] == "ring", ok
+    assert max(ok["errors"].values()) < 1e-5, ok["errors"]
+    assert not tampered["ok"] and tampered["errors"]["dk"] > 5e-3
