@@ -1,7 +1,7 @@
 """Lazy access to the framework packages and masks by their public names.
 
-Nothing here imports jax, torch or a colleague's package at module import time, so a missing
-piece turns into an "unsupported: not available: ..." point instead of a crash.
+Nothing here imports jax, torch or another package of this project at import time, so a
+missing piece turns into an "unsupported: not available: ..." point instead of a crash.
 """
 
 from __future__ import annotations
@@ -86,22 +86,20 @@ def impl_names(framework: str) -> tuple[str, ...]:
 
 
 def make_masks(point: Point) -> list:
-    """The point's masks: mask i is make_mask(..., seed=point.seed + i) over the total length."""
+    """The point's masks: num_masks draws from one Random(point.seed) stream, as MaskIterator."""
     try:
-        from attn_masks import make_mask
+        from attn_masks import make_masks as draw_masks
     except ImportError as e:
         raise not_available(e) from e
     try:
-        return [
-            make_mask(
-                point.mask,
-                point.total_seqlen,
-                seed=point.seed + i,
-                window=point.window,
-                reference_compat=point.reference_compat,
-            )
-            for i in range(point.num_masks)
-        ]
+        return draw_masks(
+            point.mask,
+            point.total_seqlen,
+            point.num_masks,
+            seed=point.seed,
+            window=point.window,
+            reference_compat=point.reference_compat,
+        )
     except ValueError as e:
         raise PointFailure(UNSUPPORTED, f"mask not defined here: {e}") from e
 
