@@ -15,6 +15,7 @@ from .mask import (
 from .reference import ReferenceResult, reference_attention
 from .render import render_mask_png
 from .sampling import TABLE_NAMES, default_distribution, generate_seqlens, load_distribution
+from .structure import RowStructure, row_structure
 
 __all__ = [
     "MASK_NAMES",
@@ -36,4 +37,6 @@ __all__ = [
     "attention_flops",
     "from_slices",
     "reference_attention",
+    "RowStructure",
+    "row_structure",
 ]

@@ -1,20 +1,17 @@
 """Mask classification from the slices alone (never the name), for adapters with fixed masks.
 
-Vendor kernels only know a few patterns (no mask, causal, a left window, segment ids). These
-tests read each query row's visible key interval (Mask.row_intervals, derived from the slices)
-and say exactly which pattern, if any, the mask is, however its slices happen to be cut.
+Vendor kernels only know a few patterns (no mask, causal, a left window, segment ids). The
+framework-neutral row analysis (attn_masks.structure) reads each query row's visible key interval
+and verifies each pattern; this module says it in the terms the JAX adapters use.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from attn_masks import Mask
-
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from attn_masks import Mask, row_structure
 
 
 @dataclass(frozen=True)
@@ -42,84 +39,33 @@ class MaskStructure:
         return self.seqlen_q == self.seqlen_k
 
 
-def _single_intervals(mask: Mask) -> tuple[np.ndarray, np.ndarray] | None:
-    """(lo, hi) per row when every row sees at most one key interval (empty rows: lo == hi)."""
-    lo, hi = mask.row_intervals()
-    if lo.shape[1] > 1 and (hi[:, 1:] > lo[:, 1:]).any():
-        return None
-    return lo[:, 0], hi[:, 0]
-
-
-def _is_causal(lo: np.ndarray, hi: np.ndarray, sq: int, sk: int) -> bool:
-    rows = np.arange(sq)
-    end = np.clip(rows + (sk - sq) + 1, 0, sk)
-    return bool(np.array_equal(hi, end) and (lo[end > 0] == 0).all())
-
-
-def _window(lo: np.ndarray, hi: np.ndarray, s: int) -> tuple[int, int] | None:
-    rows = np.arange(s)
-    left = int((rows - lo).max())
-    right = int((hi - 1 - rows).max())
-    if left < 0 or right < 0:
-        return None
-    if not np.array_equal(lo, np.maximum(0, rows - left)):
-        return None
-    if not np.array_equal(hi, np.minimum(s, rows + right + 1)):
-        return None
-    return left, right
-
-
-def _documents(lo: np.ndarray, hi: np.ndarray, s: int) -> tuple[np.ndarray, bool] | None:
-    rows = np.arange(s)
-    cu = np.append(np.unique(lo), s).astype(np.int64)
-    if cu[0] != 0:
-        return None
-    doc = np.searchsorted(cu, rows, side="right") - 1
-    if not np.array_equal(lo, cu[doc]):
-        return None
-    if np.array_equal(hi, cu[doc + 1]):
-        return cu, False
-    if np.array_equal(hi, rows + 1):
-        return cu, True
-    return None
-
-
-def _classify(mask: Mask) -> MaskStructure:
-    sq, sk = mask.seqlen_q, mask.seqlen_k
-    lo_all, hi_all = mask.row_intervals()
-    empty = int((~(hi_all > lo_all).any(axis=1)).sum())
-    single = _single_intervals(mask)
-    is_full = is_causal = False
-    window = documents = None
-    if single is not None:
-        lo, hi = single
-        is_full = empty == 0 and bool((lo == 0).all() and (hi == sk).all())
-        is_causal = not is_full and _is_causal(lo, hi, sq, sk)
-        if sq == sk and empty == 0:
-            window = _window(lo, hi, sq)
-            documents = _documents(lo, hi, sq)
-    if is_full:
+def classify(mask: Mask) -> MaskStructure:
+    """The structure of `mask` (built from the cached attn_masks.row_structure)."""
+    rs = row_structure(mask)
+    window = None
+    if rs.square and rs.empty_rows == 0 and rs.band is not None:
+        # a square band, with unbounded sides (-1) spelled as the widest offset S - 1
+        window = tuple(rs.seqlen_q - 1 if side < 0 else side for side in rs.band)
+    if rs.is_full:
         kind = "full"
-    elif is_causal:
+    elif rs.is_causal:
         kind = "causal"
     elif window is not None:
         kind = "window"
-    elif documents is not None:
-        kind = "causal_document" if documents[1] else "full_document"
+    elif rs.documents is not None:
+        kind = "causal_document" if rs.documents[1] else "full_document"
     else:
         kind = "general"
-    return MaskStructure(kind, sq, sk, empty, is_full, is_causal, window, documents)
-
-
-def classify(mask: Mask) -> MaskStructure:
-    """The structure of `mask` (cached per mask object)."""
-    if not isinstance(mask, Mask):
-        raise ValueError(f"classify() needs an attn_masks.Mask, got {type(mask).__name__}")
-    found = _CACHE.get(mask)
-    if found is None:
-        found = _classify(mask)
-        _CACHE[mask] = found
-    return found
+    return MaskStructure(
+        kind,
+        rs.seqlen_q,
+        rs.seqlen_k,
+        rs.empty_rows,
+        rs.is_full,
+        rs.is_causal,
+        window,
+        rs.documents,
+    )
 
 
 def is_full(mask: Mask) -> bool:
