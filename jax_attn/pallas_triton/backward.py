@@ -2,12 +2,12 @@
 
 dK/dV programs own one (key tile, kv head) and loop over the `group` q heads that share it, so
 GQA needs neither repeated K/V nor atomics. `delta` is rowsum(dO * O) minus the LSE cotangent.
-fused.py has the one-kernel variant (KernelConfig.fused_bwd).
+fused.py has the one-kernel variant (KernelConfig.fused_bwd), built on dkv_kernel here.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,16 +21,24 @@ from .common import (
     NT,
     backward_lse,
     dkv_update,
+    key_tile,
+    key_tile_launch,
     load_intervals,
+    mask_specs,
     matmul,
     precision_for,
+    query_tile,
+    query_tile_launch,
+    scores,
     visible,
     walk_tiles,
-    whole_spec,
 )
 from .compat import triton_params
 from .config import KernelConfig
 from .tiles import TileLists
+
+# on_tile(ds_t, k, rows, head, precision): what a dK/dV step also does with its dS^T tile.
+OnTile = Callable[[jax.Array, jax.Array, Any, jax.Array, lax.Precision], None]
 
 
 def _dq_kernel(
@@ -54,9 +62,7 @@ def _dq_kernel(
     block_k: int,
 ) -> None:
     block_q = q_ref.shape[0]
-    tile = num_q_tiles - 1 - pl.program_id(0)
-    row0 = tile * block_q
-    outer = lax.div(tile, mask_block_q // block_q)
+    row0, outer = query_tile(num_q_tiles, block_q, mask_block_q)
     q = q_ref[...]
     do = do_ref[...]
     precision = precision_for(q.dtype)
@@ -68,9 +74,7 @@ def _dq_kernel(
     def step(start: jax.Array, _rep: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
         k = k_ref[pl.ds(start, block_k), :]
         v = v_ref[pl.ds(start, block_k), :]
-        s = matmul(q, k, NT, precision) * qk_scale
-        if masked:
-            s = jnp.where(visible(intervals, start, block_k, keys_first=False), s, -jnp.inf)
+        s = scores(q, k, intervals, start, masked, qk_scale=qk_scale, precision=precision)
         p = jnp.exp2(s - lse[:, None])
         dp = matmul(do, v, NT, precision)
         ds = p * (dp - delta[:, None])
@@ -89,7 +93,7 @@ def _dq_kernel(
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(
+def dkv_kernel(
     q_ref: Any,
     k_ref: Any,
     v_ref: Any,
@@ -110,33 +114,47 @@ def _dkv_kernel(
     mask_block_q: int,
     mask_block_k: int,
     block_q: int,
+    lse_base2: bool = False,
+    stagger_heads: bool = False,
+    on_tile: OnTile | None = None,
 ) -> None:
+    """dK, dV of one (key tile, kv head): every listed query sub-tile of every q head it serves.
+
+    lse_base2: lse_ref already holds backward_lse(lse) (else each step converts what it loads).
+    stagger_heads: key tile t starts at q head (t mod group) of its group. on_tile is called
+    after each step (the fused backward adds that sub-tile's dQ there).
+    """
     block_k = k_ref.shape[0]
-    tile = pl.program_id(0)
-    col0 = tile * block_k
-    outer = lax.div(tile, mask_block_k // block_k)
-    head0 = lax.rem(pl.program_id(1), heads_kv) * group
+    tile, col0, outer, head0 = key_tile(block_k, mask_block_k, heads_kv, group)
     k = k_ref[...]
     v = v_ref[...]
     precision = precision_for(k.dtype)
     qk_scale = scale * LOG2E
 
     def step(start: jax.Array, rep: jax.Array, carry: Any, masked: bool) -> Any:
-        head = head0 + rep
+        # Staggered, neighbouring key tiles start at different heads of the group: programs
+        # walking the same query tiles in lockstep then add into different dQ rows (fused
+        # backward) at any one time.
+        head = head0 + (lax.rem(rep + tile, group) if stagger_heads and group > 1 else rep)
         rows = pl.ds(start, block_q)
         intervals = load_intervals(lo_ref, hi_ref, start, block_q) if masked else None
-        dk, dv, _ = dkv_update(
+        q = q_ref[rows, head, :]
+        do = do_ref[rows, head, :]
+        lse2 = lse_ref[head, rows] if lse_base2 else backward_lse(lse_ref[head, rows])
+        dk, dv, ds_t = dkv_update(
             k,
             v,
-            q_ref[rows, head, :],
-            do_ref[rows, head, :],
-            backward_lse(lse_ref[head, rows]),
+            q,
+            do,
+            lse2,
             delta_ref[head, rows],
             visible(intervals, col0, block_k, keys_first=True) if masked else None,
             carry,
             qk_scale=qk_scale,
             precision=precision,
         )
+        if on_tile is not None:
+            on_tile(ds_t, k, rows, head, precision)
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -173,35 +191,19 @@ def backward_dq(
     interpret: bool,
 ) -> jax.Array:
     """dQ (B,Sq,Hq,D) from padded inputs; lists are the per-q-tile key tile lists."""
-    batch, seq_q, heads_q, dim = q.shape
-    seq_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    block_q, block_k = config.block_q_dq, config.block_k_dq
-    num_q_tiles = seq_q // block_q
-
-    def q_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), num_q_tiles - 1 - i, lax.rem(bh, heads_q), 0
-
-    def kv_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), 0, lax.div(lax.rem(bh, heads_q), group), 0
-
-    def row_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), lax.rem(bh, heads_q), num_q_tiles - 1 - i
-
-    kernel = functools.partial(
+    kernel, grid, (q_spec, kv_spec, row_spec) = query_tile_launch(
         _dq_kernel,
+        q,
+        k,
+        config.block_q_dq,
+        config.block_k_dq,
         scale=scale,
-        num_q_tiles=num_q_tiles,
         mask_block_q=mask_block_q,
         mask_block_k=mask_block_k,
-        block_k=block_k,
     )
-    q_spec = pl.BlockSpec((None, block_q, None, dim), q_map)
-    kv_spec = pl.BlockSpec((None, seq_k, None, dim), kv_map)
-    row_spec = pl.BlockSpec((None, None, block_q), row_map)
     return pl.pallas_call(
         kernel,
-        grid=(num_q_tiles, batch * heads_q),
+        grid=grid,
         in_specs=[
             q_spec,
             kv_spec,
@@ -209,18 +211,14 @@ def backward_dq(
             q_spec,
             row_spec,
             row_spec,
-            whole_spec(lo),
-            whole_spec(hi),
-            whole_spec(lists.index),
-            whole_spec(lists.n_partial),
-            whole_spec(lists.count),
+            *mask_specs(lo, hi, lists),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=triton_params(config.num_warps_bwd, config.num_stages_bwd),
         interpret=interpret,
         name="masked_flash_dq",
-    )(q, k, v, do, lse, delta, lo, hi, lists.index, lists.n_partial, lists.count)
+    )(q, k, v, do, lse, delta, lo, hi, *lists)
 
 
 def backward_dkv(
@@ -241,34 +239,19 @@ def backward_dkv(
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """dK, dV (B,Sk,Hkv,D) from padded inputs; lists are the per-k-tile query tile lists."""
-    batch, seq_q, heads_q, dim = q.shape
-    seq_k, heads_kv = k.shape[1], k.shape[2]
-    block_q, block_k = config.block_q_dkv, config.block_k_dkv
-
-    def kv_map(j: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_kv), j, lax.rem(bh, heads_kv), 0
-
-    def seq_map(j: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_kv), 0, 0, 0
-
-    def row_map(j: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_kv), 0, 0
-
-    kernel = functools.partial(
-        _dkv_kernel,
+    kernel, grid, (kv_spec, seq_spec, row_spec) = key_tile_launch(
+        dkv_kernel,
+        q,
+        k,
+        config.block_q_dkv,
+        config.block_k_dkv,
         scale=scale,
-        heads_kv=heads_kv,
-        group=heads_q // heads_kv,
         mask_block_q=mask_block_q,
         mask_block_k=mask_block_k,
-        block_q=block_q,
     )
-    kv_spec = pl.BlockSpec((None, block_k, None, dim), kv_map)
-    seq_spec = pl.BlockSpec((None, seq_q, heads_q, dim), seq_map)
-    row_spec = pl.BlockSpec((None, heads_q, seq_q), row_map)
     return pl.pallas_call(
         kernel,
-        grid=(seq_k // block_k, batch * heads_kv),
+        grid=grid,
         in_specs=[
             seq_spec,
             kv_spec,
@@ -276,15 +259,11 @@ def backward_dkv(
             seq_spec,
             row_spec,
             row_spec,
-            whole_spec(lo),
-            whole_spec(hi),
-            whole_spec(lists.index),
-            whole_spec(lists.n_partial),
-            whole_spec(lists.count),
+            *mask_specs(lo, hi, lists),
         ],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=triton_params(config.num_warps_bwd, config.num_stages_bwd),
         interpret=interpret,
         name="masked_flash_dkv",
-    )(q, k, v, do, lse, delta, lo, hi, lists.index, lists.n_partial, lists.count)
+    )(q, k, v, do, lse, delta, lo, hi, *lists)

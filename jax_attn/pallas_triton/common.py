@@ -1,7 +1,12 @@
-"""In-kernel helpers shared by the forward and backward kernels: matmuls, masks, tile walks."""
+"""Helpers shared by the forward and backward kernels: matmuls, masks, tile walks, BlockSpecs.
+
+The in-kernel helpers are plain Python functions called while the kernel body is traced, so
+everything they emit is inlined into the one kernel (no calls, nothing changes in the program).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +21,8 @@ LN2 = math.log(2.0)
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
+Specs = tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]
+Launch = tuple[Callable[..., None], tuple[int, int], Specs]  # kernel, grid, specs
 
 
 def precision_for(dtype: Any) -> lax.Precision:
@@ -33,6 +40,137 @@ def matmul(a: jax.Array, b: jax.Array, dims: Any, precision: lax.Precision) -> j
 def whole_spec(x: jax.Array) -> pl.BlockSpec:
     """The whole array as one block, for every program of a 2-D grid."""
     return pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+
+
+def mask_specs(lo: jax.Array, hi: jax.Array, lists: Sequence[jax.Array]) -> list[pl.BlockSpec]:
+    """Whole-array specs of the mask operands: lo, hi, then the TileLists (index, n_partial,
+    count), passed to the kernel in that order as (lo, hi, *lists)."""
+    return [whole_spec(x) for x in (lo, hi, *lists)]
+
+
+def query_tile_specs(q: jax.Array, k: jax.Array, block_q: int) -> Specs:
+    """Specs of a (query tile, batch * q head) grid whose query tiles run last first.
+
+    (q-like: block_q rows of one q head; K/V-like: every key of that head's kv head; per-row
+    (B, Hq, Sq) arrays such as the LSE: block_q rows of the head.)
+    """
+    seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    num_q_tiles = seq_q // block_q
+
+    def q_map(i: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_q), num_q_tiles - 1 - i, lax.rem(bh, heads_q), 0
+
+    def kv_map(i: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_q), 0, lax.div(lax.rem(bh, heads_q), group), 0
+
+    def row_map(i: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_q), lax.rem(bh, heads_q), num_q_tiles - 1 - i
+
+    return (
+        pl.BlockSpec((None, block_q, None, dim), q_map),
+        pl.BlockSpec((None, seq_k, None, dim), kv_map),
+        pl.BlockSpec((None, None, block_q), row_map),
+    )
+
+
+def key_tile_specs(q: jax.Array, k: jax.Array, block_k: int) -> Specs:
+    """Specs of a (key tile, batch * kv head) grid.
+
+    (K/V-like: block_k keys of one kv head; q-like: the whole (Sq, Hq, D) sequence of the batch
+    row, every head, since the program loops over the q heads of its group; per-row (B, Hq, Sq)
+    arrays: all heads and rows of the batch row.)
+    """
+    seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    heads_kv = k.shape[2]
+
+    def kv_map(j: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_kv), j, lax.rem(bh, heads_kv), 0
+
+    def seq_map(j: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_kv), 0, 0, 0
+
+    def row_map(j: jax.Array, bh: jax.Array) -> tuple:
+        return lax.div(bh, heads_kv), 0, 0
+
+    return (
+        pl.BlockSpec((None, block_k, None, dim), kv_map),
+        pl.BlockSpec((None, seq_q, heads_q, dim), seq_map),
+        pl.BlockSpec((None, heads_q, seq_q), row_map),
+    )
+
+
+def query_tile_launch(
+    kernel: Callable[..., None],
+    q: jax.Array,
+    k: jax.Array,
+    block_q: int,
+    block_k: int,
+    *,
+    scale: float,
+    mask_block_q: int,
+    mask_block_k: int,
+) -> Launch:
+    """(kernel with its static arguments, grid, query_tile_specs) of a query-tile kernel."""
+    batch, seq_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
+    num_q_tiles = seq_q // block_q
+    kernel = functools.partial(
+        kernel,
+        scale=scale,
+        num_q_tiles=num_q_tiles,
+        mask_block_q=mask_block_q,
+        mask_block_k=mask_block_k,
+        block_k=block_k,
+    )
+    return kernel, (num_q_tiles, batch * heads_q), query_tile_specs(q, k, block_q)
+
+
+def key_tile_launch(
+    kernel: Callable[..., None],
+    q: jax.Array,
+    k: jax.Array,
+    block_q: int,
+    block_k: int,
+    *,
+    scale: float,
+    mask_block_q: int,
+    mask_block_k: int,
+    **extra: Any,
+) -> Launch:
+    """(kernel with its static arguments, grid, key_tile_specs) of a key-tile kernel."""
+    batch, heads_q = q.shape[0], q.shape[2]
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    kernel = functools.partial(
+        kernel,
+        scale=scale,
+        heads_kv=heads_kv,
+        group=heads_q // heads_kv,
+        mask_block_q=mask_block_q,
+        mask_block_k=mask_block_k,
+        block_q=block_q,
+        **extra,
+    )
+    return kernel, (seq_k // block_k, batch * heads_kv), key_tile_specs(q, k, block_k)
+
+
+def query_tile(num_q_tiles: int, block_q: int, mask_block_q: int) -> tuple[jax.Array, jax.Array]:
+    """(first row, mask tile) of this program's query tile; tiles run last first (the longest
+    rows of causal masks start first), matching query_tile_specs."""
+    tile = num_q_tiles - 1 - pl.program_id(0)
+    row0 = tile * block_q
+    return row0, lax.div(tile, mask_block_q // block_q)
+
+
+def key_tile(
+    block_k: int, mask_block_k: int, heads_kv: int, group: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(tile, first key, mask tile, first q head of the group) of this key-tile program."""
+    tile = pl.program_id(0)
+    col0 = tile * block_k
+    outer = lax.div(tile, mask_block_k // block_k)
+    head0 = lax.rem(pl.program_id(1), heads_kv) * group
+    return tile, col0, outer, head0
 
 
 def load_intervals(
@@ -62,6 +200,23 @@ def visible(
         inside = (cols >= lo) & (cols < hi)
         out = inside if out is None else out | inside
     return out
+
+
+def scores(
+    q: jax.Array,
+    k: jax.Array,
+    intervals: Sequence[tuple[jax.Array, jax.Array]],
+    key_start: jax.Array,
+    masked: bool,
+    *,
+    qk_scale: float,
+    precision: lax.Precision,
+) -> jax.Array:
+    """Base-2 scores q @ k.T * qk_scale of a (rows, keys) tile, -inf where a masked tile hides."""
+    s = matmul(q, k, NT, precision) * qk_scale
+    if masked:
+        s = jnp.where(visible(intervals, key_start, k.shape[0], keys_first=False), s, -jnp.inf)
+    return s
 
 
 def backward_lse(lse: jax.Array) -> jax.Array:

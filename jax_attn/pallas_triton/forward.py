@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import LN2, LOG2E, NN, NT, load_intervals, matmul, precision_for, visible, walk_tiles
+from .common import (
+    LN2,
+    LOG2E,
+    NN,
+    load_intervals,
+    mask_specs,
+    matmul,
+    precision_for,
+    query_tile,
+    query_tile_launch,
+    scores,
+    walk_tiles,
+)
 from .compat import triton_params
 from .config import KernelConfig
 from .tiles import TileLists
@@ -35,9 +45,7 @@ def _forward_kernel(
     block_k: int,
 ) -> None:
     block_q = q_ref.shape[0]
-    tile = num_q_tiles - 1 - pl.program_id(0)  # longest rows of causal masks first
-    row0 = tile * block_q
-    outer = lax.div(tile, mask_block_q // block_q)
+    row0, outer = query_tile(num_q_tiles, block_q, mask_block_q)
     q = q_ref[...]
     precision = precision_for(q.dtype)
     qk_scale = scale * LOG2E
@@ -46,9 +54,7 @@ def _forward_kernel(
     def step(start: jax.Array, _rep: jax.Array, carry: Any, masked: bool) -> Any:
         acc, m_prev, l_prev = carry
         k = k_ref[pl.ds(start, block_k), :]
-        s = matmul(q, k, NT, precision) * qk_scale
-        if masked:
-            s = jnp.where(visible(intervals, start, block_k, keys_first=False), s, -jnp.inf)
+        s = scores(q, k, intervals, start, masked, qk_scale=qk_scale, precision=precision)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
         alpha = jnp.exp2(m_prev - m_safe)
@@ -94,49 +100,22 @@ def forward(
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Padded q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D), lo/hi (K,Sq) -> out (B,Sq,Hq,D), lse (B,Hq,Sq)."""
-    batch, seq_q, heads_q, dim = q.shape
-    seq_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    block_q, block_k = config.block_q, config.block_k
-    num_q_tiles = seq_q // block_q
-
-    def q_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), num_q_tiles - 1 - i, lax.rem(bh, heads_q), 0
-
-    def kv_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), 0, lax.div(lax.rem(bh, heads_q), group), 0
-
-    def lse_map(i: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_q), lax.rem(bh, heads_q), num_q_tiles - 1 - i
-
-    def whole(x: jax.Array) -> pl.BlockSpec:
-        return pl.BlockSpec(x.shape, lambda i, bh: (0,) * x.ndim)
-
-    kernel = functools.partial(
+    batch, seq_q, heads_q, _ = q.shape
+    kernel, grid, (q_spec, kv_spec, lse_spec) = query_tile_launch(
         _forward_kernel,
+        q,
+        k,
+        config.block_q,
+        config.block_k,
         scale=scale,
-        num_q_tiles=num_q_tiles,
         mask_block_q=mask_block_q,
         mask_block_k=mask_block_k,
-        block_k=block_k,
     )
     return pl.pallas_call(
         kernel,
-        grid=(num_q_tiles, batch * heads_q),
-        in_specs=[
-            pl.BlockSpec((None, block_q, None, dim), q_map),
-            pl.BlockSpec((None, seq_k, None, dim), kv_map),
-            pl.BlockSpec((None, seq_k, None, dim), kv_map),
-            whole(lo),
-            whole(hi),
-            whole(lists.index),
-            whole(lists.n_partial),
-            whole(lists.count),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, block_q, None, dim), q_map),
-            pl.BlockSpec((None, None, block_q), lse_map),
-        ],
+        grid=grid,
+        in_specs=[q_spec, kv_spec, kv_spec, *mask_specs(lo, hi, lists)],
+        out_specs=[q_spec, lse_spec],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
@@ -144,4 +123,4 @@ def forward(
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="masked_flash_forward",
-    )(q, k, v, lo, hi, lists.index, lists.n_partial, lists.count)
+    )(q, k, v, lo, hi, *lists)
