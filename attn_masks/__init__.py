@@ -2,7 +2,7 @@
 
 from .block_sparse import uniform_block_sparse, variable_block_sparse
 from .flops import attention_flops
-from .generators import MASK_NAMES, make_mask
+from .generators import MASK_NAMES, make_mask, make_masks
 from .mask import (
     BLOCK_EMPTY,
     BLOCK_FULL,
@@ -24,6 +24,7 @@ __all__ = [
     "generate_seqlens",
     "load_distribution",
     "make_mask",
+    "make_masks",
     "render_mask_png",
     "uniform_block_sparse",
     "variable_block_sparse",

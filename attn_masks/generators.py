@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class _Spec:
     distribution: str | Mapping | None
     params: dict
     rng: random.Random
+    draw: int | None = None
 
 
 class _Slices:
@@ -74,6 +75,8 @@ class _Slices:
         k = np.concatenate(self.k) if self.k else np.zeros((0, 2), np.int64)
         t = np.concatenate(self.t) if self.t else np.zeros(0, np.int8)
         params = {"reference_compat": spec.compat, "seed": spec.seed, **meta}
+        if spec.draw is not None:
+            params["draw"] = spec.draw
         return from_slices(q, k, t, spec.seqlen, spec.seqlen, name=spec.name, params=params)
 
 
@@ -325,6 +328,35 @@ def _check_params(seqlen: int, params: dict) -> dict:
     return {k: v for k, v in params.items() if v is not None}
 
 
+def _checked_spec(
+    name: str,
+    seqlen: int,
+    seed: int,
+    window: int,
+    reference_compat: bool,
+    distribution: str | Mapping | None,
+    params: dict,
+    rng: random.Random,
+) -> _Spec:
+    """Validated inputs of a draw from rng (raises ValueError naming the bad argument)."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown mask name {name!r}; valid names: {', '.join(MASK_NAMES)}")
+    if not (_is_int(seqlen) and seqlen > 0):
+        raise ValueError(f"seqlen must be a positive integer, got {seqlen!r}")
+    if not (_is_int(window) and window >= 0):
+        raise ValueError(f"window must be a non-negative integer, got {window!r}")
+    return _Spec(
+        name=name,
+        seqlen=int(seqlen),
+        seed=seed,
+        window=int(window),
+        compat=bool(reference_compat),
+        distribution=distribution,
+        params=_check_params(int(seqlen), params),
+        rng=rng,
+    )
+
+
 def make_mask(
     name: str,
     seqlen: int,
@@ -341,20 +373,32 @@ def make_mask(
     reference's draw order, so an instance is the reference's first mask for that seed.
     params: block_size, prefix_length, global_size, seqlens (explicit document lengths).
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown mask name {name!r}; valid names: {', '.join(MASK_NAMES)}")
-    if not (_is_int(seqlen) and seqlen > 0):
-        raise ValueError(f"seqlen must be a positive integer, got {seqlen!r}")
-    if not (_is_int(window) and window >= 0):
-        raise ValueError(f"window must be a non-negative integer, got {window!r}")
-    spec = _Spec(
-        name=name,
-        seqlen=int(seqlen),
-        seed=seed,
-        window=int(window),
-        compat=bool(reference_compat),
-        distribution=distribution,
-        params=_check_params(int(seqlen), params),
-        rng=random.Random(seed),
+    spec = _checked_spec(
+        name, seqlen, seed, window, reference_compat, distribution, params, random.Random(seed)
     )
     return _BUILDERS[name](spec)
+
+
+def make_masks(
+    name: str,
+    seqlen: int,
+    count: int,
+    *,
+    seed: int = 42,
+    window: int = 1024,
+    reference_compat: bool = False,
+    distribution: str | Mapping | None = None,
+    **params: object,
+) -> list[Mask]:
+    """count instances drawn one after another from one `random.Random(seed)` stream.
+
+    This is the reference's MaskIterator (the CP benchmark's 30 masks per point): the first
+    mask equals make_mask(name, seqlen, seed=seed, ...) and mask i continues the stream where
+    mask i - 1 stopped. Each mask's params record the stream seed and its "draw" index.
+    """
+    if not (_is_int(count) and count > 0):
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    spec = _checked_spec(
+        name, seqlen, seed, window, reference_compat, distribution, params, random.Random(seed)
+    )
+    return [_BUILDERS[name](replace(spec, draw=i)) for i in range(count)]

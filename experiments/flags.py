@@ -112,7 +112,7 @@ def define_flags() -> None:
     flags.DEFINE_list("mode", None, "Directions: fwd|bwd|fwd_bwd (comma list).")
     flags.DEFINE_integer("warmup", None, "Untimed warm-up calls per mask.", lower_bound=0)
     flags.DEFINE_integer("iters", None, "Timed calls per mask.", lower_bound=1)
-    flags.DEFINE_integer("seed", 42, "Seed of masks (mask i uses seed + i) and inputs.")
+    flags.DEFINE_integer("seed", 42, "Seed of the mask stream (as MaskIterator) and inputs.")
     flags.DEFINE_integer("num_masks", None, "Masks drawn per point.", lower_bound=1)
     flags.DEFINE_integer("window", None, "Sliding-window size.", lower_bound=0)
     flags.DEFINE_bool("reference_compat", None, "Reproduce the published (buggy) masks.")

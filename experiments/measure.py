@@ -33,7 +33,7 @@ def mask_result(
     t = timing.time_stats(times_ms)
     return {
         "index": index,
-        "seed": point.seed + index,
+        "seed": point.seed,
         "area": mask.area(),
         "density": mask.density(),
         "flops": flops,

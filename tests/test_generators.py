@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from attn_masks.generators import MASK_NAMES, make_mask
+from attn_masks.generators import MASK_NAMES, make_mask, make_masks
 from attn_masks.sampling import generate_seqlens
 
 S8K = 8192
@@ -364,3 +364,93 @@ def test_errors(call, fragment):
 def test_block_size_error_names_valid_rule():
     with pytest.raises(ValueError, match=re.escape("multiple of block_size 1024")):
         make_mask("block_causal_document", 1500)
+
+
+# --- mask streams (MaskIterator) --------------------------------------------------------------
+
+
+def _reference_seqlens(table: dict, total: int, rng: random.Random) -> list[int]:
+    """SPEC.md 1.2 sampler: normalised weights, one choices() bucket, randint inclusive of b."""
+    buckets = list(table)
+    weight_sum = sum(table.values())
+    probs = [w / weight_sum for w in table.values()]
+    out: list[int] = []
+    while sum(out) < total:
+        a, b = rng.choices(buckets, weights=probs, k=1)[0]
+        out.append(max(min(rng.randint(a, b), total - sum(out)), 1))
+    return out
+
+
+def _reference_stream(name: str, n: int, count: int, seed: int) -> list:
+    """What the reference's MaskIterator draws: every mask continues one Random(seed) stream."""
+    from attn_masks.sampling import load_distribution
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        if name == "causal_document_long":
+            short = _reference_seqlens(load_distribution("prolong512k"), int(n * 0.4), rng)
+            long_ = _reference_seqlens({(8192, 30720): 1.0}, n - int(n * 0.4), rng)
+            lens = short + long_
+            rng.shuffle(lens)
+            out.append(lens)
+        elif name == "prefix_lm_document":
+            lens = _reference_seqlens(load_distribution("pile"), n, rng)
+            out.append((lens, rng.randint(1, lens[0])))
+        elif name == "global_sliding_window":
+            out.append(max(1, rng.randint(1, n // 3 - 1)))
+    return out
+
+
+def _drawn(m, name: str):
+    lens = np.diff(m.params["cu_seqlens"]).tolist() if "cu_seqlens" in m.params else None
+    if name == "causal_document_long":
+        return lens
+    if name == "prefix_lm_document":
+        return (lens, m.params["prefix_length"])
+    return m.params["global_size"]
+
+
+@pytest.mark.parametrize(
+    "name, n",
+    [("causal_document_long", 65536), ("prefix_lm_document", 4096), ("global_sliding_window", 900)],
+)
+def test_make_masks_continue_one_stream_like_mask_iterator(name, n):
+    masks = make_masks(name, n, 4, seed=42, reference_compat=True)
+    expected = _reference_stream(name, n, 4, 42)
+    assert [_drawn(m, name) for m in masks] == expected
+    assert [m.params["draw"] for m in masks] == [0, 1, 2, 3]
+    assert all(m.params["seed"] == 42 for m in masks)
+
+
+@pytest.mark.parametrize("compat", [False, True])
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_make_masks_first_equals_make_mask(name, compat):
+    kw = dict(seed=7, window=33, reference_compat=compat, **_params_for(name, 2048))
+    first = make_masks(name, 2048, 2, **kw)[0]
+    one = make_mask(name, 2048, **kw)
+    for a, b in zip(first.slices, one.slices):
+        np.testing.assert_array_equal(a, b)
+    assert {k: v for k, v in first.params.items() if k != "draw"}.keys() == one.params.keys()
+    if "cu_seqlens" in one.params:
+        np.testing.assert_array_equal(first.params["cu_seqlens"], one.params["cu_seqlens"])
+
+
+def test_make_masks_second_draw_continues_the_stream():
+    rng = random.Random(42)
+    generate_seqlens("pile", 8192, rng)
+    second = generate_seqlens("pile", 8192, rng)
+    masks = make_masks("causal_document", 8192, 3, reference_compat=True)
+    assert np.diff(masks[1].params["cu_seqlens"]).tolist() == second
+    cus = [m.params["cu_seqlens"].tolist() for m in masks]
+    assert cus[0] != cus[1] and cus[1] != cus[2] and cus[0] != cus[2]
+    assert masks[0].area() == GOLDEN_8K["causal_document"][1]
+    for m in make_masks("causal_document", 1024, 3, seed=5):
+        np.testing.assert_array_equal(m.dense(), _expected(m, "causal_document", 1024, 0, False))
+
+
+def test_make_masks_errors():
+    with pytest.raises(ValueError, match="count must be a positive integer, got 0"):
+        make_masks("causal", 64, 0)
+    with pytest.raises(ValueError, match=r"'causal_doc'"):
+        make_masks("causal_doc", 64, 2)
