@@ -8,6 +8,7 @@ piece of arithmetic instead of four.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
@@ -16,6 +17,10 @@ from typing import Any
 import numpy as np
 
 INF = np.int64(1) << np.int64(60)
+# block_map works from the slices instead of per-row intervals beyond this many intervals per row.
+ROW_ROUTE_INTERVALS_PER_ROW = 4
+# (slice, tile) entries the slice route handles at once.
+CHUNK_ENTRIES = 1 << 22
 
 
 class MaskType(IntEnum):
@@ -270,6 +275,13 @@ class Mask:
         return cache[key]
 
     def _compute_block_map(self, bq: int, bk: int) -> np.ndarray:
+        rows = int((self.q_ranges[:, 1] - self.q_ranges[:, 0]).sum(dtype=np.int64))
+        if rows > ROW_ROUTE_INTERVALS_PER_ROW * self.seqlen_q:
+            return self._block_map_from_slices(bq, bk)
+        return self._block_map_from_rows(bq, bk)
+
+    def _block_map_from_rows(self, bq: int, bk: int) -> np.ndarray:
+        """Block map from the per-row intervals: cheap when rows hold few intervals."""
         lo, hi = self.row_intervals()
         nq = -(-self.seqlen_q // bq)
         nk = -(-self.seqlen_k // bk)
@@ -303,6 +315,33 @@ class Mask:
             np.subtract.at(cover, f1u[sl], f_cnt[sl])
             full = np.cumsum(cover[:nk]) == rows_per_qb[q]
             out[q, full] = BLOCK_FULL
+        return out
+
+    def _block_map_from_slices(self, bq: int, bk: int) -> np.ndarray:
+        """Block map straight from the band geometry of the slices, in O(touched tiles).
+
+        Per (slice, q tile): the k tiles every tile row sees completely are FULL outright (no
+        other slice can touch them); the other touched tiles get the slice's exact area in them,
+        and such a tile is FULL iff the areas of all slices in it add up to its real area.
+        """
+        sq, sk = self.seqlen_q, self.seqlen_k
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        full = np.zeros((nq, nk + 1), np.int8)
+        keys, areas = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for part in _slice_chunks(self, bq, bk, CHUNK_ENTRIES):
+            sid, t, a0, a1, f0, f1, pair, kt = _tile_pairs(*part, bq, bk, sq, sk)
+            has = f0 < f1
+            full[t[has], f0[has]] += 1
+            full[t[has], f1[has]] -= 1
+            bands = (b[sid[pair]] for b in part[2:])
+            key, area = _edge_tile_areas(t[pair], a0[pair], a1[pair], kt, *bands, bk, nk)
+            keys.append(key)
+            areas.append(area)
+        out = (np.cumsum(full, axis=1, dtype=np.int8)[:, :nk] * BLOCK_FULL).astype(np.int8)
+        key, area = _sum_by_key(np.concatenate(keys), np.concatenate(areas))
+        qt, kt = np.divmod(key, nk)
+        real = np.minimum(bq, sq - qt * bq) * np.minimum(bk, sk - kt * bk)
+        out[qt, kt] = np.where(area == real, BLOCK_FULL, BLOCK_PARTIAL)
         return out
 
     def block_lists(self, block_q: int, block_k: int) -> BlockLists:
@@ -356,6 +395,115 @@ class Mask:
             qr = kr = np.zeros((0, 2), np.int64)
             ty = np.zeros(0, np.int8)
         return Mask(len(qp), len(kp), qr, kr, ty, name=f"{self.name}[restricted]", params={})
+
+
+def _slice_chunks(
+    mask: Mask, bq: int, bk: int, budget: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Non-empty slices as (r0, r1, k0, k1, lo, hi) bands, rows clipped to those seeing a key,
+    in chunks of about `budget` (slice, tile) entries (estimated from above)."""
+    lo, hi = mask._bands
+    q0, q1 = mask.q_ranges[:, 0], mask.q_ranges[:, 1]
+    k0, k1 = mask.k_ranges[:, 0], mask.k_ranges[:, 1]
+    lo = np.maximum(lo, k0 - q1)  # offsets beyond the rectangle change nothing; keep them small
+    hi = np.minimum(hi, k1 - 1 - q0)
+    r0 = np.maximum(q0, k0 - hi)
+    r1 = np.minimum(q1, k1 - lo)
+    ok = np.nonzero((r0 < r1) & (lo <= hi) & (k0 < k1))[0]
+    pairs = (r1[ok] - 1) // bq - r0[ok] // bq + 1
+    cost = np.cumsum(pairs * (2 * (bq // bk) + 5) + 2 * ((k1[ok] - k0[ok]) // bk + 2))
+    total = int(cost[-1]) if cost.size else 0
+    bounds = np.unique(np.searchsorted(cost, np.arange(0, total, budget)))
+    for a, b in zip(bounds.tolist(), [*bounds[1:].tolist(), ok.size]):
+        s = ok[a:b]
+        yield r0[s], r1[s], k0[s], k1[s], lo[s], hi[s]
+
+
+def _tile_pairs(
+    r0: np.ndarray,
+    r1: np.ndarray,
+    k0: np.ndarray,
+    k1: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bq: int,
+    bk: int,
+    sq: int,
+    sk: int,
+) -> tuple[np.ndarray, ...]:
+    """Per (slice, q tile) pair: slice, t, rows [a0, a1), FULL k tiles [f0, f1); per edge tile:
+    its pair and k tile.
+
+    Start and end of a row's visible keys never decrease with the row, so a pair touches the keys
+    from its first row's start to its last row's end, and every row sees those from its last
+    row's start to its first row's end (whole tiles count only if the slice holds all the tile's
+    real rows). Edge tiles are the touched tiles that are not FULL this way.
+    """
+    first = r0 // bq
+    n = (r1 - 1) // bq - first + 1
+    sid = np.repeat(np.arange(r0.size), n)
+    t = first[sid] + np.arange(sid.size) - np.repeat(np.cumsum(n) - n, n)
+    a0 = np.maximum(r0[sid], t * bq)
+    a1 = np.minimum(r1[sid], (t + 1) * bq)
+    t0 = np.maximum(k0[sid], a0 + lo[sid]) // bk
+    t1 = -(-np.minimum(k1[sid], a1 + hi[sid]) // bk)
+    c0 = np.maximum(k0[sid], a1 - 1 + lo[sid])
+    c1 = np.minimum(k1[sid], a0 + hi[sid] + 1)
+    all_rows = (a0 == t * bq) & (a1 == np.minimum((t + 1) * bq, sq))
+    f0 = -(-c0 // bk)
+    f1 = np.where(c1 >= sk, -(-sk // bk), c1 // bk)
+    has = all_rows & (c0 < c1) & (f0 < f1)
+    f0 = np.where(has, f0, t1)
+    f1 = np.where(has, f1, t1)
+    n_left, n_right = f0 - t0, t1 - f1
+    n_edge = n_left + n_right
+    pair = np.repeat(np.arange(sid.size), n_edge)
+    pos = np.arange(pair.size) - np.repeat(np.cumsum(n_edge) - n_edge, n_edge)
+    kt = np.where(pos < n_left[pair], t0[pair] + pos, f1[pair] + pos - n_left[pair])
+    return sid, t, a0, a1, f0, f1, pair, kt
+
+
+def _edge_tile_areas(
+    qt: np.ndarray,
+    r0: np.ndarray,
+    r1: np.ndarray,
+    kt: np.ndarray,
+    k0: np.ndarray,
+    k1: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bk: int,
+    nk: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Visible pairs of each band in its tile (rows [r0, r1), k tile kt), summed per tile key."""
+    c0 = np.maximum(k0, kt * bk)
+    c1 = np.minimum(k1, (kt + 1) * bk)
+    area = _band_area(r0, r1, c0, c1, hi) - _band_area(r0, r1, c0, c1, lo - 1)
+    return _sum_by_key(qt * nk + kt, area)
+
+
+def _band_area(
+    r0: np.ndarray, r1: np.ndarray, c0: np.ndarray, c1: np.ndarray, h: np.ndarray
+) -> np.ndarray:
+    """Pairs (i, j) in [r0, r1) x [c0, c1) with j - i <= h: sum of clip(i + h + 1 - c0, 0, w)."""
+    w = c1 - c0
+    h = np.clip(h, c0 - r1, c1 - r0)
+
+    def ramp(x: np.ndarray) -> np.ndarray:
+        x = np.maximum(x, 0)
+        return np.where(x <= w + 1, x * (x - 1) // 2, w * (w + 1) // 2 + (x - w - 1) * w)
+
+    return ramp(r1 + h + 1 - c0) - ramp(r0 + h + 1 - c0)
+
+
+def _sum_by_key(key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys (ascending) and the sum of the values of each."""
+    if key.size == 0:
+        return key, value
+    order = np.argsort(key, kind="stable")
+    key, value = key[order], value[order]
+    starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    return key[starts], np.add.reduceat(value, starts)
 
 
 def _check_block(b: int, what: str) -> None:

@@ -1,9 +1,22 @@
 """Mask model: slices -> area, dense, per-row intervals, block maps, restriction, validation."""
 
+import time
+
 import numpy as np
 import pytest
 
-from attn_masks import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, MaskType, from_slices
+import attn_masks.mask as mask_module
+from attn_masks import (
+    BLOCK_EMPTY,
+    BLOCK_FULL,
+    BLOCK_PARTIAL,
+    MASK_NAMES,
+    MaskType,
+    from_slices,
+    make_mask,
+    uniform_block_sparse,
+    variable_block_sparse,
+)
 
 
 def brute_dense(q_ranges, k_ranges, types, sq, sk):
@@ -190,3 +203,79 @@ def test_row_structure_reads_rows_not_slices():
     assert tall.is_causal and tall.empty_rows == 2 and tall.band is None
     with pytest.raises(ValueError, match="attn_masks.Mask"):
         row_structure(np.ones((4, 4), bool))
+
+
+# --- block map from the slices (fragmented masks) ---------------------------------------------
+
+TILES = [(1, 1), (4, 8), (16, 16), (7, 5), (64, 32), (3, 100)]
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("seed", range(40))
+def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(mask_module, "CHUNK_ENTRIES", chunk)
+    rng = np.random.default_rng(500 + seed)
+    sq, sk = int(rng.integers(1, 90)), int(rng.integers(1, 90))
+    qr, kr, ty = random_slices(rng, sq, sk, max_cuts=8)
+    mask = from_slices(qr, kr, ty, sq, sk)
+    dense = brute_dense(qr, kr, ty, sq, sk)
+    for bq, bk in TILES:
+        expected = brute_block_map(dense, bq, bk)
+        np.testing.assert_array_equal(mask._block_map_from_slices(bq, bk), expected)
+        np.testing.assert_array_equal(mask._block_map_from_rows(bq, bk), expected)
+
+
+@pytest.mark.parametrize("compat", [False, True])
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_block_map_routes_agree_on_every_mask(name, compat):
+    for n in (1024, 3072):
+        params = {"block_size": 64} if name == "block_causal_document" and n % 1024 else {}
+        m = make_mask(name, n, seed=n, window=37, reference_compat=compat, **params)
+        for bq, bk in [(128, 128), (64, 128), (128, 32), (100, 70)]:
+            np.testing.assert_array_equal(
+                m._block_map_from_slices(bq, bk), m._block_map_from_rows(bq, bk), err_msg=name
+            )
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        uniform_block_sparse(4096, 64, 0.5, seed=1),
+        uniform_block_sparse(4000, 48, 0.3, seed=2),
+        variable_block_sparse(8192, 256, 0.4, min_block=100, seed=3),
+    ],
+    ids=["uniform64", "uniform48_ragged", "variable"],
+)
+def test_block_map_routes_agree_on_block_sparse(mask):
+    for bq, bk in [(128, 128), (64, 64), (64, 128), (32, 96), (100, 70)]:
+        np.testing.assert_array_equal(
+            mask._block_map_from_slices(bq, bk), mask._block_map_from_rows(bq, bk)
+        )
+
+
+def test_fragmented_mask_never_builds_row_intervals():
+    m = uniform_block_sparse(1024, 16, 0.5)
+    bm = m.block_map(32, 32)
+    bl = m.block_lists(32, 32)
+    assert "_row_intervals" not in m.__dict__
+    np.testing.assert_array_equal(bm, m._block_map_from_rows(32, 32))
+    assert bl.kv_count.sum() == (bm > 0).sum()
+    doc = make_mask("causal_document", 4096)
+    doc.block_map(128, 128)
+    assert "_row_intervals" in doc.__dict__
+
+
+def test_block_sparse_131k_block_map_is_fast_and_exact():
+    m = uniform_block_sparse(131072, 64, 0.5)
+    start = time.perf_counter()
+    bm = m.block_map(128, 128)
+    elapsed = time.perf_counter() - start
+    assert "_row_intervals" not in m.__dict__
+    n = 131072 // 64
+    kept = np.zeros((n, n), bool)
+    np.put_along_axis(kept, m.params["kept_blocks"].astype(np.int64), True, axis=1)
+    per_tile = kept.reshape(n // 2, 2, n // 2, 2).sum(axis=(1, 3))
+    expected = np.where(per_tile == 4, BLOCK_FULL, np.where(per_tile > 0, BLOCK_PARTIAL, 0))
+    np.testing.assert_array_equal(bm, expected)
+    assert elapsed < 5.0
