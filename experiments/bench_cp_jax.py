@@ -29,49 +29,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MASKS = ("full", "causal", "causal_document", "share_question")
-MODES = ("fwd", "fwd_bwd")
-CHECK_TOL = {"out": 3e-2, "lse": 3e-2, "dq": 6e-2}
+from experiments.bench_cp_common import (
+    Deadline,
+    check_rows,
+    failed_checks,
+    parse,
+    parser,
+    rel_err,
+    sweep,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from shard_strategies import LAYOUTS, STRATEGIES
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--out", required=True, help="JSON-lines file to append to")
-    p.add_argument("--strategies", type=csv, default=list(STRATEGIES))
-    p.add_argument("--layouts", type=csv, default=list(LAYOUTS))
-    p.add_argument("--masks", type=csv, default=list(MASKS))
-    p.add_argument("--modes", type=csv, default=list(MODES))
-    p.add_argument(
-        "--tokens_per_gpu",
-        type=lambda s: [int(x) for x in csv(s)],
-        default=[8192, 32768],
+    p = parser(
+        __doc__.split("\n\n")[0],
+        out_help="JSON-lines file to append to",
+        check_rows=32,
+        max_minutes=8,
     )
     p.add_argument("--num_gpus", type=int, default=0, help="0: all local GPUs")
     p.add_argument("--impl", default="pallas", help="local kernel (falls back to reference)")
-    p.add_argument("--heads_q", type=int, default=64)
-    p.add_argument("--heads_kv", type=int, default=8)
-    p.add_argument("--head_dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--ulysses_size", type=int, default=0, help="usp/double_ring U (0: default)")
-    p.add_argument("--inner_axis", default="ulysses", choices=("ulysses", "ring"))
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--check_rows", type=int, default=32, help="query rows checked (0: skip)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument(
-        "--max_minutes", type=float, default=8, help="start no point after this (0: no limit)"
-    )
     p.add_argument("--profile_dir", default="", help="jax.profiler trace of one ring point")
     p.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS before jax starts")
-    args = p.parse_args(argv)
-    for name, valid in (("strategies", STRATEGIES), ("layouts", LAYOUTS), ("modes", MODES)):
-        bad = set(getattr(args, name)) - set(valid)
-        if bad:
-            p.error(f"--{name}: unknown {sorted(bad)}; valid: {', '.join(valid)}")
-    return args
+    return parse(p, argv)
 
 
 def provenance(jax, impl: str, args: argparse.Namespace, devices) -> dict:
@@ -136,16 +116,6 @@ def rows_reference(jnp, q_rows, k, v, do_rows, visible, scale):
     delta = jnp.einsum("rhgd,rhgd->hgr", dog, out)[..., None]
     dq = jnp.einsum("hgrs,shd->rhgd", p * (dp - delta), k32) * scale
     return out.reshape(r, hq, d), lse.reshape(hq, r), dq.reshape(r, hq, d)
-
-
-def rel_err(np, got, want, finite_only: bool = False) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if finite_only:
-        seen = np.isfinite(want)
-        if not np.array_equal(np.isfinite(got), seen):
-            return float("inf")
-        got, want = np.where(seen, got, 0.0), np.where(seen, want, 0.0)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
 
 
 class Bench:
@@ -216,9 +186,7 @@ class Bench:
     def check(self, ex, mask, q, k, v, do, outs, mode: str) -> dict:
         """Relative errors of a few random real query rows against a float32 computation."""
         jnp, np = self.jnp, self.np
-        rows = np.sort(
-            np.random.default_rng(0).choice(mask.seqlen_q, self.args.check_rows, replace=False)
-        )
+        rows = check_rows(mask.seqlen_q, self.args.check_rows)
         lo, hi = mask.row_intervals()
         cols = np.arange(mask.seqlen_k)
         visible = ((cols >= lo[rows, :, None]) & (cols < hi[rows, :, None])).any(axis=1)
@@ -230,9 +198,9 @@ class Bench:
         )
         out = pick(ex.undispatch(outs[0]))
         lse = jnp.take(ex.undispatch_lse(outs[1])[0], jnp.asarray(rows), axis=1)
-        errs = {"out": rel_err(np, out, want[0]), "lse": rel_err(np, lse, want[1], True)}
+        errs = {"out": rel_err(out, want[0]), "lse": rel_err(lse, want[1])}
         if mode == "fwd_bwd":
-            errs["dq"] = rel_err(np, pick(ex.undispatch(outs[2])), want[2])
+            errs["dq"] = rel_err(pick(ex.undispatch(outs[2])), want[2])
         return errs
 
     def single_gpu(self, name: str, tokens: int, mode: str) -> dict:
@@ -269,12 +237,11 @@ class Bench:
             times = self.timing.jax_time_calls(
                 fn, fargs, warmup=a.warmup, iters=a.iters, flush=self.flush
             )
-            med = self.timing.time_stats(times)["median"]
+            stats = self.timing.time_stats(times)
+            flops = attention_flops(mask, a.heads_q, a.head_dim, mode)
             res = {
-                "single_gpu_tflops": attention_flops(mask, a.heads_q, a.head_dim, mode)
-                / (med * 1e-3)
-                / 1e12,
-                "single_gpu_ms": med,
+                "single_gpu_tflops": self.timing.tflops_stats(flops, stats)["median"],
+                "single_gpu_ms": stats["median"],
             }
         except Exception as e:  # recorded next to the CP numbers, never fatal
             res = {"single_gpu_error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -333,7 +300,7 @@ class Bench:
                 rec["compile_seconds"] = time.perf_counter() - t1
                 if a.check_rows:
                     rec["check"] = self.check(ex, mask, q, k, v, do, outs, mode)
-                    bad = {kk: e for kk, e in rec["check"].items() if not e <= CHECK_TOL[kk]}
+                    bad = failed_checks(rec["check"])
                     if bad:
                         self.write({**rec, "status": "wrong", "error": f"errors {bad}"})
                         continue
@@ -346,7 +313,7 @@ class Bench:
                 rec.update(
                     status="ok",
                     time_ms=stats,
-                    tflops_per_gpu=flops / self.n / (stats["median"] * 1e-3) / 1e12,
+                    tflops_per_gpu=self.timing.tflops_stats(flops / self.n, stats)["median"],
                     peak_bytes_in_use=self.timing.jax_peak_bytes(self.devices),
                     compiled_bytes=self.timing.jax_compiled_bytes(fn, fargs),
                     **self.single_gpu(name, tokens, mode),
@@ -372,19 +339,13 @@ class Bench:
         self.profiled = True
 
     def run(self) -> None:
-        from attn_masks.generators import make_mask
-
         a = self.args
-        start = time.perf_counter()
-        for tokens in sorted(a.tokens_per_gpu):
-            for name in a.masks:
-                mask = make_mask(name, tokens * self.n, seed=a.seed)
-                for strategy in a.strategies:
-                    for layout in a.layouts:
-                        if a.max_minutes and time.perf_counter() - start > 60 * a.max_minutes:
-                            print(f"stopping: --max_minutes={a.max_minutes} reached", flush=True)
-                            return
-                        self.point(name, mask, tokens, strategy, layout)
+        deadline = Deadline(a.max_minutes)
+        for tokens, name, mask, strategy, layout in sweep(a, self.n):
+            if deadline.passed():
+                print(f"stopping: --max_minutes={a.max_minutes} reached", flush=True)
+                return
+            self.point(name, mask, tokens, strategy, layout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,47 +30,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MASKS = ("full", "causal", "causal_document", "share_question")
-MODES = ("fwd", "fwd_bwd")
-CHECK_TOL = {"out": 3e-2, "lse": 3e-2, "dq": 6e-2}
+from experiments.bench_cp_common import (
+    Deadline,
+    check_rows,
+    csv_list,
+    failed_checks,
+    parse,
+    parser,
+    rel_err,
+    sweep,
+)
+
 KEY_FIELDS = ("world_size", "tokens_per_gpu", "mask", "strategy", "layout", "impl", "mode")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (comma-separated lists)."""
-    from shard_strategies import LAYOUTS, STRATEGIES
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--out", required=True, help="JSON-lines file rank 0 appends to")
-    p.add_argument("--strategies", type=csv, default=list(STRATEGIES))
-    p.add_argument("--layouts", type=csv, default=list(LAYOUTS))
-    p.add_argument("--masks", type=csv, default=list(MASKS))
-    p.add_argument("--modes", type=csv, default=list(MODES))
-    p.add_argument("--impls", type=csv, default=["flex"], help="e.g. flex,sdpa_cudnn,sdpa_flash")
-    p.add_argument(
-        "--tokens_per_gpu", type=lambda s: [int(x) for x in csv(s)], default=[8192, 32768]
+    p = parser(
+        __doc__.split("\n\n")[0],
+        out_help="JSON-lines file rank 0 appends to",
+        check_rows=16,
+        max_minutes=0,
     )
-    p.add_argument("--heads_q", type=int, default=64)
-    p.add_argument("--heads_kv", type=int, default=8)
-    p.add_argument("--head_dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--ulysses_size", type=int, default=0, help="usp/double_ring U (0: default)")
+    p.add_argument(
+        "--impls",
+        type=csv_list,
+        default=["flex"],
+        help="e.g. flex,sdpa_cudnn,sdpa_flash",
+    )
     p.add_argument("--num_windows", type=int, default=0, help="double_ring W (0: default)")
-    p.add_argument("--inner_axis", default="ulysses", choices=("ulysses", "ring"))
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--check_rows", type=int, default=16, help="global query rows checked (0: skip)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument(
-        "--max_minutes", type=float, default=0, help="start no point after (0: no limit)"
-    )
-    args = p.parse_args(argv)
-    for name, valid in (("strategies", STRATEGIES), ("layouts", LAYOUTS), ("modes", MODES)):
-        bad = set(getattr(args, name)) - set(valid)
-        if bad:
-            p.error(f"--{name}: unknown {sorted(bad)}; valid: {', '.join(valid)}")
-    return args
+    return parse(p, argv)
 
 
 def status_of(e: BaseException) -> str:
@@ -176,12 +165,8 @@ class Bench:
 
     def check(self, plan, mask, q, k, v, do, outs, mode: str) -> dict:
         """Max relative errors of a few global rows vs float32 on rank 0 (same dict everywhere)."""
-        import numpy as np
-
         torch = self.torch
-        rows = np.sort(
-            np.random.default_rng(0).choice(mask.seqlen_q, self.args.check_rows, replace=False)
-        )
+        rows = check_rows(mask.seqlen_q, self.args.check_rows)
         with torch.no_grad():
             kg, vg = (self.cp.undispatch(x, plan)[0] for x in (k, v))
             lse_local = outs[1].transpose(1, 2)
@@ -192,7 +177,7 @@ class Bench:
         errors = [None]
         if self.rank == 0:
             want = rows_reference(torch, mask, rows, qr, kg, vg, dor, self.args.head_dim)
-            errors[0] = {key: rel_err(torch, got[key], want[key]) for key in got}
+            errors[0] = {key: rel_err(got[key].cpu(), want[key].cpu()) for key in got}
         self.dist.broadcast_object_list(errors)
         return errors[0]
 
@@ -251,11 +236,10 @@ class Bench:
 
         try:
             stats = self.agree(lambda: self.timed(run))
-            med = stats["time_ms"]["median"]
             flops = attention_flops(mask, a.heads_q, a.head_dim, mode)
             res = {
-                "single_gpu_tflops": flops / (med * 1e-3) / 1e12,
-                "single_gpu_ms": med,
+                "single_gpu_tflops": self.timing.tflops_stats(flops, stats["time_ms"])["median"],
+                "single_gpu_ms": stats["time_ms"]["median"],
                 "single_gpu_peak_gib": stats["peak_gib_max"],
             }
         except PointError as e:
@@ -316,10 +300,10 @@ class Bench:
             try:
                 rec.update(self.measure(plan, mask, impl, mode, q, k, v, do))
                 flops = attention_flops(mask, a.heads_q, a.head_dim, mode)
-                med = rec["time_ms"]["median"]
+                tflops = self.timing.tflops_stats(flops / self.n, rec["time_ms"])
                 rec.update(
                     status="ok",
-                    tflops_per_gpu=flops / self.n / (med * 1e-3) / 1e12,
+                    tflops_per_gpu=tflops["median"],
                     **self.single_gpu(name, tokens, impl, mode),
                 )
             except PointError as e:
@@ -344,7 +328,7 @@ class Bench:
         outs = [self.agree(first)]
         if self.args.check_rows:
             rec["check"] = self.agree(lambda: self.check(plan, mask, q, k, v, do, outs[0], mode))
-            bad = {key: e for key, e in rec["check"].items() if not e <= CHECK_TOL[key]}
+            bad = failed_checks(rec["check"])
             if bad:
                 raise PointError("wrong", f"errors {bad}")
         outs.clear()
@@ -353,20 +337,14 @@ class Bench:
 
     def run(self) -> None:
         """Every point in order; stops starting new points after --max_minutes."""
-        from attn_masks import make_mask
-
         a = self.args
-        start = time.perf_counter()
-        for tokens in sorted(a.tokens_per_gpu):
-            for name in a.masks:
-                mask = make_mask(name, tokens * self.n, seed=a.seed)
-                for strategy in a.strategies:
-                    for layout in a.layouts:
-                        for impl in a.impls:
-                            if a.max_minutes and time.perf_counter() - start > 60 * a.max_minutes:
-                                self.write({"status": "stopped", "error": "--max_minutes reached"})
-                                return
-                            self.point(name, mask, tokens, strategy, layout, impl)
+        deadline = Deadline(a.max_minutes)
+        for tokens, name, mask, strategy, layout in sweep(a, self.n):
+            for impl in a.impls:
+                if deadline.passed():
+                    self.write({"status": "stopped", "error": "--max_minutes reached"})
+                    return
+                self.point(name, mask, tokens, strategy, layout, impl)
 
 
 class PointError(Exception):
@@ -405,16 +383,6 @@ def rows_reference(torch, mask, rows, q, k, v, do, head_dim: int) -> dict:
         lse.append(m.reshape(-1))
         dq.append((torch.einsum("hgn,nhd->hgd", ds, kk) * scale).reshape(-1, q.shape[-1]))
     return {"out": torch.stack(out), "lse": torch.stack(lse), "dq": torch.stack(dq)}
-
-
-def rel_err(torch, got, want) -> float:
-    """max |got - want| / max |want| over finite entries; inf if the -inf pattern differs."""
-    seen = torch.isfinite(want)
-    if not torch.equal(torch.isfinite(got), seen):
-        return float("inf")
-    diff = (got - want)[seen].abs().max() if seen.any() else got.new_zeros(())
-    scale = want[seen].abs().max() if seen.any() else got.new_ones(())
-    return float(diff / scale.clamp_min(1e-6))
 
 
 def main(argv: list[str] | None = None) -> None:
