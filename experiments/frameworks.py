@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from types import ModuleType
 
 from experiments.outcomes import UNSUPPORTED, PointFailure, not_available
-from experiments.points import DTYPE_NAMES, Point
+from experiments.points import DEFAULT_IMPL, DTYPE_NAMES, Point
 
 KERNEL_PACKAGES = {"jax": "jax_attn", "torch": "torch_attn"}
 CP_MODULES = {"jax": "shard_strategies.jax_cp", "torch": "shard_strategies.torch_cp"}
@@ -43,6 +44,29 @@ def cp_kwargs(attention, point: Point) -> dict:
     except (TypeError, ValueError):
         return {}
     return {"inner_axis": inner_axis(point.ulysses_intra_node)} if "inner_axis" in params else {}
+
+
+def attention_fn(framework: str, point: Point, mask, **placement) -> Callable:
+    """(q, k, v) -> out for the point's impl, or for its CP strategy with the executor's
+    placement keywords (JAX: mesh, axis; torch: group); modules are looked up here."""
+    if not point.is_cp:
+        mod = kernels(framework)
+        return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
+    impl = None if point.impl == DEFAULT_IMPL else point.impl
+    cp = cp_module(framework)
+    kw = cp_kwargs(cp.attention, point)
+    return lambda q, k, v: cp.attention(
+        q,
+        k,
+        v,
+        mask,
+        **placement,
+        strategy=point.cp,
+        layout=point.layout,
+        ulysses_size=point.ulysses_size,
+        impl=impl,
+        **kw,
+    )
 
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -8,30 +8,7 @@ import numpy as np
 
 from experiments import checks, frameworks, inputs, measure, timing
 from experiments.outcomes import WRONG, PointFailure
-from experiments.points import DEFAULT_IMPL, Point
-
-
-def _attention_fn(point: Point, mask, mesh) -> Callable:
-    """(q, k, v) -> out for the point's impl or CP strategy (looked up at call time)."""
-    if not point.is_cp:
-        mod = frameworks.kernels("jax")
-        return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
-    impl = None if point.impl == DEFAULT_IMPL else point.impl
-    cp = frameworks.cp_module("jax")
-    kw = frameworks.cp_kwargs(cp.attention, point)
-    return lambda q, k, v: cp.attention(
-        q,
-        k,
-        v,
-        mask,
-        mesh=mesh,
-        strategy=point.cp,
-        layout=point.layout,
-        axis="cp",
-        ulysses_size=point.ulysses_size,
-        impl=impl,
-        **kw,
-    )
+from experiments.points import Point
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:
@@ -158,7 +135,7 @@ class JaxRunner:
         args = self._inputs(point, index, mesh)
         plan = frameworks.cp_plan_info(point, mask) if point.is_cp else None
         peak_before = timing.jax_peak_bytes(local)
-        attn = _attention_fn(point, mask, mesh)
+        attn = frameworks.attention_fn("jax", point, mask, mesh=mesh, axis="cp")
         fn, call_args, got = self._build_and_call(point.mode, attn, args)
         check = self._check(point, mask, index, args, got)
         if not check.ok:

@@ -13,7 +13,7 @@ import numpy as np
 
 from experiments import checks, frameworks, inputs, measure, timing
 from experiments.outcomes import OK, WRONG, PointFailure, classify, short_traceback
-from experiments.points import DEFAULT_IMPL, Point
+from experiments.points import Point
 
 
 class TorchRunner:
@@ -104,26 +104,6 @@ class TorchRunner:
 
     # ------------------------------------------------------------------------------ points
 
-    def _attention_fn(self, point: Point, mask) -> Callable:
-        if not point.is_cp:
-            mod = frameworks.kernels("torch")
-            return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
-        impl = None if point.impl == DEFAULT_IMPL else point.impl
-        cp = frameworks.cp_module("torch")
-        kw = frameworks.cp_kwargs(cp.attention, point)
-        return lambda q, k, v: cp.attention(
-            q,
-            k,
-            v,
-            mask,
-            group=self.group,
-            strategy=point.cp,
-            layout=point.layout,
-            ulysses_size=point.ulysses_size,
-            impl=impl,
-            **kw,
-        )
-
     def _callable(self, mode: str, attn: Callable, t: dict) -> tuple[Callable, dict]:
         """(timed fn, first results by name). bwd times only the backward of one untimed
         forward, with fresh gradients per call (autograd.grad, nothing accumulates)."""
@@ -205,7 +185,7 @@ class TorchRunner:
         """Build, check, then time one mask of a point (collectively under CP)."""
         args = self._inputs(point, index)
         plan = self._phase(lambda: frameworks.cp_plan_info(point, mask)) if point.is_cp else None
-        attn = self._attention_fn(point, mask)
+        attn = frameworks.attention_fn("torch", point, mask, group=self.group)
         fn, got = self._phase(lambda: self._callable(point.mode, attn, args))
         check = self._check(point, mask, index, args, got)
         if not check["ok"]:
