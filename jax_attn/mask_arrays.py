@@ -119,6 +119,32 @@ def stack_mask_arrays(items: Sequence[MaskArrays]) -> MaskArrays:
     )
 
 
+def empty_mask_arrays(like: MaskArrays, intervals: int) -> MaskArrays:
+    """A mask of `like`'s geometry that sees nothing, with `intervals` intervals per row and
+    full-width tile lists.
+
+    Stacked with real masks (stack_mask_arrays) it fixes their array shapes per geometry, so one
+    compiled program serves every mask of a given length.
+    """
+    nq = -(-like.seqlen_q // like.block_q)
+    nk = -(-like.seqlen_k // like.block_k)
+    rows = np.zeros((like.seqlen_q, intervals), np.int32)
+    return MaskArrays(
+        lo=rows,
+        hi=rows,
+        kv_index=np.zeros((nq, nk), np.int32),
+        kv_count=np.zeros(nq, np.int32),
+        kv_full=np.zeros((nq, nk), bool),
+        q_index=np.zeros((nk, nq), np.int32),
+        q_count=np.zeros(nk, np.int32),
+        q_full=np.zeros((nk, nq), bool),
+        seqlen_q=like.seqlen_q,
+        seqlen_k=like.seqlen_k,
+        block_q=like.block_q,
+        block_k=like.block_k,
+    )
+
+
 def dense_from_intervals(lo: jax.Array, hi: jax.Array, seqlen_k: int) -> jax.Array:
     """(..., Sq, Sk) bool visibility from per-row intervals (for reference impls, small sizes)."""
     cols = jax.numpy.arange(seqlen_k, dtype=lo.dtype)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attn_masks import Mask, from_slices
-from jax_attn.mask_arrays import MaskArrays, stack_mask_arrays
+from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
 
 from .jax_allgather import allgather_attention
 from .jax_local import REFERENCE, local_attention, piece_arrays, resolve_impl
@@ -166,31 +166,6 @@ def _probe_mask() -> Mask:
     return from_slices([[0, 1]], [[0, 1]], [0], 1, 1)
 
 
-def _widest(like: MaskArrays) -> MaskArrays:
-    """An empty mask of `like`'s geometry with MIN_INTERVALS intervals and full-width tile lists.
-
-    Stacked with the real pieces it fixes their array shapes per geometry, so one compiled
-    program serves every mask of a given length (a sweep over masks compiles once).
-    """
-    nq = -(-like.seqlen_q // like.block_q)
-    nk = -(-like.seqlen_k // like.block_k)
-    rows = np.zeros((like.seqlen_q, MIN_INTERVALS), np.int32)
-    return MaskArrays(
-        lo=rows,
-        hi=rows,
-        kv_index=np.zeros((nq, nk), np.int32),
-        kv_count=np.zeros(nq, np.int32),
-        kv_full=np.zeros((nq, nk), bool),
-        q_index=np.zeros((nk, nq), np.int32),
-        q_count=np.zeros(nk, np.int32),
-        q_full=np.zeros((nk, nq), bool),
-        seqlen_q=like.seqlen_q,
-        seqlen_k=like.seqlen_k,
-        block_q=like.block_q,
-        block_k=like.block_k,
-    )
-
-
 @jax.tree_util.register_pytree_node_class
 class CPExecutor:
     """A plan bound to a mesh and an impl: dispatch, sharded attention, undispatch.
@@ -261,7 +236,9 @@ class CPExecutor:
             for n in range(plan.world_size)
             for t in range(plan.num_steps)
         ]
-        stacked = jax.tree.map(lambda x: x[:-1], stack_mask_arrays([*flat, _widest(flat[0])]))
+        # stacked with an empty widest mask, so every mask of a length has the same shapes
+        widest = empty_mask_arrays(flat[0], MIN_INTERVALS)
+        stacked = jax.tree.map(lambda x: x[:-1], stack_mask_arrays([*flat, widest]))
         lead = (plan.world_size, plan.num_steps)
         return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
 

@@ -10,42 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 import jax_attn
 from attn_masks import Mask
-from jax_attn.mask_arrays import MaskArrays, stack_mask_arrays
+from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
 from jax_attn.nnx_attention import AttentionBackend
 
 RUNTIME_IMPLS = ("reference", "pallas")
-
-
-def _empty_like(arrays: MaskArrays, intervals: int) -> MaskArrays:
-    """A mask of the same geometry that sees nothing, with the widest possible tile lists."""
-    nq = -(-arrays.seqlen_q // arrays.block_q)
-    nk = -(-arrays.seqlen_k // arrays.block_k)
-    rows = np.zeros((arrays.seqlen_q, intervals), np.int32)
-    return MaskArrays(
-        lo=rows,
-        hi=rows,
-        kv_index=np.zeros((nq, nk), np.int32),
-        kv_count=np.zeros(nq, np.int32),
-        kv_full=np.zeros((nq, nk), bool),
-        q_index=np.zeros((nk, nq), np.int32),
-        q_count=np.zeros(nk, np.int32),
-        q_full=np.zeros((nk, nq), bool),
-        seqlen_q=arrays.seqlen_q,
-        seqlen_k=arrays.seqlen_k,
-        block_q=arrays.block_q,
-        block_k=arrays.block_k,
-    )
 
 
 def fixed_shape_arrays(mask: Mask, impl: str, head_dim: int, dtype: Any, intervals: int = 1):
     """Host MaskArrays of `mask` for `impl`, padded to full-width tile lists and at least
     `intervals` key intervals per row."""
     arrays = jax_attn.mask_arrays_for(impl, mask, head_dim, dtype)
-    stacked = stack_mask_arrays([arrays, _empty_like(arrays, intervals)])
+    stacked = stack_mask_arrays([arrays, empty_mask_arrays(arrays, intervals)])
     return jax.tree.map(lambda x: x[0], stacked)
 
 
