@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .mask import Mask
+from .shapes import check_attention_shapes
 
 
 @dataclass(frozen=True)
@@ -18,21 +19,6 @@ class ReferenceResult:
     dq: np.ndarray | None = None
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
-
-
-def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Mask) -> int:
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(
-            f"expected q (B,Sq,Hq,D), k and v (B,Sk,Hkv,D); got {q.shape}, {k.shape}, {v.shape}"
-        )
-    if q.shape[1] != mask.seqlen_q or k.shape[1] != mask.seqlen_k:
-        raise ValueError(
-            f"sequence lengths (Sq={q.shape[1]}, Sk={k.shape[1]}) do not match the mask "
-            f"({mask.seqlen_q} x {mask.seqlen_k})"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"Hq={q.shape[2]} must be a multiple of Hkv={k.shape[2]}")
-    return q.shape[2] // k.shape[2]
 
 
 def reference_attention(
@@ -48,7 +34,7 @@ def reference_attention(
 
     Rows that see no key give output 0 and LSE -inf (and zero gradients), never NaN.
     """
-    group = _check_shapes(q, k, v, mask)
+    group = check_attention_shapes(np.shape(q), np.shape(k), np.shape(v), mask)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     kr = np.repeat(k, group, axis=2)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attn_masks import Mask, from_slices
+from attn_masks.shapes import check_attention_shapes
 from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
 
 from .jax_allgather import allgather_attention
@@ -361,13 +362,7 @@ def attention(
     Returns out (B,S,Hq,D) [and lse (B,Hq,S) float32 with return_lse]; differentiable. The plan
     and its device arrays are cached per (mask object, mesh, settings, shapes).
     """
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q (B,S,Hq,D), k and v (B,S,Hkv,D); got {q.shape}, {k.shape}")
-    if q.shape[1] != mask.seqlen_q or k.shape[1] != mask.seqlen_k:
-        raise ValueError(
-            f"sequence lengths ({q.shape[1]}, {k.shape[1]}) do not match the mask "
-            f"({mask.seqlen_q} x {mask.seqlen_k})"
-        )
+    check_attention_shapes(q.shape, k.shape, v.shape, mask)
     key = (
         id(mask),
         mesh,

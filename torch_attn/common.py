@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_masks import Mask
+from attn_masks.shapes import check_attention_shapes
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -54,22 +55,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
     """Raise ValueError unless q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) match each other and the mask."""
     if not isinstance(mask, Mask):
         raise ValueError(f"mask must be an attn_masks.Mask, got {type(mask).__name__}")
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(
-            "expected q (B,Sq,Hq,D), k and v (B,Sk,Hkv,D); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"q and k must share batch and head dim; got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if q.shape[1] != mask.seqlen_q or k.shape[1] != mask.seqlen_k:
-        raise ValueError(
-            f"sequence lengths (Sq={q.shape[1]}, Sk={k.shape[1]}) do not match the mask "
-            f"({mask.seqlen_q} x {mask.seqlen_k})"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"Hq={q.shape[2]} must be a multiple of Hkv={k.shape[2]}")
+    check_attention_shapes(q.shape, k.shape, v.shape, mask)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}"

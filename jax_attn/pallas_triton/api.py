@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attn_masks.shapes import check_attention_shapes
+
 from ..mask_arrays import MaskArrays
 from .backward import backward_dkv, backward_dq
 from .config import KernelConfig, default_config, padded_head_dim
@@ -167,22 +169,10 @@ def _attention_jit(
 
 
 def _check(q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(
-            f"expected q (B,Sq,Hq,D), k and v (B,Sk,Hkv,D); got {q.shape}, {k.shape}, {v.shape}"
-        )
-    b, sq, hq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or head dim")
-    if hq % k.shape[2]:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={k.shape[2]}")
+    check_attention_shapes(q.shape, k.shape, v.shape, arrays)
+    d = q.shape[3]
     if not 16 <= d <= 256:
         raise ValueError(f"head dim {d} is outside the supported range [16, 256]")
-    if (sq, k.shape[1]) != (arrays.seqlen_q, arrays.seqlen_k):
-        raise ValueError(
-            f"sequence lengths (Sq={sq}, Sk={k.shape[1]}) do not match the mask arrays "
-            f"({arrays.seqlen_q} x {arrays.seqlen_k})"
-        )
     if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv_index) != 2:
         raise ValueError("flash_attention takes the MaskArrays of one mask (no stacked axes)")
     if q.dtype != k.dtype or q.dtype != v.dtype:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import torch_attn
 from attn_masks import Mask
+from attn_masks.shapes import check_attention_shapes
 from shard_strategies import CPPlan, check_heads, make_plan
 
 from ._allgather import AllGatherAttention
@@ -252,12 +253,7 @@ def attention(
     Differentiable: each rank's q/k/v gradients are the full global ones (the dispatch backward
     all-gathers the shards' gradients), provided every rank back-propagates the same dout.
     """
-    seqlens = (q.shape[1], k.shape[1])
-    if q.dim() != 4 or k.shape != v.shape or seqlens != (mask.seqlen_q, mask.seqlen_k):
-        raise ValueError(
-            f"expected q (B,S,Hq,D), k and v (B,S,Hkv,D) over the mask's {mask.seqlen_q} tokens; "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_attention_shapes(q.shape, k.shape, v.shape, mask)
     plan = get_plan(
         mask,
         len(group_members(group)),
