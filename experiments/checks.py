@@ -16,6 +16,7 @@ gradients get twice the output's threshold. Any NaN or inf fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,4 +192,36 @@ def compare(
         rows=None if plan.rows is None else int(plan.rows.size),
         unchecked=unchecked,
         message=message,
+    )
+
+
+def check_point(
+    point,
+    mask,
+    index: int,
+    args: dict,
+    got: dict,
+    *,
+    fetch: Callable[[object, np.ndarray | None], np.ndarray],
+    finite: Callable[[object], bool],
+    on_gpu: bool,
+    rtol_override: float | None = None,
+) -> CheckResult:
+    """Check mask `index` of a point: plan the comparison, bring only what it needs to the host
+    (fetch(x, positions along the sequence axis, None = all) -> float32 numpy) and compare;
+    results a row plan cannot compare are only checked with finite(x)."""
+    plan = plan_check(mask, point.batch, point.heads_q, point.seed + index)
+    compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
+    inputs = Inputs(
+        **{n: fetch(x, plan.cols if n in ("k", "v") else plan.rows) for n, x in args.items()}
+    )
+    rtol = tolerance(point.dtype, on_gpu=on_gpu, override=rtol_override)
+    return compare(
+        mask,
+        inputs,
+        {n: fetch(x, plan.rows) for n, x in compared.items()},
+        plan=plan,
+        grads=point.mode != "fwd",
+        rtol=rtol,
+        finite={n: finite(x) for n, x in got.items() if n not in compared},
     )

@@ -109,23 +109,16 @@ class JaxRunner:
 
     def _check(self, point: Point, mask, index: int, args: dict, got: dict):
         """Compare the first results with float64 attention (whole, or sampled rows)."""
-        plan = checks.plan_check(mask, point.batch, point.heads_q, point.seed + index)
-        compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
-        inputs = checks.Inputs(
-            **{
-                n: self._fetch(x, plan.cols if n in ("k", "v") else plan.rows)
-                for n, x in args.items()
-            }
-        )
-        rtol = checks.tolerance(point.dtype, on_gpu=self.on_gpu, override=self.rtol_override)
-        return checks.compare(
+        return checks.check_point(
+            point,
             mask,
-            inputs,
-            {n: self._fetch(x, plan.rows) for n, x in compared.items()},
-            plan=plan,
-            grads=point.mode != "fwd",
-            rtol=rtol,
-            finite={n: self._finite(x) for n, x in got.items() if n not in compared},
+            index,
+            args,
+            got,
+            fetch=self._fetch,
+            finite=self._finite,
+            on_gpu=self.on_gpu,
+            rtol_override=self.rtol_override,
         )
 
     def _run_mask(self, point: Point, mask, index: int, mesh) -> dict:

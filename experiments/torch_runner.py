@@ -148,28 +148,16 @@ class TorchRunner:
         """Rank 0 compares with float64 attention; every rank gets the verdict."""
 
         def run() -> dict:
-            plan = checks.plan_check(mask, point.batch, point.heads_q, point.seed + index)
-            compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
-            inputs = checks.Inputs(
-                **{
-                    n: self._fetch(x, plan.cols if n in ("k", "v") else plan.rows)
-                    for n, x in args.items()
-                }
-            )
-            finite = {
-                n: bool(self.torch.isfinite(x).all()) for n, x in got.items() if n not in compared
-            }
-            rtol = checks.tolerance(
-                point.dtype, on_gpu=self.device.type == "cuda", override=self.rtol_override
-            )
-            return checks.compare(
+            return checks.check_point(
+                point,
                 mask,
-                inputs,
-                {n: self._fetch(x, plan.rows) for n, x in compared.items()},
-                plan=plan,
-                grads=point.mode != "fwd",
-                rtol=rtol,
-                finite=finite,
+                index,
+                args,
+                got,
+                fetch=self._fetch,
+                finite=lambda x: bool(self.torch.isfinite(x).all()),
+                on_gpu=self.device.type == "cuda",
+                rtol_override=self.rtol_override,
             ).as_dict()
 
         verdict, failure = None, None
