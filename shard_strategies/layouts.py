@@ -16,6 +16,14 @@ LAYOUTS = ("contiguous", "zigzag", "balanced")
 DEFAULT_CHUNKS_PER_RANK = 4
 
 
+def inverse_order(order: np.ndarray, seqlen: int) -> np.ndarray:
+    """For each real position p < seqlen, its index in `order` (a permutation of the padded
+    positions 0..len(order)-1): the gather that undoes a dispatch."""
+    inv = np.empty(order.size, np.int64)
+    inv[order] = np.arange(order.size)
+    return inv[:seqlen]
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     """positions[r] = the global positions ring rank r holds, in local order (R, L)."""
@@ -42,9 +50,7 @@ class Layout:
 
     def inverse(self) -> np.ndarray:
         """For each real global position p < seqlen, its index in order() (undispatch gather)."""
-        inv = np.empty(self.padded_seqlen, np.int64)
-        inv[self.order()] = np.arange(self.padded_seqlen)
-        return inv[: self.seqlen]
+        return inverse_order(self.order(), self.seqlen)
 
     def is_padding(self) -> np.ndarray:
         """(R, L) True where a slot holds a padding position."""

@@ -18,7 +18,7 @@ from attn_masks import Mask, from_slices
 
 from . import schedules
 from .comm import comm_volume
-from .layouts import DEFAULT_CHUNKS_PER_RANK, Layout, make_layout
+from .layouts import DEFAULT_CHUNKS_PER_RANK, Layout, inverse_order, make_layout
 
 STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
 INNER_AXES = ("ulysses", "ring")
@@ -114,9 +114,7 @@ class CPPlan:
 
     def inverse(self) -> np.ndarray:
         """For each real position p < seqlen, its slot in order() (the undispatch gather)."""
-        inv = np.empty(self.padded_seqlen, np.int64)
-        inv[self.order()] = np.arange(self.padded_seqlen)
-        return inv[: self.seqlen]
+        return inverse_order(self.order(), self.seqlen)
 
     def key_positions(self, ring_rank: int, step: int) -> np.ndarray:
         """Global positions of the keys ring rank `ring_rank` sees at kept step `step`."""
