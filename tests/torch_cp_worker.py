@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from cp_cases import DOC_MASKS  # the generators that take a seqlens list
 
 import torch_attn
 from attn_masks import (
@@ -36,15 +37,6 @@ SEQLEN = 90
 HEAD_DIM = 8
 HEADS = ((4, 4), (4, 2), (8, 1))  # (Hq, Hkv): MHA, GQA, GQA with K/V replication under U=4
 SUBGROUP = (1, 3)
-DOCUMENT_MASKS = {
-    "full_document",
-    "causal_document",
-    "share_question",
-    "causal_blockwise",
-    "prefix_lm_document",
-    "full_document_long",
-    "causal_document_long",
-}
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 # (label, strategy, options, group, all masks?): group "world" is group=None (real subgroups),
 # "copy" a new group of all ranks (a caller's group: no subgroups made), "pair" SUBGROUP only.
@@ -117,7 +109,7 @@ def build_mask(name: str, seed: int) -> Mask:
     rng = random.Random(seed)
     if name in MASK_NAMES:
         kw: dict = {"window": 7}
-        if name in DOCUMENT_MASKS:
+        if name in DOC_MASKS:
             kw["seqlens"] = _seqlens(rng, SEQLEN)
         if name == "block_causal_document":
             kw["block_size"] = 6
