@@ -48,6 +48,17 @@ class AttentionBackend:
         return self.mesh is not None and self.strategy is not None
 
     @property
+    def cp_settings(self) -> dict[str, Any]:
+        """The placement keywords of shard_strategies.jax_cp.attention / build."""
+        return dict(
+            mesh=self.mesh,
+            strategy=self.strategy,
+            layout=self.layout,
+            axis=self.axis,
+            ulysses_size=self.ulysses_size,
+        )
+
+    @property
     def resolved_impl(self) -> str:
         """The impl actually used: the given one, else our Pallas kernel on GPU, else reference."""
         if self.impl is not None:
@@ -61,18 +72,7 @@ class AttentionBackend:
         if self.is_cp:
             from shard_strategies import jax_cp
 
-            return jax_cp.attention(
-                q,
-                k,
-                v,
-                mask,
-                mesh=self.mesh,
-                strategy=self.strategy,
-                layout=self.layout,
-                axis=self.axis,
-                ulysses_size=self.ulysses_size,
-                impl=self.resolved_impl,
-            )
+            return jax_cp.attention(q, k, v, mask, impl=self.resolved_impl, **self.cp_settings)
         return attention(q, k, v, mask, impl=self.resolved_impl)
 
 

@@ -48,15 +48,11 @@ def runtime_mask(
 
         return jax_cp.build(
             mask,
-            mesh=backend.mesh,
-            strategy=backend.strategy,
-            layout=backend.layout,
-            axis=backend.axis,
-            ulysses_size=backend.ulysses_size,
             impl=impl,
             num_heads_q=heads_q,
             num_heads_kv=heads_kv,
             head_dim=head_dim,
             dtype=dtype,
+            **backend.cp_settings,
         )
     return jax.device_put(fixed_shape_arrays(mask, impl, head_dim, dtype))

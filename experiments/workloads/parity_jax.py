@@ -35,17 +35,7 @@ def _attention_fn(backend: AttentionBackend, mask: Mask):
     from shard_strategies import jax_cp
 
     return lambda q, k, v: jax_cp.attention(
-        q,
-        k,
-        v,
-        mask,
-        mesh=backend.mesh,
-        strategy=backend.strategy,
-        layout=backend.layout,
-        axis=backend.axis,
-        ulysses_size=backend.ulysses_size,
-        impl=backend.resolved_impl,
-        return_lse=True,
+        q, k, v, mask, impl=backend.resolved_impl, return_lse=True, **backend.cp_settings
     )
 
 
