@@ -48,6 +48,18 @@ def mask_specs(lo: jax.Array, hi: jax.Array, lists: Sequence[jax.Array]) -> list
     return [whole_spec(x) for x in (lo, hi, *lists)]
 
 
+def backward_specs(
+    q_spec: pl.BlockSpec,
+    kv_spec: pl.BlockSpec,
+    row_spec: pl.BlockSpec,
+    lo: jax.Array,
+    hi: jax.Array,
+    lists: Sequence[jax.Array],
+) -> list[pl.BlockSpec]:
+    """in_specs of the backward operands (q, k, v, do, lse, delta, lo, hi, *lists)."""
+    return [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *mask_specs(lo, hi, lists)]
+
+
 def query_tile_specs(q: jax.Array, k: jax.Array, block_q: int) -> Specs:
     """Specs of a (query tile, batch * q head) grid whose query tiles run last first.
 

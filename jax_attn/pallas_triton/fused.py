@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from .atomics import atomic_add
 from .backward import dkv_kernel
-from .common import TN, backward_lse, key_tile_launch, mask_specs, matmul
+from .common import TN, backward_lse, backward_specs, key_tile_launch, matmul
 from .compat import triton_params
 from .config import KernelConfig
 from .tiles import TileLists
@@ -101,16 +101,7 @@ def backward_fused(
     dq, dk, dv = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            seq_spec,
-            kv_spec,
-            kv_spec,
-            seq_spec,
-            row_spec,
-            row_spec,
-            *mask_specs(lo, hi, lists),
-            seq_spec,
-        ],
+        in_specs=[*backward_specs(seq_spec, kv_spec, row_spec, lo, hi, lists), seq_spec],
         out_specs=[seq_spec, kv_spec, kv_spec],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, jnp.float32),
