@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from absl import app
@@ -260,7 +261,15 @@ def _finish(settings: Settings, points: list[Point], store: ResultsStore) -> Non
         from experiments import report
 
         paths = report.write_report(store.path, settings.out_dir)
+        print(_result_tables(Path(paths["markdown"]).read_text()), flush=True)
         print(f"Report: {paths['markdown']}", flush=True)
+
+
+def _result_tables(markdown: str) -> str:
+    """The report's result tables (its sections before the plots), for the terminal."""
+    body = markdown.split("\n## Plots", 1)[0]
+    start = body.find("\n## ")
+    return body[start + 1 :] if start >= 0 else ""
 
 
 def _record_unavailable(
