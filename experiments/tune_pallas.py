@@ -64,6 +64,13 @@ flags.DEFINE_list(
     "Fused candidates only: 0 = Pallas' acq_rel atomic_add, 1 = relaxed-order adds "
     "(KernelConfig.relaxed_atomics).",
 )
+flags.DEFINE_list(
+    "dkv_split",
+    ["1"],
+    "Two-kernel backward only: programs per (key tile, kv head) of the dK/dV kernel, each "
+    "walking 1/S of the tile's steps into fp32 partial sums (KernelConfig.dkv_split). With "
+    "include_default, values > 1 also time the default config with that split.",
+)
 flags.DEFINE_list("num_warps_bwd", [], "fwd_bwd only: backward warps (empty: as num_warps).")
 flags.DEFINE_list("num_stages_bwd", [], "fwd_bwd only: backward stages (empty: as num_stages).")
 flags.DEFINE_integer("fwd_block_k", 0, "Forward kernel key tile (0: the mask tile block_k).")
@@ -98,48 +105,55 @@ class Candidate:
     config: KernelConfig
 
 
-def _backward_kinds() -> list[tuple[bool, bool]]:
-    """(fused, relaxed atomics) pairs selected by --fused_bwd and --relaxed_atomics."""
-    kinds = [(False, False)] if "0" in FLAGS.fused_bwd else []
+def _backward_kinds() -> list[tuple[bool, bool, int]]:
+    """(fused, relaxed atomics, dkv_split) selected by --fused_bwd, --relaxed_atomics and
+    --dkv_split (the split applies to the two-kernel backward only)."""
+    splits = [int(x) for x in FLAGS.dkv_split]
+    kinds = [(False, False, d) for d in splits] if "0" in FLAGS.fused_bwd else []
     if "1" in FLAGS.fused_bwd:
-        kinds += [(True, bool(int(r))) for r in FLAGS.relaxed_atomics]
+        kinds += [(True, bool(int(r)), 1) for r in FLAGS.relaxed_atomics]
     return kinds
 
 
-def _backward_options(w: int, s: int) -> list[tuple[int, int, int, bool, bool]]:
-    """(split, warps, stages, fused, relaxed) of the backward after a (w warps, s stages) fwd."""
+def _backward_options(w: int, s: int) -> list[tuple[int, int, int, bool, bool, int]]:
+    """(split, warps, stages, fused, relaxed, dkv_split) of the backward after a (w warps,
+    s stages) forward."""
     warps = [int(x) for x in FLAGS.num_warps_bwd] or [w]
     stages = [int(x) for x in FLAGS.num_stages_bwd] or [s]
     options = itertools.product(map(int, FLAGS.bwd_splits), warps, stages, _backward_kinds())
     return [(split, wb, sb, *kind) for split, wb, sb, kind in options]
 
 
-def _kind_suffix(fused: bool, relaxed: bool) -> str:
-    """Candidate-name suffix of a backward kind: "", "-fused" or "-fused-relaxed"."""
-    return ("-fused" if fused else "") + ("-relaxed" if relaxed else "")
+def _kind_suffix(fused: bool, relaxed: bool, dkv_split: int = 1) -> str:
+    """Candidate-name suffix of a backward kind: "", "-fused", "-fused-relaxed" or "-dkv4"."""
+    suffix = ("-fused" if fused else "") + ("-relaxed" if relaxed else "")
+    return suffix + (f"-dkv{dkv_split}" if dkv_split > 1 else "")
 
 
 def _candidate_name(mode: str, bq: int, bk: int, w: int, s: int, backward: tuple) -> str:
     """e.g. q128k128w4s2f64x2-bw8s2-fused: mask tiles, forward, split, backward launch, kind."""
-    split, wb, sb, fused, relaxed = backward
+    split, wb, sb, fused, relaxed, dkv_split = backward
     name = f"q{bq}k{bk}w{w}s{s}" + (f"f{FLAGS.fwd_block_k}" if FLAGS.fwd_block_k else "")
     name += f"x{split}"
     if mode == "fwd_bwd" and (FLAGS.num_warps_bwd or FLAGS.num_stages_bwd):
         name += f"-bw{wb}s{sb}"
-    return name + _kind_suffix(fused, relaxed)
+    return name + _kind_suffix(fused, relaxed, dkv_split)
 
 
 def _defaults(mode: str) -> list[Candidate]:
-    """The library default, plus (fwd_bwd) its fused variants selected by the flags."""
+    """The library default, plus (fwd_bwd) its fused / dkv_split variants selected by the flags."""
     if not FLAGS.include_default:
         return []
     bq, bk = block_sizes(FLAGS.head_dim, FLAGS.dtype)
     config = default_config(FLAGS.head_dim, FLAGS.dtype)
     out = [Candidate("default", bq, bk, config)]
-    fused_kinds = [k for k in _backward_kinds() if k[0]] if mode == "fwd_bwd" else []
-    for fused, relaxed in fused_kinds:
-        variant = dataclasses.replace(config, fused_bwd=fused, relaxed_atomics=relaxed)
-        out.append(Candidate("default" + _kind_suffix(fused, relaxed), bq, bk, variant))
+    kinds = [k for k in _backward_kinds() if k[0] or k[2] > 1] if mode == "fwd_bwd" else []
+    for fused, relaxed, dkv_split in kinds:
+        variant = dataclasses.replace(
+            config, fused_bwd=fused, relaxed_atomics=relaxed, dkv_split=dkv_split
+        )
+        name = "default" + _kind_suffix(fused, relaxed, dkv_split)
+        out.append(Candidate(name, bq, bk, variant))
     return out
 
 
@@ -151,9 +165,9 @@ def _candidates(mode: str) -> list[Candidate]:
     for bq, bk, w, s in itertools.product(
         *(map(int, FLAGS[f].value) for f in ("block_q", "block_k", "num_warps", "num_stages"))
     ):
-        options = _backward_options(w, s) if mode == "fwd_bwd" else [(1, w, s, False, False)]
+        options = _backward_options(w, s) if mode == "fwd_bwd" else [(1, w, s, False, False, 1)]
         for backward in options:
-            split, wb, sb, fused, relaxed = backward
+            split, wb, sb, fused, relaxed, dkv_split = backward
             config = KernelConfig(
                 block_k=FLAGS.fwd_block_k or None,
                 num_warps=w,
@@ -164,6 +178,7 @@ def _candidates(mode: str) -> list[Candidate]:
                 block_k_dq=bk // split,
                 fused_bwd=fused,
                 relaxed_atomics=relaxed,
+                dkv_split=dkv_split,
             )
             if (bq, bk, config) not in seen:
                 seen.add((bq, bk, config))

@@ -21,6 +21,7 @@ from .common import (
     NT,
     backward_lse,
     backward_specs,
+    chunk_spec,
     dkv_update,
     key_tile,
     key_tile_launch,
@@ -117,15 +118,18 @@ def dkv_kernel(
     lse_base2: bool = False,
     stagger_heads: bool = False,
     on_tile: OnTile | None = None,
+    chunks: int = 1,
 ) -> None:
     """dK, dV of one (key tile, kv head): every listed query sub-tile of every q head it serves.
 
     lse_base2: lse_ref already holds backward_lse(lse) (else each step converts what it loads).
     stagger_heads: key tile t starts at q head (t mod group) of its group. on_tile is called
-    after each step (the fused backward adds that sub-tile's dQ there).
+    after each step (the fused backward adds that sub-tile's dQ there). chunks > 1: this
+    program walks only share (program_id(0) mod chunks) of those steps (KernelConfig.dkv_split)
+    and dk_ref/dv_ref are that share's partial sums.
     """
     block_k = k_ref.shape[0]
-    tile, col0, outer, head0 = key_tile(block_k, mask_block_k, heads_kv, group)
+    tile, col0, outer, head0 = key_tile(block_k, mask_block_k, heads_kv, group, chunks)
     k = k_ref[...]
     v = v_ref[...]
     precision = precision_for(k.dtype)
@@ -168,6 +172,8 @@ def dkv_kernel(
         mask_tile=mask_block_q,
         tile=block_q,
         repeat=group,
+        chunks=chunks,
+        chunk=lax.rem(pl.program_id(0), chunks) if chunks > 1 else None,
     )
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -230,7 +236,12 @@ def backward_dkv(
     mask_block_k: int,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """dK, dV (B,Sk,Hkv,D) from padded inputs; lists are the per-k-tile query tile lists."""
+    """dK, dV (B,Sk,Hkv,D) from padded inputs; lists are the per-k-tile query tile lists.
+
+    config.dkv_split = S > 1: S programs per (key tile, kv head), each walking 1/S of its steps
+    and writing fp32 partial dK/dV into (S, B, Sk, Hkv, D) buffers that XLA sums (no atomics).
+    """
+    chunks = config.dkv_split
     kernel, grid, (kv_spec, seq_spec, row_spec) = key_tile_launch(
         dkv_kernel,
         q,
@@ -240,14 +251,23 @@ def backward_dkv(
         scale=scale,
         mask_block_q=mask_block_q,
         mask_block_k=mask_block_k,
+        chunks=chunks,
     )
-    return pl.pallas_call(
+    if chunks > 1:
+        out_spec = chunk_spec(k, config.block_k_dkv, chunks)
+        out_shape = jax.ShapeDtypeStruct((chunks, *k.shape), jnp.float32)
+    else:
+        out_spec, out_shape = kv_spec, jax.ShapeDtypeStruct(k.shape, k.dtype)
+    dk, dv = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=backward_specs(seq_spec, kv_spec, row_spec, lo, hi, lists),
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=[out_spec, out_spec],
+        out_shape=[out_shape, out_shape],
         compiler_params=triton_params(config.num_warps_bwd, config.num_stages_bwd),
         interpret=interpret,
         name="masked_flash_dkv",
     )(q, k, v, do, lse, delta, lo, hi, *lists)
+    if chunks > 1:
+        dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+    return dk, dv

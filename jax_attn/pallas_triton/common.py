@@ -87,8 +87,8 @@ def query_tile_specs(q: jax.Array, k: jax.Array, block_q: int) -> Specs:
     )
 
 
-def key_tile_specs(q: jax.Array, k: jax.Array, block_k: int) -> Specs:
-    """Specs of a (key tile, batch * kv head) grid.
+def key_tile_specs(q: jax.Array, k: jax.Array, block_k: int, chunks: int = 1) -> Specs:
+    """Specs of a (key tile * chunks, batch * kv head) grid (program j: key tile j // chunks).
 
     (K/V-like: block_k keys of one kv head; q-like: the whole (Sq, Hq, D) sequence of the batch
     row, every head, since the program loops over the q heads of its group; per-row (B, Hq, Sq)
@@ -98,7 +98,8 @@ def key_tile_specs(q: jax.Array, k: jax.Array, block_k: int) -> Specs:
     heads_kv = k.shape[2]
 
     def kv_map(j: jax.Array, bh: jax.Array) -> tuple:
-        return lax.div(bh, heads_kv), j, lax.rem(bh, heads_kv), 0
+        tile = lax.div(j, chunks) if chunks > 1 else j
+        return lax.div(bh, heads_kv), tile, lax.rem(bh, heads_kv), 0
 
     def seq_map(j: jax.Array, bh: jax.Array) -> tuple:
         return lax.div(bh, heads_kv), 0, 0, 0
@@ -111,6 +112,23 @@ def key_tile_specs(q: jax.Array, k: jax.Array, block_k: int) -> Specs:
         pl.BlockSpec((None, seq_q, heads_q, dim), seq_map),
         pl.BlockSpec((None, heads_q, seq_q), row_map),
     )
+
+
+def chunk_spec(k: jax.Array, block_k: int, chunks: int) -> pl.BlockSpec:
+    """Spec of a (chunks, B, Sk, Hkv, D) partial-sum output of a key_tile_specs grid: program
+    j writes the block_k keys of key tile j // chunks into slot j mod chunks."""
+    heads_kv, dim = k.shape[2], k.shape[3]
+
+    def index_map(j: jax.Array, bh: jax.Array) -> tuple:
+        return (
+            lax.rem(j, chunks),
+            lax.div(bh, heads_kv),
+            lax.div(j, chunks),
+            lax.rem(bh, heads_kv),
+            0,
+        )
+
+    return pl.BlockSpec((None, None, block_k, None, dim), index_map)
 
 
 def query_tile_launch(
@@ -148,9 +166,14 @@ def key_tile_launch(
     scale: float,
     mask_block_q: int,
     mask_block_k: int,
+    chunks: int = 1,
     **extra: Any,
 ) -> Launch:
-    """(kernel with its static arguments, grid, key_tile_specs) of a key-tile kernel."""
+    """(kernel with its static arguments, grid, key_tile_specs) of a key-tile kernel.
+
+    chunks > 1: each key tile gets `chunks` programs (adjacent along grid axis 0), each walking
+    one contiguous share of the tile's steps (walk_tiles' chunk).
+    """
     batch, heads_q = q.shape[0], q.shape[2]
     seq_k, heads_kv = k.shape[1], k.shape[2]
     kernel = functools.partial(
@@ -161,9 +184,11 @@ def key_tile_launch(
         mask_block_q=mask_block_q,
         mask_block_k=mask_block_k,
         block_q=block_q,
+        **({"chunks": chunks} if chunks > 1 else {}),
         **extra,
     )
-    return kernel, (seq_k // block_k, batch * heads_kv), key_tile_specs(q, k, block_k)
+    grid = (seq_k // block_k * chunks, batch * heads_kv)
+    return kernel, grid, key_tile_specs(q, k, block_k, chunks)
 
 
 def query_tile(num_q_tiles: int, block_q: int, mask_block_q: int) -> tuple[jax.Array, jax.Array]:
@@ -175,10 +200,11 @@ def query_tile(num_q_tiles: int, block_q: int, mask_block_q: int) -> tuple[jax.A
 
 
 def key_tile(
-    block_k: int, mask_block_k: int, heads_kv: int, group: int
+    block_k: int, mask_block_k: int, heads_kv: int, group: int, chunks: int = 1
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(tile, first key, mask tile, first q head of the group) of this key-tile program."""
-    tile = pl.program_id(0)
+    """(tile, first key, mask tile, first q head of the group) of this key-tile program
+    (key tile program_id(0) // chunks, matching key_tile_specs)."""
+    tile = lax.div(pl.program_id(0), chunks) if chunks > 1 else pl.program_id(0)
     col0 = tile * block_k
     outer = lax.div(tile, mask_block_k // block_k)
     head0 = lax.rem(pl.program_id(1), heads_kv) * group
@@ -279,12 +305,16 @@ def walk_tiles(
     mask_tile: int,
     tile: int,
     repeat: int = 1,
+    chunks: int = 1,
+    chunk: jax.Array | None = None,
 ) -> Any:
     """Run step(start, rep, carry, masked) over the listed tiles of `outer` as `tile` sub-tiles.
 
     Partial tiles come first (masked=True), then full ones; each sub-tile is visited `repeat`
     times in a row (rep = 0..repeat-1, e.g. the q heads sharing one kv head). Trip counts come
-    from the count arrays at run time.
+    from the count arrays at run time. chunks > 1: only steps [chunk * n, (chunk + 1) * n) of
+    the walk run, n = ceil(steps / chunks), so `chunks` programs share one walk evenly (a chunk
+    past the end runs nothing).
     """
     split = mask_tile // tile
     per_tile = split * repeat
@@ -306,5 +336,11 @@ def walk_tiles(
 
     n_partial = n_partial_ref[outer] * per_tile
     total = count_ref[outer] * per_tile
-    carry = lax.fori_loop(0, n_partial, body(True), carry)
-    return lax.fori_loop(n_partial, total, body(False), carry)
+    if chunks == 1:
+        carry = lax.fori_loop(0, n_partial, body(True), carry)
+        return lax.fori_loop(n_partial, total, body(False), carry)
+    size = lax.div(total + (chunks - 1), chunks)
+    first = jnp.minimum(chunk * size, total)
+    last = jnp.minimum(first + size, total)
+    carry = lax.fori_loop(first, jnp.minimum(n_partial, last), body(True), carry)
+    return lax.fori_loop(jnp.maximum(n_partial, first), last, body(False), carry)

@@ -18,6 +18,11 @@ class KernelConfig:
     the two backward kernels by one dK/dV kernel that also adds each tile's dQ into an fp32 buffer
     with atomics (5 matmuls per tile pair instead of 7; the dQ tiles are unused then);
     relaxed_atomics makes those adds relaxed-ordered (atomics.py) instead of Pallas' acq_rel.
+    dkv_split = S > 1 (two-kernel backward only) gives every (key tile, kv head) S dK/dV programs,
+    each walking an equal contiguous 1/S of that tile's (query sub-tile, q head) steps into fp32
+    partial sums that XLA adds: the longest program (a key tile seen by every query, as in
+    share_question) runs ~1/S of the steps, at the cost of S x the dK/dV programs and an
+    (S, B, Sk, Hkv, D) fp32 buffer per gradient.
     """
 
     block_q: int | None = None
@@ -32,6 +37,7 @@ class KernelConfig:
     num_stages_bwd: int = 2
     fused_bwd: bool = False
     relaxed_atomics: bool = False
+    dkv_split: int = 1
 
     def resolve(self, mask_block_q: int, mask_block_k: int) -> KernelConfig:
         """This config with every tile set, checked against the mask tiles."""
@@ -45,6 +51,8 @@ class KernelConfig:
                 )
             return tile
 
+        if self.dkv_split < 1:
+            raise ValueError(f"dkv_split={self.dkv_split} must be >= 1")
         return dataclasses.replace(
             self,
             block_q=pick(self.block_q, mask_block_q, "block_q"),
