@@ -144,3 +144,75 @@ def attention(
         raise Unsupported(reason)
     out, lse = ADAPTERS[impl].run(q, k, v, mask, scale=scale, return_lse=bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+def has_residual_bwd(impl: str) -> bool:
+    """True if attention_bwd(impl=impl) runs a backward from the residuals (no forward rerun).
+
+    Such a backward depends on (out, lse, dout, dlse) only through lse and
+    delta = rowsum(dout * out) - dlse, so it also accepts the merged out/lse of a softmax split
+    over key blocks (ring attention) and returns this block's share of the merged gradients.
+    """
+    _check_impl(impl)
+    return ADAPTERS[impl].backward is not None
+
+
+def _check_residuals(q: jax.Array, out: Any, lse: Any, dout: Any, dlse: Any) -> None:
+    b, sq, hq, _ = q.shape
+    for name, x, shape in (
+        ("out", out, q.shape),
+        ("dout", dout, q.shape),
+        ("lse", lse, (b, hq, sq)),
+        ("dlse", dlse, (b, hq, sq)),
+    ):
+        if x is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def attention_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: Mask | MaskArrays,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array | None = None,
+    *,
+    impl: str = "pallas",
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv of attention(q, k, v, mask, impl, scale, return_lse=True) = (out, lse) for the
+    cotangents (dout, dlse) (None: zero).
+
+    Impls with has_residual_bwd(impl) compute them from out and lse directly; the others
+    recompute the forward under jax.vjp (out and lse are then only shape-checked).
+    """
+    _check_impl(impl)
+    q, k, v, out, lse, dout = (jnp.asarray(x) for x in (q, k, v, out, lse, dout))
+    _check_inputs(q, k, v, mask)
+    _check_residuals(q, out, lse, dout, dlse)
+    scale = _check_scale(scale, q.shape[3])
+    reason = supports(
+        impl,
+        mask,
+        dtype=q.dtype,
+        head_dim=q.shape[3],
+        heads_q=q.shape[2],
+        heads_kv=k.shape[2],
+        return_lse=True,
+        mode="bwd",
+    )
+    if reason is not True:
+        raise Unsupported(reason)
+    if dlse is None:
+        dlse = jnp.zeros(lse.shape, jnp.float32)
+    backward = ADAPTERS[impl].backward
+    if backward is not None:
+        return backward(q, k, v, mask, out, lse, dout, dlse, scale=scale)
+
+    def f(q_, k_, v_):
+        return ADAPTERS[impl].run(q_, k_, v_, mask, scale=scale, return_lse=True)
+
+    (out_, lse_), pullback = jax.vjp(f, q, k, v)
+    return pullback((dout.astype(out_.dtype), jnp.asarray(dlse, lse_.dtype)))

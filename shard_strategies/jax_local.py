@@ -72,17 +72,24 @@ def local_attention_vjp(
     arrays: MaskArrays,
     impl: str,
     scale: float,
+    out: jax.Array,
     lse: jax.Array,
     dout: jax.Array,
     dlse: jax.Array,
     rowdot: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dq, dk, dv of one block's share of the merged output.
+    """dq, dk, dv of one block's share of the merged output (out, lse), rowdot = <dout, out>.
 
-    With w = exp(lse_t - lse), out = sum_t w_t out_t and lse = logsumexp_t lse_t, the cotangents of
-    block t are dout_t = w dout and dlse_t = w (rowdot_t - rowdot + dlse), rowdot = <dout, out>
-    per row. The local impl's own VJP then yields the exact global gradients (FA's dS = P (dP - D)).
+    Block t's partial softmax is P_t = exp(S_t - lse_t), with weight w = exp(lse_t - lse) in the
+    merged result, so its cotangents are dout_t = w dout and dlse_t = w (rowdot_t - rowdot + dlse),
+    rowdot_t = <dout, out_t>. In the flash backward (dS = P (dP - D), D = <dO, O> - dLSE) these
+    give P_t w = exp(S_t - lse) and D_t = w (rowdot - dlse): the merged statistics. So an impl
+    with a backward from residuals (jax_attn.has_residual_bwd) gets (out, lse, dout, dlse) as is,
+    with no forward rerun and nothing saved per block; the others rerun the block's forward under
+    jax.vjp for out_t, lse_t and pull back (dout_t, dlse_t).
     """
+    if jax_attn.has_residual_bwd(impl):
+        return jax_attn.attention_bwd(q, k, v, arrays, out, lse, dout, dlse, impl=impl, scale=scale)
 
     def f(q_, k_, v_):
         return local_attention(q_, k_, v_, arrays, impl, scale)

@@ -88,7 +88,9 @@ def make_ring(
 
     arrays has a leading axis over the kept steps. Forward keeps one K/V block in flight (plus
     the prefetched outer block); backward recomputes the K/V chain and carries dK/dV (fp32) with
-    it, so memory does not grow with the ring size.
+    it, so memory does not grow with the ring size. Each step's gradients come from the merged
+    (out, lse) alone where the impl has a backward from residuals (pallas), else by rerunning
+    that step's forward under jax.vjp (local_attention_vjp).
     """
     mover = _Mover(ring_size, num_windows, axis)
     groups = group_by_outer(steps)
@@ -120,7 +122,7 @@ def make_ring(
                 # the previous group's dK/dV crosses windows while this group computes
                 received = mover.outer(total, groups[g][0] - groups[g - 1][0])
             dq_t, dk_t, dv_t = local_attention_vjp(
-                q, kb, vb, step_arrays(arrays, t), impl, scale, lse, dout, dlse, rowdot
+                q, kb, vb, step_arrays(arrays, t), impl, scale, out, lse, dout, dlse, rowdot
             )
             dq = dq + dq_t.astype(jnp.float32)
             dkv = _add(dkv, (dk_t.astype(acc), dv_t.astype(acc)))

@@ -396,6 +396,29 @@ def test_attention_under_jit_with_static_mask():
 # ----------------------------------------------------------------------------- structure
 
 
+@pytest.mark.parametrize("impl", ["reference", pytest.param("pallas", marks=needs_pallas)])
+def test_attention_bwd_matches_vjp(impl):
+    """attention_bwd (from residuals for pallas, jax.vjp for the others) is the VJP of attention."""
+    mask = from_slices([[4, 24], [24, 48]], [[0, 30], [10, 48]], [CAUSAL, FULL], 48, 48)
+    rng = np.random.default_rng(2)
+    q, do = (jnp.asarray(rng.standard_normal((1, 48, 4, 16)), jnp.float32) for _ in "ab")
+    k, v = (jnp.asarray(rng.standard_normal((1, 48, 2, 16)), jnp.float32) for _ in "ab")
+    dl = jnp.asarray(rng.standard_normal((1, 4, 48)), jnp.float32)
+
+    def f(q, k, v):
+        return jax_attn.attention(q, k, v, mask, impl=impl, scale=0.5, return_lse=True)
+
+    (out, lse), pullback = jax.vjp(f, q, k, v)
+    assert jax_attn.has_residual_bwd(impl) == (impl == "pallas")
+    for cot in ((do, dl), (do, None)):
+        want = pullback((cot[0], jnp.zeros_like(lse) if cot[1] is None else cot[1]))
+        got = jax_attn.attention_bwd(q, k, v, mask, out, lse, *cot, impl=impl, scale=0.5)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        jax_attn.attention_bwd(q, k, v, mask, out, lse[:, :1], do, impl=impl)
+
+
 def test_structure_reads_slices_not_names():
     s = 64
     quads = from_slices(

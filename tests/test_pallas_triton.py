@@ -13,7 +13,13 @@ import pytest
 from attn_masks import MaskType, from_slices, reference_attention
 from attn_masks.generators import MASK_NAMES, make_mask
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
-from jax_attn.pallas_triton import KernelConfig, block_sizes, default_config, flash_attention
+from jax_attn.pallas_triton import (
+    KernelConfig,
+    block_sizes,
+    default_config,
+    flash_attention,
+    flash_attention_bwd,
+)
 from jax_attn.reference import reference_attention as jnp_reference
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = (int(t) for t in MaskType)
@@ -60,19 +66,20 @@ def _outputs(q, k, v, do, arrays, *, configs, scale):
     return results
 
 
-def _check(mask, arrays, *, b, hq, hkv, d, dtype, seed=0, config=None) -> None:
-    """Forward (out, lse) and gradients (dq, dk, dv) of both backward variants vs the oracle."""
+def _check(mask, arrays, *, b, hq, hkv, d, dtype, seed=0, config=None, configs=None) -> None:
+    """Forward (out, lse) and gradients (dq, dk, dv) of both backward variants (or of the
+    given configs) vs the oracle."""
     (q, k, v, do), (q64, k64, v64, do64) = _inputs(
         seed, b, mask.seqlen_q, mask.seqlen_k, hq, hkv, d, dtype
     )
     scale = d**-0.5
     ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=do64)
-    configs = _variants(config, d, dtype)
+    configs = _variants(config, d, dtype) if configs is None else tuple(configs)
     results = _outputs(q, k, v, do, arrays, configs=configs, scale=scale)
     tol = TOL[dtype]
     seen = np.isfinite(ref.lse)
     for config, (out, lse, dq, dk, dv) in zip(configs, results):
-        variant = "fused" if config.fused_bwd else "two-kernel"
+        variant = "fused" if config.fused_bwd else f"two-kernel dkv_split={config.dkv_split}"
         assert out.dtype == q.dtype and out.shape == q.shape
         assert lse.dtype == jnp.float32 and lse.shape == (b, hq, mask.seqlen_q)
         lse = np.asarray(lse)
@@ -241,13 +248,43 @@ def test_kernel_subtiles() -> None:
         _check(mask, arr, b=1, hq=4, hkv=2, d=32, dtype=jnp.float32, seed=i, config=config)
 
 
-@pytest.mark.parametrize("fused, relaxed", [(False, False), (True, False), (True, True)])
-def test_lowers_to_triton(fused: bool, relaxed: bool) -> None:
+def _shared_prefix(prefix: int, answers) -> object:
+    """share_question-like: a causal shared prefix seen in full by every causal answer."""
+    cu = prefix + np.concatenate([[0], np.cumsum(answers)])
+    qs, ks, ts = [(0, prefix)], [(0, prefix)], [CAUSAL]
+    for a, b in zip(cu[:-1], cu[1:]):
+        qs += [(a, b), (a, b)]
+        ks += [(0, prefix), (a, b)]
+        ts += [FULL, CAUSAL]
+    return from_slices(qs, ks, ts, int(cu[-1]), int(cu[-1]))
+
+
+@pytest.mark.parametrize("b, hq, hkv", [(1, 2, 2), (2, 4, 1)])
+def test_dkv_split(b: int, hq: int, hkv: int) -> None:
+    """KernelConfig.dkv_split: each key tile's steps shared by several programs (partial dK/dV
+    summed in XLA), on masks where a few key tiles are seen by most query tiles; ragged lengths,
+    a split that does not divide the step counts, and chunks past the end of short walks."""
+    masks = [
+        _shared_prefix(20, [30, 9, 41]),
+        from_slices([[0, 100]], [[0, 100]], [CAUSAL], 100, 100),
+        _random_slices(5, 100, 100),
+    ]
+    base = KernelConfig(block_q_dkv=16, num_warps=4, num_stages=2)
+    configs = [dataclasses.replace(base, dkv_split=s) for s in (1, 3, 8)]
+    for i, (mask, arr) in enumerate(zip(masks, _shared_arrays(masks, 32, 16))):
+        _check(mask, arr, b=b, hq=hq, hkv=hkv, d=16, dtype=jnp.float32, seed=i, configs=configs)
+
+
+@pytest.mark.parametrize(
+    "fused, relaxed, dkv_split",
+    [(False, False, 1), (True, False, 1), (True, True, 1), (False, False, 4)],
+)
+def test_lowers_to_triton(fused: bool, relaxed: bool, dkv_split: int) -> None:
     """Forward and backward lower to Triton kernels for the GPU (no GPU needed to lower)."""
     arr = prepare_mask(from_slices([[0, 96]], [[0, 96]], [CAUSAL], 96, 96), 32, 32)
     q = jax.ShapeDtypeStruct((1, 96, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 96, 2, 64), jnp.bfloat16)
-    config = KernelConfig(fused_bwd=fused, relaxed_atomics=relaxed)
+    config = KernelConfig(fused_bwd=fused, relaxed_atomics=relaxed, dkv_split=dkv_split)
 
     def grads(q, k, v, do, arr):
         def run(q, k, v):
@@ -339,6 +376,50 @@ def test_lse_cotangent() -> None:
             assert _rel_err(g, np.asarray(r, np.float64)) < 1e-4
 
 
+def test_backward_from_residuals() -> None:
+    """flash_attention_bwd is jax.vjp of flash_attention (LSE cotangent included); given the merged
+    out/lse of two key blocks and their cotangents, it gives each block's share of the merged
+    gradients (the ring's backward), for both backward variants."""
+    # rows 0-7 see nothing; Sq = Sk = 80 is ragged on the 32 tiles; GQA 4:2
+    mask = from_slices([[8, 40], [40, 80]], [[0, 48], [16, 80]], [CAUSAL, FULL], 80, 80)
+    rows, split = np.arange(80), 48
+    blocks = [mask.restrict(rows, np.arange(split)), mask.restrict(rows, np.arange(split, 80))]
+    arr, *block_arrs = (prepare_mask(m, 32, 32) for m in (mask, *blocks))
+    (q, k, v, do), _ = _inputs(6, 1, 80, 80, 4, 2, 32, jnp.float32)
+    dl = jnp.asarray(np.random.default_rng(7).standard_normal((1, 4, 80)), jnp.float32)
+
+    @jax.jit
+    def run():
+        results = []
+        for c in _variants(None, 32, jnp.float32):
+
+            def fa(q, k, v, c=c):
+                return flash_attention(q, k, v, arr, scale=0.3, return_lse=True, config=c)
+
+            (out, lse), vjp = jax.vjp(fa, q, k, v)
+            got = flash_attention_bwd(q, k, v, arr, out, lse, do, dl, scale=0.3, config=c)
+            parts = [
+                flash_attention_bwd(q, k[:, s], v[:, s], a, out, lse, do, dl, scale=0.3, config=c)
+                for s, a in zip((slice(0, split), slice(split, None)), block_arrs)
+            ]
+            merged = (
+                parts[0][0] + parts[1][0],
+                jnp.concatenate([parts[0][1], parts[1][1]], axis=1),
+                jnp.concatenate([parts[0][2], parts[1][2]], axis=1),
+            )
+            results.append((vjp((do, dl)), got, merged))
+        return results
+
+    for want, got, merged in run():
+        for w, g, m in zip(want, got, merged):
+            w = np.asarray(w, np.float64)
+            assert _rel_err(g, w) < 1e-6
+            assert _rel_err(m, w) < 1e-5
+    _, lse = flash_attention(q, k, v, arr, scale=0.3, return_lse=True)
+    with pytest.raises(ValueError, match="shape"):
+        flash_attention_bwd(q, k, v, arr, q, lse[:, :2], do, scale=0.3)
+
+
 def test_rejects_bad_inputs() -> None:
     mask = from_slices([[0, 64]], [[0, 64]], [CAUSAL], 64, 64)
     arr = prepare_mask(mask, 32, 32)
@@ -350,6 +431,8 @@ def test_rejects_bad_inputs() -> None:
         flash_attention(q[:, :32], k, v, arr, scale=1.0)
     with pytest.raises(ValueError, match="dividing"):
         flash_attention(q, k, v, arr, scale=1.0, config=KernelConfig(block_k=24))
+    with pytest.raises(ValueError, match="dkv_split"):
+        flash_attention(q, k, v, arr, scale=1.0, config=KernelConfig(dkv_split=0))
     with pytest.raises(ValueError, match="stacked"):
         flash_attention(q, k, v, stack_mask_arrays([arr, arr]), scale=1.0)
 

@@ -229,9 +229,16 @@ def default_tiles(head_dim: int, dtype: Any) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Adapter:
-    """One impl: check(Request) -> reason | None, run(q, k, v, mask, scale, return_lse)."""
+    """One impl: check(Request) -> reason | None, run(q, k, v, mask, scale, return_lse).
+
+    backward(q, k, v, mask, out, lse, dout, dlse, scale) -> (dq, dk, dv), where the impl has
+    one, computes the gradients from the forward's residuals without recomputing the forward;
+    it must depend on out, lse, dout, dlse only through lse and rowsum(dout * out) - dlse (the
+    flash backward), which is what lets a ring pass the merged softmax statistics.
+    """
 
     name: str
     check: Callable[[Request], str | None]
     run: Callable[..., tuple[jax.Array, jax.Array | None]]
     tiles: Callable[[int, Any], tuple[int, int]] = default_tiles
+    backward: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None

@@ -81,4 +81,15 @@ def _run_pallas(q, k, v, mask, *, scale: float, return_lse: bool):
     return res if return_lse else (res, None)
 
 
-PALLAS = Adapter("pallas", _check_pallas, _run_pallas, tiles=_pallas_tiles)
+def _backward_pallas(q, k, v, mask, out, lse, dout, dlse, *, scale: float):
+    mod, why = pallas_module()
+    if why is not None:
+        raise Unsupported(why)
+    tiles = None if isinstance(mask, MaskArrays) else _pallas_tiles(q.shape[-1], q.dtype)
+    arrays = _arrays(mask, tiles)
+    return mod.flash_attention_bwd(q, k, v, arrays, out, lse, dout, dlse, scale=scale)
+
+
+PALLAS = Adapter(
+    "pallas", _check_pallas, _run_pallas, tiles=_pallas_tiles, backward=_backward_pallas
+)

@@ -48,13 +48,13 @@ class _Geometry:
         return cls(sq, sk, -(-sq // bq) * bq, -(-sk // bk) * bk, d, padded_head_dim(d), bq, bk)
 
 
-def _pad(x: jax.Array, axis: int, size: int) -> jax.Array:
+def _pad(x: jax.Array, axis: int, size: int, value: float = 0.0) -> jax.Array:
     extra = size - x.shape[axis]
     if extra == 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def _pad_seq_dim(x: jax.Array, seq: int, dim: int) -> jax.Array:
@@ -127,9 +127,22 @@ def _attention_fwd(
     return (out, lse), (q, k, v, arrays, out, lse_padded)
 
 
-def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
-    q, k, v, arrays, out, lse = res
-    d_out, d_lse = cotangents
+def _backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    arrays: MaskArrays,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    d_lse: jax.Array,
+    static: _Static,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv from the residuals; lse is (B,Hq,padded Sq), -inf on the padded rows.
+
+    Only lse and delta = rowsum(dO * O) - dLSE enter the kernels (dS = P (dP - delta) with
+    P = exp(S - lse)), so no forward is recomputed.
+    """
     geo = _Geometry.of(q, k, arrays)
     d_out = d_out.astype(q.dtype)
     delta = jnp.einsum(
@@ -155,7 +168,11 @@ def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
         dq = backward_dq(qp, kp, vp, dop, lse, delta, lo, hi, _kv_lists(arrays, geo), **common)
         dk, dv = backward_dkv(qp, kp, vp, dop, lse, delta, lo, hi, q_lists, **common)
     sq, sk, d = geo.seq_q, geo.seq_k, geo.head_dim
-    return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d], None
+    return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
+
+
+def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
+    return (*_backward(*res, *cotangents, static), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -168,6 +185,23 @@ def _attention_jit(
     return _attention(q, k, v, arrays, static)
 
 
+@functools.partial(jax.jit, static_argnames=("static",))
+def _backward_jit(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    arrays: MaskArrays,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    d_lse: jax.Array,
+    static: _Static,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    padded_q = _Geometry.of(q, k, arrays).padded_q
+    lse_padded = _pad(lse.astype(jnp.float32), 2, padded_q, value=-jnp.inf)
+    return _backward(q, k, v, arrays, out, lse_padded, d_out, d_lse, static)
+
+
 def _check(q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays) -> None:
     check_attention_shapes(q.shape, k.shape, v.shape, arrays)
     d = q.shape[3]
@@ -177,6 +211,24 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays) -> None
         raise ValueError("flash_attention takes the MaskArrays of one mask (no stacked axes)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _static(
+    q: jax.Array,
+    arrays: MaskArrays,
+    scale: float,
+    interpret: bool | None,
+    config: KernelConfig | None,
+) -> _Static:
+    """The compile-time part of a call: interpret None means "on the CPU backend"."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    base = default_config(q.shape[-1], q.dtype) if config is None else config
+    return _Static(
+        scale=float(scale),
+        config=base.resolve(arrays.block_q, arrays.block_k),
+        interpret=bool(interpret),
+    )
 
 
 def flash_attention(
@@ -196,16 +248,46 @@ def flash_attention(
     interpret=None runs the kernels in interpret mode when the default backend is the CPU.
     """
     _check(q, k, v, arrays)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    base = default_config(q.shape[-1], q.dtype) if config is None else config
-    static = _Static(
-        scale=float(scale),
-        config=base.resolve(arrays.block_q, arrays.block_k),
-        interpret=bool(interpret),
-    )
-    out, lse = _attention_jit(q, k, v, arrays, static)
+    out, lse = _attention_jit(q, k, v, arrays, _static(q, arrays, scale, interpret, config))
     return (out, lse) if return_lse else out
+
+
+def flash_attention_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    arrays: MaskArrays,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array | None = None,
+    *,
+    scale: float,
+    interpret: bool | None = None,
+    config: KernelConfig | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv of flash_attention from its residuals, without recomputing the forward.
+
+    out (B,Sq,Hq,D) and lse (B,Hq,Sq) are what flash_attention(..., return_lse=True) returned;
+    dout and dlse (None: zero) are their cotangents. Equals jax.vjp of flash_attention (the same
+    code is its custom VJP rule). Only lse and delta = rowsum(dout * out) - dlse enter, with
+    P = exp(S - lse): so for the block of keys k/v of a softmax merged over several blocks (ring
+    attention), passing the merged out/lse and their cotangents gives that block's share of the
+    merged gradients directly (dk/dv of the block, its term of dq).
+    """
+    _check(q, k, v, arrays)
+    b, sq, hq, _ = q.shape
+    if out.shape != q.shape or dout.shape != q.shape:
+        raise ValueError(
+            f"out and dout must have q's shape {q.shape}, got {out.shape} and {dout.shape}"
+        )
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is not None and x.shape != (b, hq, sq):
+            raise ValueError(f"{name} must have shape (B, Hq, Sq) = {(b, hq, sq)}, got {x.shape}")
+    if dlse is None:
+        dlse = jnp.zeros((b, hq, sq), jnp.float32)
+    static = _static(q, arrays, scale, interpret, config)
+    return _backward_jit(q, k, v, arrays, out, lse, dout, dlse, static)
 
 
 def kernel_config(arrays: MaskArrays, head_dim: int, dtype: Any) -> KernelConfig:
