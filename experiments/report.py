@@ -65,6 +65,8 @@ COLUMNS = (
 )
 STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
 CUDNN_CONTROL = {"jax": ("cudnn",), "torch": ("sdpa_cudnn", "cudnn")}
+SHARED_KERNEL_IMPLS = ("triton",)
+SAME_KERNEL_TOLERANCE = 0.03
 
 
 def flat_row(rec: dict) -> dict:
@@ -190,32 +192,71 @@ def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], st
     return paths, "; ".join(notes)
 
 
-def cross_framework(rows: list[dict]) -> list[dict]:
-    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
+def _point_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows of both frameworks grouped by (cp, mask, length, mode, config)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
         groups[(cp, r["mask"], r["total_seqlen"], r["mode"], _config(r))].append(r)
+    return {k: v for k, v in groups.items() if {r["framework"] for r in v} == {"jax", "torch"}}
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    ok = a is not None and b is not None and a["status"] == b["status"] == "ok"
+    return f"{a['tflops'] / b['tflops']:.2f}x" if ok else "-"
+
+
+def cross_framework(rows: list[dict]) -> list[dict]:
+    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
     out = []
-    for (cp, mask, seqlen, mode, cfg), members in sorted(groups.items()):
-        if {r["framework"] for r in members} != {"jax", "torch"}:
-            continue
+    for (cp, mask, seqlen, mode, cfg), members in sorted(_point_groups(rows).items()):
         row = {"cp": cp, "mask": mask, "seqlen": seqlen, "mode": mode, "config": cfg}
-        best = {}
+        best, control = {}, {}
         for fw in ("jax", "torch"):
             ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
-            b = max(ok, key=lambda r: r["tflops"]) if ok else None
-            best[fw] = b
+            best[fw] = max(ok, key=lambda r: r["tflops"]) if ok else None
+            b = best[fw]
             row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
-            control = [
-                r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]
-            ]
-            row[f"cudnn_{fw}"] = _cell(control[0]) if control else "-"
-        if best["jax"] and best["torch"]:
-            row["jax_over_torch"] = f"{best['jax']['tflops'] / best['torch']['tflops']:.2f}x"
-        else:
-            row["jax_over_torch"] = "-"
+            found = [r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]]
+            control[fw] = found[0] if found else None
+            row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
+        row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
+        row["cudnn_jax_over_torch"] = _ratio(control["jax"], control["torch"])
         out.append(row)
+    return out
+
+
+def same_kernel(rows: list[dict]) -> list[dict]:
+    """The one kernel launched from both frameworks: per point, both rates and their gap.
+
+    The kernel source is identical, so a gap above SAME_KERNEL_TOLERANCE is framework overhead
+    (dispatch, layout copies, synchronisation) and is flagged for a profile.
+    """
+    out = []
+    for (cp, mask, seqlen, mode, cfg), members in sorted(_point_groups(rows).items()):
+        for impl in SHARED_KERNEL_IMPLS:
+            pair = {r["framework"]: r for r in members if r["impl"] == impl}
+            if set(pair) != {"jax", "torch"}:
+                continue
+            jax_row, torch_row = pair["jax"], pair["torch"]
+            gap = "-"
+            if jax_row["status"] == torch_row["status"] == "ok":
+                rel = jax_row["tflops"] / torch_row["tflops"] - 1.0
+                flag = "" if abs(rel) <= SAME_KERNEL_TOLERANCE else " (over 3%: profile)"
+                gap = f"{rel:+.1%}{flag}"
+            out.append(
+                {
+                    "cp": cp,
+                    "mask": mask,
+                    "seqlen": seqlen,
+                    "mode": mode,
+                    "config": cfg,
+                    "impl": impl,
+                    "jax": _cell(jax_row),
+                    "torch": _cell(torch_row),
+                    "jax_vs_torch": gap,
+                }
+            )
     return out
 
 
@@ -254,6 +295,7 @@ def write_markdown(
     mask_paths: list[Path],
     cross: list[dict],
     notes: list[str],
+    shared: list[dict] | None = None,
 ) -> Path:
     """report.md: provenance, status counts, TFLOP/s tables, cross-framework table, figures."""
     lines = ["# Attention benchmark report", ""]
@@ -301,8 +343,18 @@ def write_markdown(
             "jax_over_torch",
             "cudnn_jax",
             "cudnn_torch",
+            "cudnn_jax_over_torch",
         ]
         lines += _md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
+    if shared:
+        lines += [
+            "## Same kernel, two front ends",
+            "",
+            "One kernel source launched from JAX and from PyTorch: a gap is framework overhead.",
+            "",
+        ]
+        keys = list(shared[0])
+        lines += _md_table(keys, [[c[k] for k in keys] for c in shared]) + [""]
     problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
     if problems:
         lines += ["## Failed points", ""]
@@ -344,7 +396,8 @@ def write_report(results: str | Path, out_dir: str | Path) -> dict[str, Path]:
             w.writerows(cross)
     grid = plots.image_grid(plot_paths, out_dir / "all_plots.png")
     notes = [mask_note] if mask_note else []
-    md = write_markdown(rows, records, out_dir, plot_paths, mask_paths, cross, notes)
+    shared = same_kernel(rows)
+    md = write_markdown(rows, records, out_dir, plot_paths, mask_paths, cross, notes, shared)
     return {
         "csv": csv_path,
         "markdown": md,

@@ -462,3 +462,49 @@ def test_input_shards_match_the_global_inputs():
         np.testing.assert_array_equal(inputs.block("k", shape, 42, 3, sl), whole[:, sl])
     assert not np.array_equal(inputs.block("q", shape, 42, 3), whole)
     assert not np.array_equal(inputs.block("k", shape, 42, 4), whole)
+
+
+def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024, status="ok"):
+    """A report row of a kernel point with only the fields the comparison tables read."""
+    return {
+        "framework": framework,
+        "impl": impl,
+        "status": status,
+        "tflops": tflops if status == "ok" else None,
+        "cp": "none",
+        "layout": None,
+        "mask": "causal",
+        "total_seqlen": seqlen,
+        "mode": "fwd",
+        "batch": 1,
+        "heads_q": 4,
+        "heads_kv": 2,
+        "head_dim": 64,
+        "dtype": "bfloat16",
+        "reference_compat": False,
+    }
+
+
+def test_same_kernel_table_flags_gaps_over_three_percent():
+    from experiments.report import cross_framework, same_kernel
+
+    rows = [
+        _flat("jax", "triton", 100.0),
+        _flat("torch", "triton", 95.0),
+        _flat("jax", "triton", 100.0, seqlen=2048),
+        _flat("torch", "triton", 99.0, seqlen=2048),
+        _flat("jax", "triton", None, seqlen=4096, status="oom"),
+        _flat("torch", "triton", 50.0, seqlen=4096),
+        _flat("torch", "triton", 70.0, seqlen=8192),
+        _flat("jax", "cudnn", 120.0),
+        _flat("torch", "sdpa_cudnn", 100.0),
+    ]
+    by_len = {r["seqlen"]: r for r in same_kernel(rows)}
+    assert sorted(by_len) == [1024, 2048, 4096]  # 8192 ran in one framework only
+    assert by_len[1024]["jax_vs_torch"] == f"{100 / 95 - 1:+.1%} (over 3%: profile)"
+    assert by_len[2048]["jax_vs_torch"] == f"{100 / 99 - 1:+.1%}"
+    assert (by_len[4096]["jax"], by_len[4096]["jax_vs_torch"]) == ("OOM", "-")
+    cross = {r["seqlen"]: r for r in cross_framework(rows)}
+    assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
+    assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
+    assert cross[2048]["cudnn_jax_over_torch"] == "-"
