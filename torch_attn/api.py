@@ -7,6 +7,7 @@ import torch
 from attn_masks import Mask
 
 from . import flash, flex, naive, sdpa
+from . import triton as triton_impl
 from .common import (
     Problem,
     Unsupported,
@@ -26,6 +27,7 @@ IMPLS = (
     "sdpa_efficient",
     "sdpa_cudnn",
     "flex",
+    "triton",
     *flash.IMPLS,
 )
 
@@ -44,6 +46,9 @@ _NOTES = {
     "masked logsumexp pass",
     "flex": "torch.compile(flex_attention), BlockMask from the mask's block map, interval "
     "mask_mod; LSE from the kernel; CPU: forward only, uncompiled for fp64 or return_lse",
+    "triton": "triton_attn's block-sparse flash kernels (the same Triton source as jax_attn's "
+    "triton): tile lists from the block map, interval mask on partial tiles, GQA without "
+    "repeating K/V; LSE from the kernel; CUDA, or CPU under TRITON_INTERPRET=1",
     "flash2": "flash-attn 2: causal/window_size/varlen documents; LSE by a separate pass",
     "flash3": "flash-attn 3 (Hopper): causal/window_size/varlen documents; LSE by a separate pass",
     "flash4": "flash-attn 4 (CuTe DSL, Hopper/Blackwell): causal/window/varlen documents; LSE by "
@@ -72,6 +77,8 @@ def _supports(impl: str, mask: Mask, problem: Problem) -> bool | str:
         return sdpa.supports(impl, mask, problem)
     if impl == "flex":
         return flex.supports(mask, problem)
+    if impl == "triton":
+        return triton_impl.supports(mask, problem)
     return flash.supports(impl, mask, problem)
 
 
@@ -125,6 +132,8 @@ def attention(
         out, lse = naive.attention(q, k, v, mask, scale=scale)
     elif impl == "flex":
         out, lse = flex.attention(q, k, v, mask, scale=scale, return_lse=return_lse)
+    elif impl == "triton":
+        out, lse = triton_impl.attention(q, k, v, mask, scale=scale)
     elif impl in sdpa.BACKENDS:
         out = sdpa.attention(impl, q, k, v, mask, scale=scale)
     else:

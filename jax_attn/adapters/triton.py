@@ -1,0 +1,195 @@
+"""Impl "triton": triton_attn's block-sparse flash kernels launched from JAX by jax_triton.
+
+The same @triton.jit kernels as torch_attn's impl "triton" (triton_attn.kernels), called with
+`jax_triton.triton_call`; jax.custom_vjp runs the dK/dV and dQ kernels from the saved LSE and
+delta = rowsum(out * dout) - dlse, which is also the residual backward (attention_bwd). Mask
+tables (tiles from triton_attn.launch) are built on the host once per (mask, configs) and passed
+as arrays. CUDA GPUs only (jax_triton has no CPU path); import-guarded, so without jax-triton
+supports() says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_masks import Mask
+from triton_attn import launch
+
+from .common import Adapter, Request, Unsupported, first_reason, needs_cuda, needs_static_mask
+
+_LISTS = ("fwd", "dq", "dkdv")
+
+
+def modules() -> tuple[ModuleType | None, ModuleType | None, str | None]:
+    """(jax_triton, triton_attn.kernels, None), or (None, None, why they cannot be imported)."""
+    try:
+        jt = importlib.import_module("jax_triton")
+    except ModuleNotFoundError as err:
+        if err.name not in ("jax_triton", "triton"):
+            return None, None, f"jax-triton cannot be imported ({err})"
+        return None, None, f"jax-triton not installed ({err})"
+    except ImportError as err:  # e.g. jax without GPU support
+        return None, None, f"jax-triton cannot be imported ({err})"
+    return jt, importlib.import_module("triton_attn.kernels"), None
+
+
+def _check(req: Request) -> str | None:
+    def installed() -> str | None:
+        return modules()[2]
+
+    def device() -> str | None:
+        cap = req.gpu.capability if req.gpu is not None else None
+        if cap is not None and cap < (8, 0):
+            return f"triton kernels need compute capability >= 8.0, got {cap}"
+        return None
+
+    def inputs() -> str | None:
+        dtype = None if req.dtype is None else req.dtype.name
+        return launch.check(req.head_dim, dtype)
+
+    return first_reason(
+        installed,
+        lambda: needs_static_mask(req, "triton"),
+        lambda: needs_cuda(req, "triton"),
+        device,
+        inputs,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Tables:
+    """Host MaskTables (static, hashed by identity) next to their device arrays."""
+
+    host: launch.MaskTables
+    arrays: dict
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _tables(mask: Mask, configs: launch.Configs) -> _Tables:
+    """Tables of `mask` for `configs`, built and put on the device once per mask object."""
+    with _LOCK:
+        found = _CACHE.get(mask, {}).get(configs)
+    if found is not None:
+        return found
+    host = launch.mask_tables(mask, configs)
+    with jax.ensure_compile_time_eval():  # concrete device arrays even when called in a trace
+        arrays = {"lo": jax.device_put(host.lo), "hi": jax.device_put(host.hi)}
+        for name in _LISTS:
+            lists = getattr(host, name)
+            arrays[name] = tuple(jax.device_put(x) for x in (lists.index, lists.count, lists.full))
+    found = _Tables(host, arrays)
+    with _LOCK:
+        _CACHE.setdefault(mask, {})[configs] = found
+    return found
+
+
+def _configs(head_dim: int, dtype: Any) -> launch.Configs:
+    return launch.default_configs(head_dim, np.dtype(dtype).itemsize)
+
+
+def _tiles(head_dim: int, dtype: Any) -> tuple[int, int]:
+    fwd = _configs(head_dim, dtype).fwd
+    return fwd.block_m, fwd.block_n
+
+
+def _shape(q: jax.Array, k: jax.Array) -> launch.Shape:
+    b, sq, hq, d = q.shape
+    return launch.Shape(b, sq, k.shape[1], hq, k.shape[2], d)
+
+
+def _call(kernel, call: launch.Call, arrays: tuple, out_shape: tuple) -> Any:
+    jt, _, why = modules()
+    if why is not None:
+        raise Unsupported(why)
+    return jt.triton_call(
+        *arrays,
+        *call.scalars,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=call.grid,
+        num_warps=call.num_warps,
+        num_stages=call.num_stages,
+        **call.meta,
+    )
+
+
+def _forward(tables: _Tables, scale: float, q, k, v, arrays: dict):
+    _, kernels, _ = modules()
+    shape = _shape(q, k)
+    call = launch.fwd_call(shape, tables.host, scale, q.dtype == jnp.float32)
+    out_shape = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((shape.batch, shape.heads_q, shape.seqlen_q), jnp.float32),
+    )
+    inputs = (q, k, v, arrays["lo"], arrays["hi"], *arrays["fwd"])
+    out, lse = _call(kernels.attn_fwd_kernel, call, inputs, out_shape)
+    return out, lse
+
+
+def _backward(tables: _Tables, scale: float, q, k, v, arrays: dict, out, lse, dout, dlse):
+    _, kernels, _ = modules()
+    shape = _shape(q, k)
+    ieee = q.dtype == jnp.float32
+    delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, 1, 2) - dlse.astype(jnp.float32)
+    common = (q, k, v, dout.astype(q.dtype), lse, delta, arrays["lo"], arrays["hi"])
+    kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    call = launch.dkdv_call(shape, tables.host, scale, ieee)
+    dk, dv = _call(
+        kernels.attn_bwd_dkdv_kernel, call, (*common, *arrays["dkdv"]), (kv_shape, kv_shape)
+    )
+    call = launch.dq_call(shape, tables.host, scale, ieee)
+    (dq,) = _call(
+        kernels.attn_bwd_dq_kernel,
+        call,
+        (*common, *arrays["dq"]),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+    )
+    return dq, dk, dv
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(tables: _Tables, scale: float, q, k, v, arrays: dict):
+    return _forward(tables, scale, q, k, v, arrays)
+
+
+def _attention_fwd(tables: _Tables, scale: float, q, k, v, arrays: dict):
+    out, lse = _forward(tables, scale, q, k, v, arrays)
+    return (out, lse), (q, k, v, arrays, out, lse)
+
+
+def _attention_bwd(tables: _Tables, scale: float, res, cotangents):
+    q, k, v, arrays, out, lse = res
+    dout, dlse = cotangents
+    dq, dk, dv = _backward(tables, scale, q, k, v, arrays, out, lse, dout, dlse)
+    return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _run(q, k, v, mask: Mask, *, scale: float, return_lse: bool):
+    tables = _tables(mask, _configs(q.shape[-1], q.dtype))
+    out, lse = _attention(tables, float(scale), q, k, v, tables.arrays)
+    return out, (lse if return_lse else None)
+
+
+def _residual_backward(q, k, v, mask: Mask, out, lse, dout, dlse, *, scale: float):
+    tables = _tables(mask, _configs(q.shape[-1], q.dtype))
+    return _backward(tables, float(scale), q, k, v, tables.arrays, out, lse, dout, dlse)
+
+
+TRITON = Adapter("triton", _check, _run, tiles=_tiles, backward=_residual_backward)

@@ -1,0 +1,241 @@
+"""triton_attn's Triton kernels through both front ends vs the float64 oracle.
+
+torch front end: on a CUDA GPU natively; on CPU in Triton's interpreter, which needs
+TRITON_INTERPRET=1 before triton is first imported (triton's own @jit helpers are decorated
+then), so without it test_cpu_interpreter reruns this module in a subprocess that sets it.
+JAX front end (jax_triton): GPU only, plus the CPU answer of supports().
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+import torch_attn  # noqa: E402
+from attn_masks import Mask, MaskType, from_slices, make_mask, reference_attention  # noqa: E402
+from torch_attn import triton as torch_triton  # noqa: E402
+from triton_attn import launch  # noqa: E402
+
+FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+KERNELS_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+SMALL = launch.Configs(launch.KernelConfig(32, 16, 4, 1), launch.KernelConfig(16, 32, 4, 1))
+kernels_here = pytest.mark.skipif(
+    not KERNELS_HERE, reason="CPU without TRITON_INTERPRET=1: run by test_cpu_interpreter"
+)
+
+
+@pytest.mark.skipif(KERNELS_HERE, reason="the kernels run in this process")
+def test_cpu_interpreter():
+    """Rerun this module with TRITON_INTERPRET=1 (set before triton is imported)."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        [*cmd, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def causal(sq: int, sk: int) -> Mask:
+    return from_slices([[0, sq]], [[0, sk]], [CAUSAL], sq, sk, name="t_causal")
+
+
+def random_slices(sq: int, sk: int, seed: int) -> Mask:
+    """Random typed slices on a grid of disjoint rectangles (gaps: empty rows and keys)."""
+    rng = np.random.default_rng(seed)
+    qc = np.unique(np.concatenate([[0, sq], rng.integers(1, sq, 4)]))
+    kc = np.unique(np.concatenate([[0, sk], rng.integers(1, sk, 4)]))
+    qr, kr, ty = [], [], []
+    for q0, q1 in zip(qc[:-1], qc[1:]):
+        for k0, k1 in zip(kc[:-1], kc[1:]):
+            if rng.random() < 0.45:
+                qr.append([q0, q1])
+                kr.append([k0, k1])
+                ty.append(int(rng.integers(0, 4)))
+    return from_slices(qr, kr, ty, sq, sk, name="t_random")
+
+
+# (id, mask builder, heads_q, heads_kv, head_dim, configs)
+CASES = [
+    ("full", lambda: make_mask("full", 128), 2, 2, 32, None),
+    ("causal_ragged", lambda: causal(200, 200), 4, 2, 32, None),
+    ("causal_document", lambda: make_mask("causal_document", 256, seed=3), 2, 1, 64, None),
+    ("sliding_window", lambda: make_mask("sliding_window", 160, window=24), 2, 2, 32, SMALL),
+    ("share_question", lambda: make_mask("share_question", 192, seed=5), 4, 2, 32, None),
+    ("causal_96x160", lambda: causal(96, 160), 2, 2, 40, SMALL),
+    ("causal_160x96_empty_rows", lambda: causal(160, 96), 2, 1, 32, None),
+    ("random_150x230", lambda: random_slices(150, 230, 1), 4, 2, 32, SMALL),
+]
+
+
+def _inputs(mask: Mask, hq: int, hkv: int, d: int, dtype: torch.dtype, batch: int = 1):
+    """q, k, v, dout rounded to `dtype` as float64 numpy (for the oracle)."""
+    rng = np.random.default_rng(zlib.crc32(repr((mask.name, hq, hkv, d, str(dtype))).encode()))
+    shapes = [(batch, mask.seqlen_q, hq, d), (batch, mask.seqlen_k, hkv, d)]
+    arrays = [rng.standard_normal(shapes[i]) for i in (0, 1, 1, 0)]
+    return [torch.tensor(a).to(dtype).double().numpy() for a in arrays]
+
+
+def _run(mask: Mask, arrays: list, dtype: torch.dtype, configs: launch.Configs | None):
+    q, k, v = (torch.tensor(a, dtype=dtype, device=DEVICE, requires_grad=True) for a in arrays[:3])
+    d = q.shape[-1]
+    out, lse = torch_triton.attention(q, k, v, mask, scale=d**-0.5, configs=configs)
+    out.backward(torch.tensor(arrays[3], dtype=dtype, device=DEVICE))
+    return [x.detach().double().cpu().numpy() for x in (out, lse, q.grad, k.grad, v.grad)]
+
+
+def _check(got: list, ref, mask: Mask, tol: float) -> None:
+    out, lse, dq, dk, dv = got
+    for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert np.isfinite(g).all(), f"{name}: non-finite values"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref.lse), "LSE -inf rows")
+    seen = np.isfinite(ref.lse)
+    np.testing.assert_allclose(lse[seen], ref.lse[seen], atol=tol * 10, err_msg="lse")
+    for name, g, want in (("out", out, ref.out), ("dq", dq, ref.dq), ("dk", dk, ref.dk)):
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(g, want, atol=tol * scale, rtol=tol, err_msg=name)
+    np.testing.assert_allclose(dv, ref.dv, atol=tol * max(1.0, np.abs(ref.dv).max()), rtol=tol)
+    dense = mask.dense()
+    empty_rows, unseen_keys = ~dense.any(axis=1), ~dense.any(axis=0)
+    assert (out[:, empty_rows] == 0).all() and (dq[:, empty_rows] == 0).all()
+    assert (dk[:, unseen_keys] == 0).all() and (dv[:, unseen_keys] == 0).all()
+
+
+@kernels_here
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+    _, build, hq, hkv, d, configs = case
+    mask = build()
+    arrays = _inputs(mask, hq, hkv, d, torch.float32)
+    ref = reference_attention(*arrays[:3], mask, dout=arrays[3])
+    _check(_run(mask, arrays, torch.float32, configs), ref, mask, TOL[torch.float32])
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's CPU interpreter computes tl.dot of bfloat16 wrongly (triton 3.9)")
+    mask = make_mask("causal_document", 128, seed=7)
+    arrays = _inputs(mask, 2, 1, 32, dtype)
+    ref = reference_attention(*arrays[:3], mask, dout=arrays[3])
+    _check(_run(mask, arrays, dtype, SMALL), ref, mask, TOL[dtype])
+
+
+@kernels_here
+def test_every_element_written(monkeypatch):
+    """Outputs and gradients are allocated NaN-filled: every element must be overwritten."""
+    mask = random_slices(96, 112, 4)
+    for name in ("empty_like", "empty"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, **kw: _real(*a, **kw).fill_(np.nan))
+    arrays = _inputs(mask, 2, 1, 32, torch.float32)
+    got = _run(mask, arrays, torch.float32, SMALL)
+    monkeypatch.undo()
+    _check(got, reference_attention(*arrays[:3], mask, dout=arrays[3]), mask, 2e-4)
+
+
+@kernels_here
+def test_lse_gradient_through_public_api():
+    """impl="triton" via torch_attn.attention; a loss on the LSE too matches the naive impl."""
+    mask = random_slices(80, 100, 6)
+    arrays = _inputs(mask, 2, 2, 32, torch.float32)
+    grads = {}
+    for impl, dtype in (("triton", torch.float32), ("naive", torch.float64)):
+        xs = [torch.tensor(a, dtype=dtype, device=DEVICE, requires_grad=True) for a in arrays[:3]]
+        out, lse = torch_attn.attention(*xs, mask, impl=impl, return_lse=True)
+        finite = torch.isfinite(lse)
+        weight = torch.linspace(-1, 1, lse.numel(), device=DEVICE, dtype=dtype).view(lse.shape)
+        dout = torch.tensor(arrays[3], dtype=dtype, device=DEVICE)
+        loss = (out * dout).sum() + torch.where(finite, lse * weight, 0).sum()
+        loss.backward()
+        grads[impl] = [x.grad.double().cpu().numpy() for x in xs]
+    for got, want in zip(grads["triton"], grads["naive"]):
+        np.testing.assert_allclose(got, want, atol=2e-4 * max(1.0, np.abs(want).max()))
+
+
+@kernels_here
+def test_supports_reasons():
+    mask = causal(64, 64)
+    assert torch_attn.supports("triton", mask, dtype=torch.float32, device=DEVICE) is True
+    assert "head_dim" in torch_attn.supports("triton", mask, head_dim=16, device=DEVICE)
+    assert "float64" in torch_attn.supports("triton", mask, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(torch_attn.Unsupported, match="float64"):
+        x = torch.zeros(1, 64, 1, 32, dtype=torch.float64, device=DEVICE)
+        torch_attn.attention(x, x, x, mask, impl="triton")
+    assert "triton" in torch_attn.describe("triton")
+
+
+def test_edge_tiles_are_partial():
+    """Tiles on a ragged sequence end never run unmasked (their padding must be masked)."""
+    mask = make_mask("full", 100)
+    tables = launch.mask_tables(mask, launch.Configs(*(launch.KernelConfig(32, 32, 4, 1),) * 2))
+    full = tables.fwd.full[:, :4]
+    assert full[:3, :3].all() and not full[3].any() and not full[:, 3].any()
+
+
+# ---------------------------------------------------------------- JAX front end (jax_triton)
+
+
+def test_jax_supports_says_why_on_cpu():
+    jax_attn = pytest.importorskip("jax_attn")
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU backend is present")
+    reason = jax_attn.supports("triton", causal(64, 64), head_dim=64)
+    assert isinstance(reason, str) and ("jax-triton" in reason or "CUDA" in reason), reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: causal(300, 300), lambda: make_mask("causal_document", 512, seed=2)],
+    ids=["causal_ragged", "causal_document"],
+)
+def test_jax_matches_reference_gpu(build, dtype_name):
+    pytest.importorskip("jax_triton", exc_type=ImportError)
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attn
+
+    mask = build()
+    dtype = jnp.dtype(dtype_name)
+    tol = TOL[getattr(torch, dtype_name)]
+    rng = np.random.default_rng(0)
+    shapes = [(2, mask.seqlen_q, 4, 64), (2, mask.seqlen_k, 2, 64)]
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shapes[i]), dtype) for i in (0, 1, 1, 0))
+    f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do)]
+    ref = reference_attention(*f64[:3], mask, dout=f64[3])
+
+    def loss(q, k, v):
+        out = jax_attn.attention(q, k, v, mask, impl="triton")
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+    out, lse = jax_attn.attention(q, k, v, mask, impl="triton", return_lse=True)
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    got = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
+    _check(got, ref, mask, tol)
+    bwd = jax_attn.attention_bwd(q, k, v, mask, out, lse, do, impl="triton")
+    for a, b in zip(bwd, (dq, dk, dv)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol)
+
+
+@pytest.mark.skipif(KERNELS_HERE, reason="the kernels run in this process")
+def test_cpu_without_interpreter_says_why():
+    assert "TRITON_INTERPRET" in torch_attn.supports("triton", causal(64, 64), device="cpu")

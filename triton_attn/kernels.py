@@ -1,0 +1,291 @@
+"""The flash-attention kernels in the Triton language: forward, dK/dV and dQ, block-sparse.
+
+Layout: q/out/dout (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), all contiguous; lse/delta (B, Hq, Sq)
+fp32. Query head h reads KV head h // GROUP (GQA without repeating K/V). D is padded to the
+power of two BLOCK_D inside (masked loads); sequence ends are masked likewise, so no length
+needs padding on the host.
+
+Each program walks a compacted tile list built on the host (triton_attn.launch): the forward
+and dQ kernels the non-empty k tiles of their q tile, the dK/dV kernel the non-empty q tiles of
+its k tile, for every query head of its GQA group in turn (so it owns its dK/dV tile: no
+atomics). A FULL tile is used unmasked; a PARTIAL tile is masked from the per-row key intervals
+lo/hi (Sq, NUM_INTERVALS): row i sees key j iff lo[i, r] <= j < hi[i, r] for some r. Edge tiles
+are always PARTIAL (launch.py clears their full flag), which masks keys beyond Sk.
+
+Softmax runs in base 2 (exp2) in fp32; the stored LSE is natural log, -inf on rows that see no
+key (their output is 0). The backward takes delta = rowsum(out * dout) - dlse precomputed, so
+it needs only the LSE and delta of the forward (a ring can pass merged statistics).
+
+The kernel signatures put arrays and runtime scalars first, then the outputs, then constexprs,
+which is the order jax_triton.triton_call passes them; the torch front end uses the same order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE asks for full fp32 products (fp32 inputs, no TF32)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _hit(lo_ptr, hi_ptr, row_ok, cols, r, KEYS_FIRST: tl.constexpr):
+    """Whether key cols fall in interval r of query rows ((cols, rows) when KEYS_FIRST)."""
+    lo = tl.load(lo_ptr + r, mask=row_ok, other=0)
+    hi = tl.load(hi_ptr + r, mask=row_ok, other=0)
+    if KEYS_FIRST:
+        hit = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+    else:
+        hit = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+    return hit
+
+
+@triton.jit
+def _visible(
+    lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS: tl.constexpr, KEYS_FIRST: tl.constexpr
+):
+    """Visibility of (rows x cols) from the intervals, shaped (cols, rows) when KEYS_FIRST."""
+    lo_rows = lo_ptr + rows * NUM_INTERVALS
+    hi_rows = hi_ptr + rows * NUM_INTERVALS
+    vis = _hit(lo_rows, hi_rows, row_ok, cols, 0, KEYS_FIRST)
+    for r in tl.static_range(1, NUM_INTERVALS):
+        vis = vis | _hit(lo_rows, hi_rows, row_ok, cols, r, KEYS_FIRST)
+    return vis
+
+
+@triton.jit
+def attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    lo_ptr,
+    hi_ptr,
+    kv_index_ptr,
+    kv_count_ptr,
+    kv_full_ptr,
+    seqlen_q,
+    seqlen_k,
+    heads_q,
+    heads_kv,
+    head_dim,
+    list_width,
+    scale,
+    out_ptr,
+    lse_ptr,
+    GROUP: tl.constexpr,
+    NUM_INTERVALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One (q tile, batch x query head): out tile and its LSE over the listed k tiles."""
+    q_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads_q).to(tl.int64)
+    h = bh % heads_q
+    kvh = h // GROUP
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen_q
+    dim_ok = dims < head_dim
+    q_row = heads_q * head_dim
+    k_row = heads_kv * head_dim
+    q_base = b * seqlen_q * q_row + h * head_dim
+    k_base = b * seqlen_k * k_row + kvh * head_dim
+    q_off = q_base + rows[:, None] * q_row + dims[None, :]
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    count = tl.load(kv_count_ptr + q_tile)
+    for n in range(0, count):
+        k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
+        full = tl.load(kv_full_ptr + q_tile * list_width + n)
+        cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
+        kv_off = k_base + cols[:, None] * k_row + dims[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        if full == 0:
+            vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, False)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(lse_ptr + (b * heads_q + h) * seqlen_q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    lo_ptr,
+    hi_ptr,
+    q_index_ptr,
+    q_count_ptr,
+    q_full_ptr,
+    seqlen_q,
+    seqlen_k,
+    heads_q,
+    heads_kv,
+    head_dim,
+    list_width,
+    scale,
+    dk_ptr,
+    dv_ptr,
+    GROUP: tl.constexpr,
+    NUM_INTERVALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One (k tile, batch x KV head): dK and dV over the listed q tiles of every group head."""
+    k_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads_kv).to(tl.int64)
+    kvh = bh % heads_kv
+    cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < seqlen_k
+    dim_ok = dims < head_dim
+    q_row = heads_q * head_dim
+    k_row = heads_kv * head_dim
+    kv_off = b * seqlen_k * k_row + kvh * head_dim + cols[:, None] * k_row + dims[None, :]
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    qk_scale = scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    count = tl.load(q_count_ptr + k_tile)
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        q_base = b * seqlen_q * q_row + h * head_dim
+        stat_base = (b * heads_q + h) * seqlen_q
+        for n in range(0, count):
+            q_tile = tl.load(q_index_ptr + k_tile * list_width + n)
+            full = tl.load(q_full_ptr + k_tile * list_width + n)
+            rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < seqlen_q
+            q_off = q_base + rows[:, None] * q_row + dims[None, :]
+            q_mask = row_ok[:, None] & dim_ok[None, :]
+            q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+            do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+            lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
+            delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            s_t = _dot(k, tl.trans(q), IEEE) * qk_scale
+            p_t = tl.exp2(s_t - lse2[None, :])
+            if full == 0:
+                vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, True)
+                p_t = tl.where(vis, p_t, 0.0)
+            dv += _dot(p_t.to(do.dtype), do, IEEE)
+            dp_t = _dot(v, tl.trans(do), IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, IEEE)
+    tl.store(dk_ptr + kv_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    lo_ptr,
+    hi_ptr,
+    kv_index_ptr,
+    kv_count_ptr,
+    kv_full_ptr,
+    seqlen_q,
+    seqlen_k,
+    heads_q,
+    heads_kv,
+    head_dim,
+    list_width,
+    scale,
+    dq_ptr,
+    GROUP: tl.constexpr,
+    NUM_INTERVALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One (q tile, batch x query head): dQ over the listed k tiles."""
+    q_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads_q).to(tl.int64)
+    h = bh % heads_q
+    kvh = h // GROUP
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen_q
+    dim_ok = dims < head_dim
+    q_row = heads_q * head_dim
+    k_row = heads_kv * head_dim
+    q_off = b * seqlen_q * q_row + h * head_dim + rows[:, None] * q_row + dims[None, :]
+    k_base = b * seqlen_k * k_row + kvh * head_dim
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+    stat = (b * heads_q + h) * seqlen_q + rows
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    qk_scale = scale * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    count = tl.load(kv_count_ptr + q_tile)
+    for n in range(0, count):
+        k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
+        full = tl.load(kv_full_ptr + q_tile * list_width + n)
+        cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
+        kv_off = k_base + cols[:, None] * k_row + dims[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if full == 0:
+            vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, False)
+            p = tl.where(vis, p, 0.0)
+        dp = _dot(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+    tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+def interpreted() -> bool:
+    """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(attn_fwd_kernel).__name__ == "InterpretedFunction"

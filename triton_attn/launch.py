@@ -1,0 +1,233 @@
+"""Framework-neutral launch plans for triton_attn.kernels: tiles, warps, grids and mask tables.
+
+Both front ends (torch_attn.triton, jax_attn.adapters.triton) build the same `Call` for a
+kernel (grid, runtime scalars, constexprs, warps, stages) and the same numpy `MaskTables`; they
+differ only in how they hand arrays to the kernel. Imports numpy and attn_masks only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attn_masks import Mask
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tiles (block_m query rows x block_n keys) and the compiler's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Configs:
+    """The forward's config and the backward's (dK/dV and dQ share tiles, hence one table)."""
+
+    fwd: KernelConfig
+    bwd: KernelConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Problem sizes: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, .)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class TileList:
+    """Per tile, the compacted non-empty tiles of the other axis: index/full (n, width), count (n,).
+
+    full is int32 (1 = unmasked); padding entries beyond count are never read.
+    """
+
+    index: np.ndarray
+    count: np.ndarray
+    full: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return int(self.index.shape[1])
+
+
+@dataclass(frozen=True)
+class MaskTables:
+    """Everything the kernels read about a mask for given Configs.
+
+    lo/hi (Sq, K) int32 key intervals per row; fwd: k tiles per forward q tile; dq: k tiles per
+    backward q tile; dkdv: q tiles per backward k tile.
+    """
+
+    lo: np.ndarray
+    hi: np.ndarray
+    fwd: TileList
+    dq: TileList
+    dkdv: TileList
+    configs: Configs
+
+    @property
+    def num_intervals(self) -> int:
+        return int(self.lo.shape[1])
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel launch: grid, runtime scalars (after the arrays), constexprs, warps, stages."""
+
+    grid: tuple[int, int]
+    scalars: tuple[Any, ...]
+    meta: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to the power of two the kernels use (at least 32)."""
+    return max(32, 1 << (int(head_dim) - 1).bit_length())
+
+
+def check(head_dim: int | None, dtype: str | None) -> str | None:
+    """Why the kernels cannot take this head dim / dtype name, or None (None inputs unchecked)."""
+    if dtype is not None and dtype not in DTYPES:
+        return f"triton takes bfloat16, float16 or float32, got {dtype}"
+    if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return f"triton needs {MIN_HEAD_DIM} <= head_dim <= {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def default_configs(head_dim: int, itemsize: int) -> Configs:
+    """Tiles by padded head dim and element size: smaller tiles where registers/smem run short."""
+    bd = block_d(head_dim)
+    wide = itemsize >= 4
+    if bd <= 64:
+        fwd = KernelConfig(128, 32 if wide else 64, 4, 3)
+        bwd = KernelConfig(64, 64, 4, 2)
+    elif bd <= 128:
+        fwd = KernelConfig(128, 32 if wide else 64, 8, 2 if wide else 3)
+        bwd = KernelConfig(32 if wide else 64, 64, 8, 2)
+    else:
+        fwd = KernelConfig(64, 32 if wide else 64, 8, 2)
+        bwd = KernelConfig(32, 32, 4, 1)
+    return Configs(fwd, bwd)
+
+
+def _clear_edges(index: np.ndarray, full: np.ndarray, own_edge: bool, other_edge: int | None):
+    """Mark tiles on a ragged sequence end PARTIAL, so the intervals mask the padding there."""
+    full = full.astype(np.int32)
+    if own_edge:
+        full[-1] = 0
+    if other_edge is not None:
+        full[index == other_edge] = 0
+    return np.ascontiguousarray(full)
+
+
+def _tile_lists(mask: Mask, block_m: int, block_n: int) -> tuple[TileList, TileList]:
+    """(k tiles per q tile, q tiles per k tile) with ragged edge tiles made PARTIAL."""
+    sq, sk = mask.seqlen_q, mask.seqlen_k
+    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
+    q_ragged, k_ragged = sq % block_m != 0, sk % block_n != 0
+    bl = mask.block_lists(block_m, block_n)
+    kv_full = _clear_edges(bl.kv_index, bl.kv_full, q_ragged, nk - 1 if k_ragged else None)
+    q_full = _clear_edges(bl.q_index, bl.q_full, k_ragged, nq - 1 if q_ragged else None)
+
+    def as_list(index: np.ndarray, count: np.ndarray, full: np.ndarray) -> TileList:
+        return TileList(
+            np.ascontiguousarray(index, np.int32), np.ascontiguousarray(count, np.int32), full
+        )
+
+    return as_list(bl.kv_index, bl.kv_count, kv_full), as_list(bl.q_index, bl.q_count, q_full)
+
+
+def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
+    """Host-side numpy tables of `mask` for the tiles of `configs` (interval arithmetic only)."""
+    lo, hi = mask.row_intervals()
+    if lo.shape[1] == 0:
+        lo = hi = np.zeros((mask.seqlen_q, 1), np.int32)
+    fwd, _ = _tile_lists(mask, configs.fwd.block_m, configs.fwd.block_n)
+    dq, dkdv = _tile_lists(mask, configs.bwd.block_m, configs.bwd.block_n)
+    return MaskTables(
+        lo=np.ascontiguousarray(lo, np.int32),
+        hi=np.ascontiguousarray(hi, np.int32),
+        fwd=fwd,
+        dq=dq,
+        dkdv=dkdv,
+        configs=configs,
+    )
+
+
+def _meta(shape: Shape, tables: MaskTables, cfg: KernelConfig, ieee: bool) -> dict[str, Any]:
+    return {
+        "GROUP": shape.heads_q // shape.heads_kv,
+        "NUM_INTERVALS": tables.num_intervals,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_D": block_d(shape.head_dim),
+        "IEEE": bool(ieee),
+    }
+
+
+def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
+    return (
+        shape.seqlen_q,
+        shape.seqlen_k,
+        shape.heads_q,
+        shape.heads_kv,
+        shape.head_dim,
+        width,
+        float(scale),
+    )
+
+
+def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
+    """attn_fwd_kernel: one program per (q tile, batch x query head)."""
+    cfg = tables.configs.fwd
+    return Call(
+        grid=(cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q),
+        scalars=_scalars(shape, tables.fwd.width, scale),
+        meta=_meta(shape, tables, cfg, ieee),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
+    """attn_bwd_dkdv_kernel: one program per (k tile, batch x KV head)."""
+    cfg = tables.configs.bwd
+    return Call(
+        grid=(cdiv(shape.seqlen_k, cfg.block_n), shape.batch * shape.heads_kv),
+        scalars=_scalars(shape, tables.dkdv.width, scale),
+        meta=_meta(shape, tables, cfg, ieee),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
+    """attn_bwd_dq_kernel: one program per (q tile, batch x query head)."""
+    cfg = tables.configs.bwd
+    return Call(
+        grid=(cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q),
+        scalars=_scalars(shape, tables.dq.width, scale),
+        meta=_meta(shape, tables, cfg, ieee),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
