@@ -15,7 +15,7 @@ from .adapters import ADAPTERS, Unsupported, make_request
 from .adapters.common import MASK_CACHE
 from .mask_arrays import MaskArrays
 
-IMPLS = ("reference", "pallas", "xla", "cudnn", "pallas_mha", "mosaic_mha", "triton")
+IMPLS = ("reference", "pallas", "mosaic", "xla", "cudnn", "pallas_mha", "mosaic_mha", "triton")
 
 
 def _check_impl(impl: str) -> None:

@@ -486,7 +486,7 @@ def test_errors_name_bad_values():
     mask = MASKS["causal"]
     q, k, v, _, _ = inputs(mask, 4, 2)
     att = jax_attn.attention
-    with pytest.raises(ValueError, match="unknown impl 'flash'.*reference, pallas, xla"):
+    with pytest.raises(ValueError, match="unknown impl 'flash'.*reference, pallas, mosaic, xla"):
         att(q, k, v, mask, impl="flash")
     with pytest.raises(ValueError, match="unknown impl"):
         jax_attn.supports("flash", mask)

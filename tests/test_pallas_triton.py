@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import random_slices
 
 from attn_masks import MaskType, from_slices, reference_attention
 from attn_masks.generators import MASK_NAMES, make_mask
@@ -101,21 +102,6 @@ def _doc_mask(seqlens, typ: int, sk_extra: int = 0):
     return from_slices(qr, qr, [typ] * len(seqlens), int(cu[-1]), int(cu[-1]) + sk_extra)
 
 
-def _random_slices(seed: int, sq: int, sk: int):
-    """Random non-overlapping slices: up to two key ranges of random type per query chunk."""
-    rng = np.random.default_rng(seed)
-    cuts = np.unique(np.concatenate([[0, sq], rng.integers(1, sq, 4)]))
-    qs, ks, ts = [], [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        c1, c2 = np.sort(rng.integers(0, sk + 1, 2))
-        for k0, k1 in ((0, c1), (c2, sk)):
-            if k1 > k0:
-                qs.append((a, b))
-                ks.append((k0, k1))
-                ts.append(int(rng.integers(0, 4)))
-    return from_slices(qs, ks, ts, sq, sk)
-
-
 def _sliding(s: int, w: int):
     """Two-sided window |i - j| <= w as bicausal bands in a grid of w-sized chunks."""
     qs, ks, ts = [], [], []
@@ -183,7 +169,7 @@ CASES = {
         tiles=(32, 32),
     ),
     "random_slices": dict(
-        masks=[_random_slices(s, 130, 100) for s in range(3)],
+        masks=[random_slices(s, 130, 100) for s in range(3)],
         b=1,
         hq=4,
         hkv=2,
@@ -192,7 +178,7 @@ CASES = {
         tiles=(32, 16),
     ),
     "head_dim_96_fp16": dict(
-        masks=[_doc_mask([20, 44], CAUSAL), _random_slices(7, 64, 64)],
+        masks=[_doc_mask([20, 44], CAUSAL), random_slices(7, 64, 64)],
         b=1,
         hq=2,
         hkv=1,
@@ -243,7 +229,7 @@ def test_kernel_subtiles() -> None:
         num_stages=2,
         relaxed_atomics=True,
     )
-    masks = [_doc_mask([30, 50, 40], CAUSAL), _random_slices(11, 120, 120)]
+    masks = [_doc_mask([30, 50, 40], CAUSAL), random_slices(11, 120, 120)]
     for i, (mask, arr) in enumerate(zip(masks, _shared_arrays(masks, 64, 64))):
         _check(mask, arr, b=1, hq=4, hkv=2, d=32, dtype=jnp.float32, seed=i, config=config)
 
@@ -267,7 +253,7 @@ def test_dkv_split(b: int, hq: int, hkv: int) -> None:
     masks = [
         _shared_prefix(20, [30, 9, 41]),
         from_slices([[0, 100]], [[0, 100]], [CAUSAL], 100, 100),
-        _random_slices(5, 100, 100),
+        random_slices(5, 100, 100),
     ]
     base = KernelConfig(block_q_dkv=16, num_warps=4, num_stages=2)
     configs = [dataclasses.replace(base, dkv_split=s) for s in (1, 3, 8)]

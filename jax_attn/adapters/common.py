@@ -130,7 +130,7 @@ def needs_static_mask(req: Request, impl: str) -> str | None:
         return None
     return (
         f"{impl} needs an attn_masks.Mask (its mask pattern is fixed at trace time); runtime "
-        "MaskArrays are accepted by 'reference' and 'pallas' only"
+        "MaskArrays are accepted by 'reference', 'pallas' and 'mosaic' only"
     )
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from attn_masks.shapes import check_attention_shapes
 
 from ..mask_arrays import MaskArrays
+from ..padding import pad_axis
 from .backward import backward_dkv, backward_dq
 from .config import KernelConfig, default_config, padded_head_dim
 from .forward import forward
@@ -48,23 +49,14 @@ class _Geometry:
         return cls(sq, sk, -(-sq // bq) * bq, -(-sk // bk) * bk, d, padded_head_dim(d), bq, bk)
 
 
-def _pad(x: jax.Array, axis: int, size: int, value: float = 0.0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _pad_seq_dim(x: jax.Array, seq: int, dim: int) -> jax.Array:
-    return _pad(_pad(x, 1, seq), 3, dim)
+    return pad_axis(pad_axis(x, 1, seq), 3, dim)
 
 
 def _intervals(arrays: MaskArrays, geo: _Geometry) -> tuple[jax.Array, jax.Array]:
     """lo/hi as (K, padded Sq) int32; padded rows get the empty interval [0, 0)."""
-    lo = _pad(jnp.asarray(arrays.lo, jnp.int32).T, 1, geo.padded_q)
-    hi = _pad(jnp.asarray(arrays.hi, jnp.int32).T, 1, geo.padded_q)
+    lo = pad_axis(jnp.asarray(arrays.lo, jnp.int32).T, 1, geo.padded_q)
+    hi = pad_axis(jnp.asarray(arrays.hi, jnp.int32).T, 1, geo.padded_q)
     return lo, hi
 
 
@@ -148,7 +140,7 @@ def _backward(
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)
     ) - d_lse.astype(jnp.float32)
-    delta = _pad(delta, 2, geo.padded_q)
+    delta = pad_axis(delta, 2, geo.padded_q)
     qp = _pad_seq_dim(q, geo.padded_q, geo.padded_dim)
     kp = _pad_seq_dim(k, geo.padded_k, geo.padded_dim)
     vp = _pad_seq_dim(v, geo.padded_k, geo.padded_dim)
@@ -198,7 +190,7 @@ def _backward_jit(
     static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     padded_q = _Geometry.of(q, k, arrays).padded_q
-    lse_padded = _pad(lse.astype(jnp.float32), 2, padded_q, value=-jnp.inf)
+    lse_padded = pad_axis(lse.astype(jnp.float32), 2, padded_q, value=-jnp.inf)
     return _backward(q, k, v, arrays, out, lse_padded, d_out, d_lse, static)
 
 

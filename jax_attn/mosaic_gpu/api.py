@@ -1,0 +1,178 @@
+"""Public entry point of the Mosaic GPU kernel: padding, tile lists, GQA, custom VJP."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from attn_masks.shapes import check_attention_shapes
+
+from ..mask_arrays import MaskArrays
+from ..padding import pad_axis
+from ..pallas_triton.tiles import split_partial_full
+from .config import CONSUMER_WARPGROUPS, MosaicConfig, default_config
+from .forward import forward
+from .interpret import interpret_params
+
+INTERPRET_MIN_CPU_DEVICES = 4  # the CPU client's thread pool grows with the device count
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The compile-time part of a call (hashable: a jit static argument)."""
+
+    scale: float
+    config: MosaicConfig
+    interpret: bool
+
+
+def _bounds(arrays: MaskArrays, padded_q: int, block_q: int) -> jax.Array:
+    """(padded Sq / block_q, 2K, block_q) int32: per 64-row slice the rows' lo, hi of each
+    interval, interleaved; padded rows see nothing ([0, 0))."""
+    lo = pad_axis(jnp.asarray(arrays.lo, jnp.int32), 0, padded_q)
+    hi = pad_axis(jnp.asarray(arrays.hi, jnp.int32), 0, padded_q)
+    both = jnp.stack([lo, hi], axis=-1).reshape(padded_q // block_q, block_q, -1)
+    return jnp.transpose(both, (0, 2, 1))
+
+
+def _forward_padded(
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
+) -> tuple[jax.Array, jax.Array]:
+    """(out (B,Sq,Hq,D), lse (B,Hq,Sq)) of the kernel on inputs padded to whole tiles."""
+    cfg = static.config
+    sq, sk = q.shape[1], k.shape[1]
+    padded_q = -(-sq // cfg.mask_block_q) * cfg.mask_block_q
+    padded_k = -(-sk // cfg.block_k) * cfg.block_k
+    lists = split_partial_full(
+        arrays.kv_index,
+        arrays.kv_count,
+        arrays.kv_full,
+        ragged_outer=padded_q != sq,
+        padded_inner=padded_k // cfg.block_k - 1 if padded_k != sk else None,
+    )
+    out, lse = forward(
+        pad_axis(q, 1, padded_q),
+        pad_axis(k, 1, padded_k),
+        pad_axis(v, 1, padded_k),
+        _bounds(arrays, padded_q, cfg.block_q),
+        lists.index,
+        lists.n_partial,
+        lists.count,
+        scale=static.scale,
+        config=cfg,
+        interpret=interpret_params() if static.interpret else None,
+    )
+    return out[:, :sq], lse[:, :, :sq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
+) -> tuple[jax.Array, jax.Array]:
+    return _forward_padded(q, k, v, arrays, static)
+
+
+def _attention_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
+) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+    out, lse = _forward_padded(q, k, v, arrays, static)
+    return (out, lse), (q, k, v, arrays, out, lse)
+
+
+def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
+    """Gradients from the residuals by the Mosaic backward kernel (imported on first use).
+
+    The LSE cotangent is forwarded when the backward accepts `dlse`; otherwise only the
+    output's cotangent is differentiated.
+    """
+    from .backward import flash_attention_mosaic_bwd
+
+    q, k, v, arrays, out, lse = res
+    d_out, d_lse = cotangents
+    extra = {}
+    if "dlse" in inspect.signature(flash_attention_mosaic_bwd).parameters:
+        extra["dlse"] = d_lse
+    dq, dk, dv = flash_attention_mosaic_bwd(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out.astype(q.dtype),
+        arrays,
+        scale=static.scale,
+        config=static.config,
+        interpret=interpret_params() if static.interpret else None,
+        **extra,
+    )
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _attention_jit(
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
+) -> tuple[jax.Array, jax.Array]:
+    return _attention(q, k, v, arrays, static)
+
+
+def check_inputs(
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, config: MosaicConfig
+) -> None:
+    """ValueError unless the kernel with `config` can run these inputs and mask arrays."""
+    check_attention_shapes(q.shape, k.shape, v.shape, arrays)
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv_index) != 2:
+        raise ValueError("flash_attention_mosaic takes the MaskArrays of one mask (no stacking)")
+    config.check(q.shape[3], q.dtype, int(arrays.lo.shape[-1]))
+    if (arrays.block_q, arrays.block_k) != config.tiles:
+        raise ValueError(
+            f"MaskArrays tiles ({arrays.block_q}, {arrays.block_k}) do not match the kernel's "
+            f"{config.tiles} (CONSUMER_WARPGROUPS * block_q = {CONSUMER_WARPGROUPS} * "
+            f"{config.block_q}, block_k): build them with prepare_mask(mask, *config.tiles)"
+        )
+
+
+def resolve_config(q: jax.Array, config: MosaicConfig | None) -> MosaicConfig:
+    """`config`, or the default for q's head dim and dtype."""
+    return default_config(q.shape[-1], q.dtype) if config is None else config
+
+
+def flash_attention_mosaic(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    arrays: MaskArrays,
+    *,
+    scale: float,
+    return_lse: bool = False,
+    config: MosaicConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Masked attention (B,Sq,Hq,D) on Hopper via Mosaic GPU, differentiable; optionally LSE.
+
+    arrays must be built with this config's tiles (config.tiles). LSE is (B,Hq,Sq) float32
+    natural log, -inf where a row sees no key (its output is 0). interpret=None runs the CPU
+    interpreter when the default backend is the CPU (slow; for tests).
+    """
+    config = resolve_config(q, config)
+    check_inputs(q, k, v, arrays, config)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret and len(jax.devices("cpu")) < INTERPRET_MIN_CPU_DEVICES:
+        raise ValueError(
+            f"the Mosaic GPU interpreter runs the kernel's {CONSUMER_WARPGROUPS + 1} warpgroups "
+            "as concurrent CPU executions that block on each other, which deadlocks with fewer "
+            f"than {INTERPRET_MIN_CPU_DEVICES} CPU devices (got {len(jax.devices('cpu'))}); set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
+        )
+    static = _Static(scale=float(scale), config=config, interpret=bool(interpret))
+    out, lse = _attention_jit(q, k, v, arrays, static)
+    return (out, lse) if return_lse else out

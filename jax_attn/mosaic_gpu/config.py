@@ -1,0 +1,95 @@
+"""Tile sizes and pipeline depth of the Mosaic GPU (Hopper) flash-attention kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+CONSUMER_WARPGROUPS = 2  # warpgroups computing attention; a third one only issues TMA loads
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_BYTES = 227 * 1024  # dynamic shared memory one Hopper CTA may use
+MAX_INTERVALS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch configuration of the Mosaic GPU forward kernel.
+
+    Each CTA holds CONSUMER_WARPGROUPS * block_q query rows (one block_q slice per consumer
+    warpgroup; block_q is the wgmma M dimension, so 64) and streams block_k keys per step
+    through a ring of max_concurrent_steps shared-memory stages filled by the producer
+    warpgroup. The mask tiles (MaskArrays) are (mask_block_q, block_k).
+    """
+
+    block_q: int = 64
+    block_k: int = 128
+    max_concurrent_steps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_q != 64:
+            raise ValueError(
+                f"block_q={self.block_q} is invalid: each consumer warpgroup owns one 64-row "
+                "wgmma tile, so block_q must be 64"
+            )
+        if self.block_k not in (64, 128, 192, 256):
+            raise ValueError(
+                f"block_k={self.block_k} is invalid: valid values are 64, 128, 192 and 256 "
+                "(a multiple of 64, at most 256)"
+            )
+        if not 2 <= self.max_concurrent_steps <= 4:
+            raise ValueError(
+                f"max_concurrent_steps={self.max_concurrent_steps} is invalid: valid range is "
+                "[2, 4] shared-memory stages"
+            )
+
+    @property
+    def mask_block_q(self) -> int:
+        """Query rows of one CTA, which is the q tile of the MaskArrays this kernel walks."""
+        return CONSUMER_WARPGROUPS * self.block_q
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        """(block_q, block_k) to build MaskArrays with (prepare_mask) for this config."""
+        return self.mask_block_q, self.block_k
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, intervals: int = 1) -> int:
+        """Shared memory one CTA allocates (Q/O tiles, the K/V ring, row bounds, LSE)."""
+        q = self.mask_block_q * head_dim * itemsize
+        kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
+        rows = CONSUMER_WARPGROUPS * self.block_q * 4 * (2 * intervals + 1)
+        return q + kv + rows + 1024  # barriers and alignment slack
+
+    def check(self, head_dim: int, dtype: object, intervals: int = 1) -> None:
+        """ValueError unless this config can run inputs of `head_dim` and `dtype`."""
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim={head_dim} is unsupported: valid values are 64 and 128")
+        if jnp.dtype(dtype) not in DTYPES:
+            raise ValueError(
+                f"dtype {jnp.dtype(dtype).name} is unsupported: valid dtypes are bfloat16 and "
+                "float16"
+            )
+        if not 1 <= intervals <= MAX_INTERVALS:
+            raise ValueError(
+                f"{intervals} key intervals per row is unsupported: valid range is "
+                f"[1, {MAX_INTERVALS}]"
+            )
+        need = self.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, intervals)
+        if need > SMEM_BYTES:
+            raise ValueError(
+                f"block_k={self.block_k} with max_concurrent_steps={self.max_concurrent_steps} "
+                f"needs {need} bytes of shared memory at head_dim={head_dim}; the valid range is "
+                f"at most {SMEM_BYTES} (lower block_k or max_concurrent_steps)"
+            )
+
+
+def default_config(head_dim: int, dtype: object) -> MosaicConfig:
+    """Defaults expected to be good on H100/H200 (FA3-like: 128-key steps, two stages)."""
+    del dtype
+    return MosaicConfig(block_q=64, block_k=128, max_concurrent_steps=2 if head_dim > 64 else 3)
+
+
+def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:
+    """(block_q, block_k) mask tiles to prepare MaskArrays with for the default config."""
+    return default_config(head_dim, dtype).tiles

@@ -1,0 +1,94 @@
+"""Running the Mosaic GPU kernels in the CPU interpreter (jax >= 0.10), for tests.
+
+The interpreter lacks three constructs these kernels use: layout casts (pure annotations, the
+identity on CPU), and wgmma operands that are transposed shared-memory views (K^T) or register
+arrays (P). enable_interpret_support() teaches it those through private JAX internals; the
+kernels themselves are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def interpret_params() -> Any:
+    """Parameters that run Mosaic GPU kernels in the CPU interpreter (jax >= 0.10)."""
+    enable_interpret_support()
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+@functools.cache
+def enable_interpret_support() -> None:
+    """Teach the Mosaic GPU CPU interpreter the three constructs this kernel needs that it
+    lacks (jax 0.10): layout casts (pure annotations: identity on CPU), and wgmma operands that
+    are transposed shared-memory views (K^T) or register arrays (P). The kernel is unchanged.
+    """
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    gpu_callbacks.wgmma = functools.partial(_interpret_wgmma, gpu_callbacks)
+
+
+def _interpret_operand(callbacks: Any, key: Any, transforms: Any, thread: int) -> np.ndarray:
+    """A wgmma operand in the interpreter: a register value, or a shared-memory buffer viewed
+    through its indexers and transposes (tiling and swizzling are layout-only there)."""
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+    from jax._src.state import indexing
+    from jax._src.state.types import TransposeTransform
+
+    key = np.asarray(key)
+    if not np.issubdtype(key.dtype, np.integer):  # allocation keys are int32; values are not
+        return key
+    memory = callbacks._get_shared_memory()
+    value, _, _ = memory.get_buffer_content(callbacks.HostAllocationKey.from_array(key), (), thread)
+    value = np.asarray(value)
+    for t in transforms or ():
+        if isinstance(t, indexing.NDIndexer):
+            value = value[interpret_utils.to_range([jax.tree.map(int, t)])]
+        elif isinstance(t, TransposeTransform):
+            value = np.transpose(value, t.permutation)
+    return value
+
+
+def _interpret_wgmma(
+    callbacks: Any,
+    *,
+    device_id: Any,
+    thread_id: Any,
+    acc_allocation_key_as_array: Any,
+    acc_transforms: Any,
+    acc_dtype: Any,
+    a_allocation_key_as_array: Any,
+    a_transforms: Any,
+    b_allocation_key_as_array: Any,
+    b_transforms: Any,
+    token: Any,
+    **_: Any,
+) -> Any:
+    """acc += a @ b in the interpreter, with operands read by _interpret_operand."""
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+
+    memory = callbacks._get_shared_memory()
+    thread = memory.get_global_thread_id(int(device_id), int(thread_id))
+    a = _interpret_operand(callbacks, a_allocation_key_as_array, a_transforms, thread)
+    b = _interpret_operand(callbacks, b_allocation_key_as_array, b_transforms, thread)
+    acc_key = callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    acc_range = interpret_utils.to_range(
+        [jax.tree.map(int, t) for t in callbacks._remove_noop_transforms(acc_transforms)]
+    )
+    acc, _, _ = memory.get_buffer_content(acc_key, acc_range, thread)
+    res = np.asarray(acc) + np.matmul(
+        a.astype(np.float32), b.astype(np.float32), dtype=np.float32
+    ).astype(acc_dtype)
+    memory.store_buffer_content(acc_key, acc_range, res, thread)
+    return token

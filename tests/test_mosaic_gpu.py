@@ -1,0 +1,220 @@
+"""Mosaic GPU (Hopper) flash-attention forward: the real kernel in the CPU interpreter vs the
+float64 oracle, plus a GPU-marked run of the real lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import random_slices
+
+from attn_masks import MaskType, from_slices, make_mask, reference_attention
+from jax_attn.adapters.common import make_request
+from jax_attn.adapters.mosaic import MOSAIC
+from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
+from jax_attn.mosaic_gpu import MosaicConfig, flash_attention_mosaic
+from jax_attn.mosaic_gpu import api as mosaic_api
+
+FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+SMALL = MosaicConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+
+interpreted = pytest.mark.skipif(
+    len(jax.devices("cpu")) < mosaic_api.INTERPRET_MIN_CPU_DEVICES,
+    reason="the Mosaic GPU interpreter needs >= 4 CPU devices (tests/conftest.py sets 8)",
+)
+
+
+def _shared_arrays(masks, tiles: tuple[int, int]) -> list[MaskArrays]:
+    """MaskArrays padded to common widths, so masks of one geometry share one compilation."""
+    stacked = stack_mask_arrays([prepare_mask(m, *tiles) for m in masks])
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(len(masks))]
+
+
+def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype):
+    rng = np.random.default_rng(seed)
+    shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d)]
+    xs = [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+    return xs, [np.asarray(x.astype(jnp.float32), np.float64) for x in xs]
+
+
+def _check(mask, arrays, *, b, hq, hkv, d, dtype, config, seed=0, interpret=True) -> None:
+    """out and lse of the kernel vs the oracle, on every row (empty rows: 0 and -inf).
+
+    The interpreter fills output buffers with NaN, so a row the kernel never wrote fails the
+    finiteness check.
+    """
+    (q, k, v), (q64, k64, v64) = _inputs(seed, b, mask.seqlen_q, mask.seqlen_k, hq, hkv, d, dtype)
+    scale = d**-0.5
+    ref = reference_attention(q64, k64, v64, mask, scale=scale)
+    out, lse = flash_attention_mosaic(
+        q, k, v, arrays, scale=scale, return_lse=True, config=config, interpret=interpret
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (b, hq, mask.seqlen_q)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert np.isfinite(out).all(), "unwritten (NaN) or non-finite output"
+    assert not np.isnan(lse).any(), "unwritten (NaN) LSE"
+    assert (np.isneginf(lse) == np.isneginf(ref.lse)).all(), "rows seeing no key differ"
+    seen = np.isfinite(ref.lse)
+    assert np.abs(lse[seen] - ref.lse[seen]).max(initial=0.0) < 1e-3
+    empty = ~seen.transpose(0, 2, 1)  # (b, sq, hq)
+    assert (out[empty] == 0).all(), "rows seeing no key must output 0"
+    tol = TOL[dtype]
+    err = np.abs(out - ref.out).max() / (np.abs(ref.out).max() + 1e-6)
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+
+
+S = 192
+MASKS = {
+    "full": make_mask("full", S),
+    "causal": make_mask("causal", S),
+    "causal_document": make_mask("causal_document", S, seed=3),
+    "sliding_window": make_mask("sliding_window", S, window=40),
+    "share_question": make_mask("share_question", S, seed=1),
+    "block_sparse": random_slices(5, S, S),
+}
+SHARED = dict(zip(MASKS, _shared_arrays(list(MASKS.values()), SMALL.tiles)))
+
+
+@interpreted
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_gqa_interpret(name: str) -> None:
+    """Every mask kind, GQA 2:1, through one compiled program (masks are runtime inputs)."""
+    _check(MASKS[name], SHARED[name], b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL)
+    assert mosaic_api._attention_jit._cache_size() == 1
+
+
+@interpreted
+def test_ragged_sq_ne_sk_empty_rows_mha_fp16() -> None:
+    """Sq=100 and Sk=136 (neither divides a tile), rows that see nothing, MHA, float16."""
+    mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 100, 136)
+    arrays = prepare_mask(mask, *SMALL.tiles)
+    _check(mask, arrays, b=2, hq=1, hkv=1, d=64, dtype=jnp.float16, config=SMALL, seed=1)
+
+
+@interpreted
+@pytest.mark.slow
+def test_head_dim_128_default_config() -> None:
+    """head_dim 128 with the default config (128-key steps), causal documents, GQA 2:1."""
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
+    mask = make_mask("causal_document", 256, seed=2)
+    arrays = prepare_mask(mask, *config.tiles)
+    _check(mask, arrays, b=1, hq=2, hkv=1, d=128, dtype=jnp.bfloat16, config=config)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["causal_document", "gapped"])
+def test_gradients_through_custom_vjp_gqa(name: str) -> None:
+    """jax.grad through flash_attention_mosaic (forward kernel, then the backward kernels)
+    matches the float64 oracle's dq, dk, dv; keys that no query sees get exactly zero."""
+    if name == "gapped":  # keys 64..127 are seen by no query
+        mask = from_slices([[0, 96], [96, 192]], [[0, 64], [128, 192]], [FULL, CAUSAL], 192, 192)
+    else:
+        mask = make_mask(name, 192, seed=3)
+    arrays = prepare_mask(mask, *SMALL.tiles)
+    (q, k, v), (q64, k64, v64) = _inputs(7, 1, 192, 192, 4, 2, 64, jnp.bfloat16)
+    dout = np.random.default_rng(8).standard_normal(q.shape)
+    scale = 64**-0.5
+    ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=dout)
+
+    def loss(q, k, v):
+        out = flash_attention_mosaic(q, k, v, arrays, scale=scale, config=SMALL, interpret=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (ref.dq, ref.dk, ref.dv)):
+        got = np.asarray(got.astype(jnp.float32), np.float64)
+        assert got.shape == want.shape and np.isfinite(got).all(), name
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < TOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
+    unseen = ~mask.dense().any(axis=0)
+    for g in grads[1:]:
+        assert (np.asarray(g, np.float32)[:, unseen] == 0).all()
+
+
+def test_config_validation_names_value_and_range() -> None:
+    with pytest.raises(ValueError, match="block_q=32.*must be 64"):
+        MosaicConfig(block_q=32)
+    with pytest.raises(ValueError, match="block_k=96.*64, 128, 192 and 256"):
+        MosaicConfig(block_k=96)
+    with pytest.raises(ValueError, match=r"max_concurrent_steps=5.*\[2, 4\]"):
+        MosaicConfig(max_concurrent_steps=5)
+    with pytest.raises(ValueError, match="head_dim=96.*64 and 128"):
+        MosaicConfig().check(96, jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32.*bfloat16 and float16"):
+        MosaicConfig().check(64, jnp.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        MosaicConfig(block_k=256, max_concurrent_steps=4).check(128, jnp.bfloat16)
+
+
+def test_wrong_mask_tiles_rejected() -> None:
+    mask = make_mask("causal", 128)
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"tiles \(64, 64\) do not match"):
+        flash_attention_mosaic(q, q, q, prepare_mask(mask, 64, 64), scale=0.125, config=SMALL)
+
+
+def test_adapter_refuses_cpu_and_bad_inputs() -> None:
+    mask = make_mask("causal", 128)
+
+    def reason(**kw):
+        args = dict(dtype=jnp.bfloat16, head_dim=64, heads_q=2, heads_kv=1, backend="gpu")
+        args.update(kw)
+        return MOSAIC.check(make_request(mask, return_lse=True, mode="fwd", **args))
+
+    assert "Hopper" in reason(backend="cpu")
+    assert "bfloat16 or float16" in reason(dtype=jnp.float32)
+    assert "head_dim 64 or 128" in reason(head_dim=96)
+    if jax.default_backend() != "gpu":
+        assert reason() is None  # a question about a GPU elsewhere is answered from the specs
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_and_backward_lower_for_hopper(d: int) -> None:
+    """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
+    for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here."""
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, d), jnp.bfloat16), None)
+    mask = make_mask("causal_document", 1024, seed=1)
+    arrays = prepare_mask(mask, *config.tiles)
+    q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
+    static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
+
+    def loss(q, k, v):
+        return mosaic_api._attention(q, k, v, arrays, static)[0].astype(jnp.float32).sum()
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("mosaic_flash_fwd", "mosaic_flash_dkv", "mosaic_flash_dq"):
+        assert kernel in text, kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "causal_document", "share_question"])
+def test_real_lowering_s2048(name: str) -> None:
+    """The compiled kernel on a Hopper GPU, default config, GQA 4:2, S=2048."""
+    if (
+        MOSAIC.check(
+            make_request(
+                make_mask("full", 128),
+                dtype=jnp.bfloat16,
+                head_dim=128,
+                heads_q=4,
+                heads_kv=2,
+                backend="gpu",
+                return_lse=True,
+                mode="fwd",
+            )
+        )
+        is not None
+    ):
+        pytest.skip("needs a Hopper GPU (compute capability 9.x)")
+    mask = make_mask(name, 2048)
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
+    arrays = jax.device_put(prepare_mask(mask, *config.tiles))
+    _check(
+        mask, arrays, b=1, hq=4, hkv=2, d=128, dtype=jnp.bfloat16, config=config, interpret=False
+    )

@@ -1,0 +1,200 @@
+"""Mosaic GPU flash-attention backward (dq, dk, dv) vs the float64 oracle's gradients.
+
+On the CPU the kernels run under Mosaic GPU interpret mode, with the interpreter taught what it
+lacks by jax_attn.mosaic_gpu.interpret (the kernels are the ones the GPU runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import random_slices
+
+from attn_masks import MaskType, from_slices, reference_attention
+from attn_masks.generators import make_mask
+from jax_attn.mask_arrays import prepare_mask
+from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
+from jax_attn.mosaic_gpu.interpret import interpret_params
+
+FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
+# Relative Frobenius error bounds: P and dS are rounded to the input dtype before their wgmmas
+# (fp32 accumulation), so the error is a few ulps of that dtype.
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The MosaicConfig fields the backward reads (all but block_q/block_k optional)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int | None = None
+    block_k_dkv: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    num_stages_bwd: int | None = None
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    """InterpretGPUParams with the interpreter taught the constructs the kernels use."""
+    return interpret_params()
+
+
+def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype):
+    """Fresh normal q, k, v, dout in `dtype` (and their exact float64 values)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)]
+    xs = [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+    return xs, [np.asarray(x.astype(jnp.float32), np.float64) for x in xs]
+
+
+def _rel_frobenius(got: jax.Array, want: np.ndarray) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert np.isfinite(got).all(), "non-finite values"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _grads(q, k, v, out, lse, do, arrays, *, scale, config, interpret):
+    return flash_attention_mosaic_bwd(
+        q, k, v, out, lse, do, arrays, scale=scale, config=config, interpret=interpret
+    )
+
+
+def _check(mask, config: Config, interpret, *, b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16):
+    """dq, dk, dv vs the oracle; gradients no query/key reaches are exactly 0."""
+    sq, sk = mask.seqlen_q, mask.seqlen_k
+    (q, k, v, do), (q64, k64, v64, do64) = _inputs(sq + 7 * sk, b, sq, sk, hq, hkv, d, dtype)
+    scale = d**-0.5
+    ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=do64)
+    arrays = prepare_mask(mask, config.block_q, config.block_k)
+    out = jnp.asarray(ref.out, dtype)
+    lse = jnp.asarray(ref.lse, jnp.float32)
+    dq, dk, dv = _grads(
+        q, k, v, out, lse, do, arrays, scale=scale, config=config, interpret=interpret
+    )
+    for name, got, want, like in (
+        ("dq", dq, ref.dq, q),
+        ("dk", dk, ref.dk, k),
+        ("dv", dv, ref.dv, v),
+    ):
+        assert got.shape == like.shape and got.dtype == like.dtype, name
+        err = _rel_frobenius(got, want)
+        assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]:.0e}"
+    dense = np.asarray(mask.dense(), bool)
+    assert not np.asarray(dq)[:, ~dense.any(1)].any(), "rows seeing no key must get dq == 0"
+    assert not np.asarray(dk)[:, ~dense.any(0)].any(), "keys no row sees must get dk == 0"
+    assert not np.asarray(dv)[:, ~dense.any(0)].any(), "keys no row sees must get dv == 0"
+
+
+def _slices_with_gaps():
+    """Sq != Sk, neither a tile multiple, with rows that see nothing and keys nobody sees."""
+    return from_slices(
+        [[0, 40], [40, 90], [110, 150]],
+        [[10, 60], [0, 130], [170, 200]],
+        [FULL, CAUSAL, FULL],
+        150,
+        203,
+    )
+
+
+CASES = {
+    "full_mha_bf16": dict(mask=make_mask("full", 128), hq=2, hkv=2, b=2),
+    "causal_gqa_ragged_fp16": dict(mask=make_mask("causal", 200), hq=4, hkv=2, dtype=jnp.float16),
+    "causal_document_gqa": dict(mask=make_mask("causal_document", 256, seed=3), hq=2, hkv=1),
+    "sliding_window": dict(mask=make_mask("sliding_window", 192, window=48), hq=1, hkv=1),
+    "share_question_fp16": dict(mask=make_mask("share_question", 256), dtype=jnp.float16),
+    "gaps_sq_ne_sk": dict(mask=_slices_with_gaps(), hq=2, hkv=2),
+    "random_slices_fp16": dict(mask=random_slices(5, 192, 160), dtype=jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradients(name: str, interpret) -> None:
+    case = dict(CASES[name])
+    _check(case.pop("mask"), Config(), interpret, **case)
+
+
+def test_sub_tiles_and_deep_ring(interpret) -> None:
+    """128x128 mask tiles walked as 64-row kernel tiles (and 128-key dQ steps), 3 stages."""
+    config = Config(block_q=128, block_k=128, block_k_dq=128, num_stages_bwd=3)
+    _check(make_mask("causal_document", 320, seed=1), config, interpret, hq=4, hkv=2)
+
+
+def test_lse_cotangent(interpret) -> None:
+    """dlse enters as delta -= dlse: matches autodiff of a dense fp32 attention returning lse."""
+    mask = make_mask("causal", 128)
+    (q, k, v, do), _ = _inputs(1, 1, 128, 128, 2, 1, 64, jnp.bfloat16)
+    dlse = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 128)), jnp.float32)
+    vis = jnp.asarray(mask.dense(), bool)
+
+    def dense(q, k, v):
+        s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / 8.0
+        lse = jax.nn.logsumexp(jnp.where(vis, s, -jnp.inf), axis=-1)
+        p = jnp.where(vis, jnp.exp(s - lse[..., None]), 0.0)
+        return jnp.einsum("bhqk,bkd->bqhd", p, v[:, :, 0]), lse
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (out, lse), vjp = jax.vjp(dense, *f32)
+    want = vjp((do.astype(jnp.float32), dlse))
+    arrays = prepare_mask(mask, 64, 64)
+    got = flash_attention_mosaic_bwd(
+        q,
+        k,
+        v,
+        out.astype(q.dtype),
+        lse,
+        do,
+        arrays,
+        scale=0.125,
+        config=Config(),
+        interpret=interpret,
+        dlse=dlse,
+    )
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        err = _rel_frobenius(g, np.asarray(w, np.float64))
+        assert err < TOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
+
+
+def test_rejects_unsupported(interpret) -> None:
+    x = jnp.zeros((1, 64, 1, 32), jnp.bfloat16)
+    arrays = prepare_mask(make_mask("full", 64), 64, 64)
+    lse = jnp.zeros((1, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attention_mosaic_bwd(
+            x, x, x, x, lse, x, arrays, scale=1.0, config=Config(), interpret=interpret
+        )
+    with pytest.raises(ValueError, match="block_k_dq"):
+        y = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+        flash_attention_mosaic_bwd(
+            y, y, y, y, lse, y, arrays, scale=1.0, config=Config(block_k_dq=128), interpret=None
+        )
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_lowers_for_hopper(d: int) -> None:
+    """The GPU path (layout hints included, which interpret mode skips) lowers to Mosaic GPU."""
+    mask = random_slices(2, 384, 256)
+    config = Config(block_q=128, block_k=128, block_k_dq=128)
+    arrays = prepare_mask(mask, config.block_q, config.block_k)
+    assert arrays.num_intervals > 1
+    q = jnp.zeros((1, mask.seqlen_q, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, mask.seqlen_k, 2, d), jnp.bfloat16)
+    lse = jnp.zeros((1, 4, mask.seqlen_q), jnp.float32)
+    traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=config, interpret=None)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_flash_dkv" in text and "mosaic_flash_dq" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_lowering_s2048(d: int) -> None:
+    """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles."""
+    config = Config(block_q=128, block_k=128, num_stages_bwd=2)
+    _check(make_mask("causal_document", 2048, seed=0), config, None, b=2, hq=4, hkv=2, d=d)
