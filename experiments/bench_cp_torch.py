@@ -62,11 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse(p, argv)
 
 
-def status_of(e: BaseException) -> str:
-    """oom / unsupported / error."""
+def status_of(e: BaseException, *, planning: bool = False) -> str:
+    """oom / unsupported / error; while planning, a ValueError (a strategy that cannot split
+    these heads or this mask) is unsupported, as the JAX benchmark records it."""
     import torch_attn
 
-    if isinstance(e, torch_attn.Unsupported):
+    if isinstance(e, torch_attn.Unsupported) or (planning and isinstance(e, ValueError)):
         return "unsupported"
     return "oom" if "out of memory" in str(e).lower() else "error"
 
@@ -119,12 +120,13 @@ class Bench:
         nums = {k: record[k] for k in ("tflops_per_gpu", "single_gpu_tflops") if k in record}
         print(brief, nums, record.get("error", "")[:200], flush=True)
 
-    def agree(self, fn):
+    def agree(self, fn, *, planning: bool = False):
         """Run fn here, then raise on every rank if it failed on any (with the first reason)."""
         try:
             result, mine = fn(), None
         except Exception as e:
-            result, mine = None, (status_of(e), f"{type(e).__name__}: {e}"[:2000])
+            reason = f"{type(e).__name__}: {e}"[:2000]
+            result, mine = None, (status_of(e, planning=planning), reason)
             if mine[0] == "error":
                 traceback.print_exc()
         everyone: list = [None] * self.n
@@ -281,9 +283,10 @@ class Bench:
                     num_heads_q=a.heads_q,
                     num_heads_kv=a.heads_kv,
                     head_dim=a.head_dim,
-                )
+                ),
+                planning=True,
             )
-            self.agree(lambda: cp.bind(plan, None, impl))
+            self.agree(lambda: cp.bind(plan, None, impl), planning=True)
         except PointError as e:
             for mode in modes:
                 self.write({**base, "mode": mode, "status": e.status, "error": e.reason})
@@ -389,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the sweep the flags describe on every rank, then leave the process group."""
     bench = Bench(parse_args(argv))
     bench.run()
+    bench.dist.barrier()  # no rank tears gloo down while another still talks to it
     bench.dist.destroy_process_group()
 
 

@@ -26,7 +26,8 @@ MARKERS = {
 }
 
 
-def _seqlen_label(s: int) -> str:
+def seqlen_label(s: int) -> str:
+    """A length as people write it: 32768 -> 32K."""
     return f"{s // 1024}K" if s % 1024 == 0 and s >= 1024 else str(s)
 
 
@@ -85,7 +86,7 @@ def bar_plot(
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax_mem.set_ylim(0, 1.15 * (mem_top or 1.0))
     ax_mem.set_ylabel("peak GiB")
-    ax_mem.set_xticks(range(len(seqlens)), [_seqlen_label(s) for s in seqlens])
+    ax_mem.set_xticks(range(len(seqlens)), [seqlen_label(s) for s in seqlens])
     ax_mem.set_xlabel(xlabel)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

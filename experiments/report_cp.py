@@ -1,0 +1,677 @@
+"""Report on the context-parallel GPU benchmarks (bench_cp_jax.py, bench_cp_torch.py): per-GPU
+TFLOP/s and efficiency against the single-GPU rate, JAX vs PyTorch, the issue's targets, a CSV
+and efficiency / scaling plots.
+
+    python experiments/report_cp.py --results=cp_jax.jsonl,cp_torch_x8.jsonl --out_dir=cp_report/
+
+The two writers' records differ: torch lines carry framework="torch" and world_size, JAX lines
+carry no framework field but always the meta fields "jax" (its version) and num_gpus, so the
+framework is read from "framework" when present and otherwise derived from those two fields.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from experiments import plots  # noqa: E402
+from experiments.results import latest_by_key  # noqa: E402
+from shard_strategies import LAYOUTS, STRATEGIES  # noqa: E402
+
+GIB = 2**30
+KEY_FIELDS = (
+    "framework",
+    "num_gpus",
+    "impl",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mask",
+    "tokens_per_gpu",
+    "strategy",
+    "layout",
+    "mode",
+)
+COLUMNS = (
+    "key",
+    "source",
+    *KEY_FIELDS,
+    "status",
+    "device_kind",
+    "seqlen",
+    "ulysses_size",
+    "ring_size",
+    "num_windows",
+    "inner_axis",
+    "load_balance",
+    "tflops_per_gpu",
+    "single_gpu_tflops",
+    "efficiency_pct",
+    "time_ms",
+    "time_ms_p20",
+    "time_ms_p80",
+    "single_gpu_ms",
+    "peak_gib",
+    "peak_gib_mean",
+    "compiled_gib",
+    "single_gpu_peak_gib",
+    "comm_bytes",
+    "comm_fwd_bytes",
+    "comm_bwd_bytes",
+    "sent_bytes",
+    "err_out",
+    "err_lse",
+    "err_dq",
+    "single_gpu_error",
+    "error",
+    "time",
+)
+STATUS_LABEL = {
+    "oom": "OOM",
+    "unsupported": "unsup.",
+    "wrong": "WRONG",
+    "error": "error",
+    "stopped": "stopped",
+}
+MARKERS = {
+    **plots.MARKERS,
+    "stopped": ("stopped", "v", "tab:orange"),
+    "no_single": ("no 1-GPU rate", "o", "tab:olive"),
+}
+TARGET_MIN_TOKENS = 16384
+TARGETS: dict[str, tuple[float, str, Callable[[str, str], bool]]] = {
+    "causal": (
+        95.0,
+        "zigzag ring/allgather/ulysses",
+        lambda s, lay: lay == "zigzag" and s in ("ring", "allgather", "ulysses"),
+    ),
+    "causal_document": (85.0, "balanced layout", lambda s, lay: lay == "balanced"),
+    "share_question": (85.0, "balanced layout", lambda s, lay: lay == "balanced"),
+}
+BYTES_RTOL = 1e-9
+
+
+def framework_of(rec: dict) -> str:
+    """'torch' or 'jax': the explicit field, else the meta fields only the JAX writer sets."""
+    if rec.get("framework"):
+        return str(rec["framework"])
+    if "jax" in rec and "num_gpus" in rec:
+        return "jax"
+    raise ValueError(f"neither a torch nor a JAX CP record: keys {sorted(rec)}")
+
+
+def read_cp_records(paths: Sequence[str | Path]) -> list[dict]:
+    """Every record of the given JSON-lines files, tagged with its source; missing files raise."""
+    records = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"--results: {str(path)!r} does not exist or is not a file")
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                try:
+                    rec["_framework"] = framework_of(rec)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{n}: {e}") from None
+                rec["_source"] = f"{path}:{n}"
+                records.append(rec)
+    return records
+
+
+def _comm_bytes(comm: dict | None, mode: str | None) -> float | None:
+    """Plan bytes moved per rank for the mode: forward, or forward plus backward."""
+    if not comm:
+        return None
+    return comm["fwd_bytes"] + (comm["bwd_bytes"] if mode == "fwd_bwd" else 0.0)
+
+
+def efficiency(row: dict) -> float | None:
+    """Per-GPU TFLOP/s over the single-GPU rate, in percent (None without both numbers)."""
+    tf, single = row.get("tflops_per_gpu"), row.get("single_gpu_tflops")
+    if row.get("status") != "ok" or tf is None or not single:
+        return None
+    return 100.0 * tf / single
+
+
+def flat_row(rec: dict) -> dict:
+    """One CSV row from a raw record of either writer, with the same column names for both."""
+    fw = rec["_framework"]
+    plan = rec.get("plan") or {}
+    check = rec.get("check") or {}
+    times = rec.get("time_ms") or {}
+    comm = rec.get("comm")
+    row = {k: rec.get(k) for k in KEY_FIELDS}
+    row.update(
+        framework=fw,
+        source=rec["_source"],
+        status=rec.get("status"),
+        seqlen=rec.get("seqlen"),
+        tflops_per_gpu=rec.get("tflops_per_gpu"),
+        single_gpu_tflops=rec.get("single_gpu_tflops"),
+        single_gpu_ms=rec.get("single_gpu_ms"),
+        single_gpu_error=rec.get("single_gpu_error"),
+        error=rec.get("error"),
+        time=rec.get("time"),
+        time_ms=times.get("median"),
+        time_ms_p20=times.get("p20"),
+        time_ms_p80=times.get("p80"),
+        comm_bytes=_comm_bytes(comm, rec.get("mode")),
+        comm_fwd_bytes=(comm or {}).get("fwd_bytes"),
+        comm_bwd_bytes=(comm or {}).get("bwd_bytes"),
+        err_out=check.get("out"),
+        err_lse=check.get("lse"),
+        err_dq=check.get("dq"),
+        **{k: plan.get(k) for k in ("ulysses_size", "ring_size", "num_windows", "load_balance")},
+    )
+    if fw == "jax":
+        peak, compiled = rec.get("peak_bytes_in_use"), rec.get("compiled_bytes")
+        row.update(
+            device_kind=rec.get("device_kind"),
+            inner_axis=plan.get("inner_axis"),
+            peak_gib=peak / GIB if peak is not None else None,
+            compiled_gib=compiled / GIB if compiled is not None else None,
+        )
+    else:
+        sent = rec.get("sent_bytes")
+        row.update(
+            num_gpus=rec.get("world_size"),
+            device_kind=", ".join((rec.get("devices") or {}).get("device_kind") or []),
+            inner_axis=rec.get("inner_axis"),
+            peak_gib=rec.get("peak_gib_max"),
+            peak_gib_mean=rec.get("peak_gib_mean"),
+            single_gpu_peak_gib=rec.get("single_gpu_peak_gib"),
+            sent_bytes=sum(sent.values()) if sent else None,
+        )
+    row["efficiency_pct"] = efficiency(row)
+    has_point = row["mask"] is not None
+    row["key"] = ":".join(str(row[k]) for k in KEY_FIELDS) if has_point else row["source"]
+    return {c: row.get(c) for c in COLUMNS}
+
+
+def load_rows(paths: Sequence[str | Path]) -> tuple[list[dict], list[dict]]:
+    """(flat rows, raw records): the latest record of each point key, by its write time."""
+    records = read_cp_records(paths)
+    order = sorted(range(len(records)), key=lambda i: records[i].get("time") or 0.0)
+    rows = latest_by_key([flat_row(records[i]) for i in order])
+    return list(rows.values()), records
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """All rows with the fixed COLUMNS header."""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def shape(row: dict) -> str:
+    """The problem shape both frameworks must share to be compared: heads, head dim, dtype."""
+    return f"h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
+
+
+def series(row: dict) -> str:
+    """A line or table column: strategy/layout."""
+    return f"{row['strategy']}/{row['layout']}"
+
+
+def _series_order(name: str) -> tuple:
+    strategy, layout = name.split("/")
+    rank = lambda x, xs: (xs.index(x), x) if x in xs else (len(xs), x)  # noqa: E731
+    return rank(strategy, STRATEGIES), rank(layout, LAYOUTS)
+
+
+def label(row: dict) -> str:
+    """A non-ok status as the tables and plots show it."""
+    return STATUS_LABEL.get(row["status"], str(row["status"]))
+
+
+def cell(row: dict) -> str:
+    """'per-GPU TFLOP/s (efficiency %)' for an ok point, its status label otherwise."""
+    if row["status"] != "ok":
+        return label(row)
+    eff = row["efficiency_pct"]
+    return f"{row['tflops_per_gpu']:.3g} ({f'{eff:.1f}%' if eff is not None else 'eff. n/a'})"
+
+
+def _key_order(key: tuple) -> tuple:
+    return tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in key)
+
+
+def _group_order(item: tuple) -> tuple:
+    return _key_order(item[0])
+
+
+def _point_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["mask"] is not None]
+
+
+def _md_table(header: list[str], body: list[list[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
+    return lines
+
+
+def _bytes_label(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _table_group(row: dict) -> tuple:
+    return row["framework"], row["num_gpus"], row["mode"], shape(row), row["impl"]
+
+
+def strategy_tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Per (framework, GPUs, mode, shape, impl): rows (mask, tokens/GPU), columns strategy/layout
+    (one table each)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _point_rows(rows):
+        groups[_table_group(r)].append(r)
+    tables = []
+    for (fw, n, mode, shp, impl), members in sorted(groups.items(), key=_group_order):
+        cols = sorted({series(r) for r in members}, key=_series_order)
+        cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for r in members:
+            cells[(r["mask"], r["tokens_per_gpu"])][series(r)] = cell(r)
+        body = [[m, t, *(c.get(s, "") for s in cols)] for (m, t), c in sorted(cells.items())]
+        title = f"{fw} x{n} GPUs, {mode}: {shp}, impl {impl}"
+        tables.append((title, ["mask", "tokens/GPU", *cols], body))
+    return tables
+
+
+def cross_framework(rows: list[dict]) -> list[dict]:
+    """Points run in both frameworks (GPUs, shape, mask, tokens, strategy, layout, mode): both
+    rates, their ratio, peak memories and the plan's bytes moved per GPU, with a mismatch flag
+    (both executors use one shared plan, so the bytes must agree)."""
+    by_fw: dict[str, dict[tuple, list[dict]]] = {
+        "jax": defaultdict(list),
+        "torch": defaultdict(list),
+    }
+    for r in _point_rows(rows):
+        if r["framework"] in by_fw:
+            k = (r["num_gpus"], shape(r), r["mask"], r["tokens_per_gpu"], series(r), r["mode"])
+            by_fw[r["framework"]][k].append(r)
+    out = []
+    for k in sorted(set(by_fw["jax"]) & set(by_fw["torch"]), key=_key_order):
+        n, shp, mask, tokens, ser, mode = k
+        for j in by_fw["jax"][k]:
+            for t in by_fw["torch"][k]:
+                both_ok = j["status"] == t["status"] == "ok"
+                jb, tb = j["comm_bytes"], t["comm_bytes"]
+                if jb is None or tb is None:
+                    agree = "-"
+                elif math.isclose(jb, tb, rel_tol=BYTES_RTOL):
+                    agree = "yes"
+                else:
+                    agree = f"MISMATCH: jax {_bytes_label(jb)} vs torch {_bytes_label(tb)}"
+                out.append(
+                    {
+                        "gpus": n,
+                        "shape": shp,
+                        "mode": mode,
+                        "mask": mask,
+                        "tokens/GPU": tokens,
+                        "strategy/layout": ser,
+                        "impls (jax, torch)": f"{j['impl']}, {t['impl']}",
+                        "jax TFLOP/s/GPU": cell(j),
+                        "torch TFLOP/s/GPU": cell(t),
+                        "jax/torch": (
+                            f"{j['tflops_per_gpu'] / t['tflops_per_gpu']:.2f}x" if both_ok else "-"
+                        ),
+                        "jax peak GiB": _gib(j["peak_gib"]),
+                        "jax compiled GiB": _gib(j["compiled_gib"]),
+                        "torch peak GiB": _gib(t["peak_gib"]),
+                        "bytes moved/GPU": _bytes_label(jb if jb is not None else tb),
+                        "plans agree": agree,
+                    }
+                )
+    return out
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Per (framework, GPUs, mode, shape, impl, mask, tokens/GPU >= TARGET_MIN_TOKENS): the best
+    efficiency among the strategy/layouts the target names, and whether it meets the target."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _point_rows(rows):
+        if r["mask"] in TARGETS and r["tokens_per_gpu"] >= TARGET_MIN_TOKENS:
+            groups[(*_table_group(r), r["mask"], r["tokens_per_gpu"])].append(r)
+    out = []
+    for (fw, n, mode, shp, impl, mask, tokens), members in sorted(groups.items(), key=_group_order):
+        goal, scope, eligible = TARGETS[mask]
+        cands = [r for r in members if eligible(r["strategy"], r["layout"])]
+        scored = [r for r in cands if r["efficiency_pct"] is not None]
+        best = max(scored, key=lambda r: r["efficiency_pct"]) if scored else None
+        if best is not None:
+            verdict = "met" if best["efficiency_pct"] >= goal else "missed"
+        else:
+            verdict = "missed" if cands else "no data"
+        statuses = ", ".join(sorted({label(r) for r in cands if r["status"] != "ok"}))
+        out.append(
+            {
+                "framework": fw,
+                "gpus": n,
+                "mode": mode,
+                "config": f"{shp}, {impl}",
+                "mask": mask,
+                "tokens/GPU": tokens,
+                "target": f">= {goal:.0f}% ({scope})",
+                "best": series(best) if best else (statuses or "-"),
+                "efficiency": f"{best['efficiency_pct']:.1f}%" if best else "-",
+                "result": verdict,
+            }
+        )
+    return out
+
+
+def _provenance_lines(rows: list[dict], records: list[dict], paths: Sequence[str]) -> list[str]:
+    lines = [f"- results: {', '.join(str(p) for p in paths)}"]
+    for fw in sorted({r["_framework"] for r in records}):
+        recs = [r for r in records if r["_framework"] == fw]
+        gpus = sorted({r["num_gpus"] for r in rows if r["framework"] == fw and r["num_gpus"]})
+        kinds = sorted(
+            {r["device_kind"] for r in rows if r["framework"] == fw and r["device_kind"]}
+        )
+        if fw == "jax":
+            versions = {f"jax {r.get('jax')}, python {r.get('python')}" for r in recs}
+            extra = sorted({f"impl {r.get('impl')}" for r in recs})
+        else:
+            versions = {
+                ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items()) for r in recs
+            }
+            extra = sorted(
+                {
+                    f"git {(r.get('git') or {}).get('commit')}"
+                    f"{' (dirty)' if (r.get('git') or {}).get('dirty') else ''}"
+                    for r in recs
+                }
+            )
+        lines += [
+            f"- {fw}: devices {', '.join(kinds) or '?'}; GPU counts "
+            f"{', '.join(map(str, gpus)) or '?'}; {'; '.join(extra)}",
+            *(f"  - versions: {v}" for v in sorted(versions)),
+        ]
+        stopped = [r for r in rows if r["framework"] == fw and r["mask"] is None]
+        for r in stopped:
+            lines.append(f"  - sweep {r['status']} ({r['error']}) at {r['source']}")
+    return lines
+
+
+def write_markdown(
+    rows: list[dict], records: list[dict], paths: Sequence[str], out_dir: Path, figs: list[Path]
+) -> Path:
+    """cp_report.md: provenance, strategy tables, JAX vs PyTorch, targets, failures, plots."""
+    lines = ["# Context-parallel benchmark report", ""]
+    lines += _provenance_lines(rows, records, paths)
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[r["status"]] += 1
+    lines += [
+        "",
+        "Statuses: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())),
+        "",
+        "Cells: median per-GPU TFLOP/s (global mask FLOPs / GPUs / time) and, in brackets, "
+        "efficiency = per-GPU TFLOP/s / the same kernel's single-GPU TFLOP/s on the per-GPU "
+        "problem. OOM, unsup. (unsupported), WRONG (failed the row check), error and stopped "
+        "points carry no number.",
+        "",
+    ]
+    for title, header, body in strategy_tables(rows):
+        lines += [f"## {title}", ""] + _md_table(header, body) + [""]
+    cross = cross_framework(rows)
+    if cross:
+        lines += [
+            "## JAX vs PyTorch",
+            "",
+            "Same GPUs, shape, mask, tokens, strategy/layout and mode. JAX peak is the device "
+            "high-water mark (it only rises during a run) and compiled is XLA's per-point "
+            "estimate; torch peak is the max over ranks. Bytes moved are the plan's per GPU; "
+            "both executors share one plan, so a mismatch is a bug.",
+            "",
+        ]
+        lines += _md_table(list(cross[0]), [list(c.values()) for c in cross]) + [""]
+    tgt = targets(rows)
+    if tgt:
+        lines += [
+            "## Targets",
+            "",
+            f"At tokens/GPU >= {TARGET_MIN_TOKENS}: the best efficiency among the strategy/layouts "
+            "each target names (causal >= 95% with zigzag ring/allgather/ulysses; document and "
+            "heterogeneous masks >= 85% with the balanced layout). 'no data': none of those ran.",
+            "",
+        ]
+        lines += _md_table(list(tgt[0]), [list(t.values()) for t in tgt]) + [""]
+    problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
+    if problems:
+        lines += ["## Failed points", ""]
+        lines += _md_table(
+            ["key", "status", "error"],
+            [
+                [r["key"], r["status"], (r["error"] or "").replace("|", "/").splitlines()[0][:200]]
+                for r in problems
+            ],
+        ) + [""]
+    if figs:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in figs]
+    path = out_dir / "cp_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")
+
+
+def line_plot(
+    rows: list[dict],
+    path: str | Path,
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    reference: dict[str, list[tuple[float, float]]] | None = None,
+    hline: float | None = None,
+    xtick_label: Callable[[float], str] = str,
+) -> Path:
+    """Lines of y vs x (log2 x axis), one per series; points without a number are labelled
+    markers near the bottom, never zeros, so a failure cannot pass for a slow point.
+
+    rows: dicts with series, x, status and y (a number only for ok points; an ok row with y None
+    shows as 'no_single'). reference: dashed black lines by name; hline: a dashed level.
+    """
+    names = sorted({r["series"] for r in rows}, key=_series_order)
+    ys = [r["y"] for r in rows if r["y"] is not None]
+    ys += [y for pts in (reference or {}).values() for _, y in pts]
+    top = max([*ys, hline or 0.0] or [1.0]) or 1.0
+    xs_all = sorted({r["x"] for r in rows})
+    fig = Figure(figsize=(8.0, 5.0))
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "viridis"]
+    handles: list = []
+    used: set[str] = set()
+    for si, name in enumerate(names):
+        color = cmap(si if len(names) <= 10 else si / (len(names) - 1))
+        pts = sorted((r for r in rows if r["series"] == name), key=lambda r: r["x"])
+        ax.plot(
+            [r["x"] for r in pts],
+            [r["y"] if r["y"] is not None else math.nan for r in pts],
+            marker="o",
+            color=color,
+        )
+        handles.append(Line2D([], [], marker="o", color=color, label=name))
+        shift = 2 ** ((si - (len(names) - 1) / 2) * 0.04)
+        for r in pts:
+            if r["y"] is not None:
+                continue
+            status = r["status"] if r["status"] != "ok" else "no_single"
+            text, marker, _ = MARKERS.get(status, (status, "o", "black"))
+            used.add(status)
+            ax.scatter([r["x"] * shift], [0.03 * top], marker=marker, color=color, s=50, zorder=3)
+            ax.text(
+                r["x"] * shift,
+                0.07 * top,
+                text,
+                rotation=90,
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color=color,
+            )
+    for name, pts in (reference or {}).items():
+        pts = sorted(pts)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "k--", marker=".")
+        handles.append(Line2D([], [], color="black", linestyle="--", label=name))
+    if hline is not None:
+        ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
+    for status in sorted(used):
+        text, marker, _ = MARKERS.get(status, (status, "o", "black"))
+        handles.append(Line2D([], [], marker=marker, color="gray", linestyle="", label=text))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs_all, [xtick_label(x) for x in xs_all])
+    ax.minorticks_off()
+    ax.set_xlim(xs_all[0] / 2**0.4, xs_all[-1] * 2**0.4)
+    ax.set_ylim(0, 1.15 * top)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+def efficiency_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per (framework, GPUs, mode, shape, impl, mask): efficiency % vs tokens per GPU."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _point_rows(rows):
+        groups[(*_table_group(r), r["mask"])].append(r)
+    paths = []
+    for (fw, n, mode, shp, impl, mask), members in sorted(groups.items(), key=_group_order):
+        pts = [
+            {
+                "series": series(r),
+                "x": r["tokens_per_gpu"],
+                "status": r["status"],
+                "y": r["efficiency_pct"],
+            }
+            for r in members
+        ]
+        paths.append(
+            line_plot(
+                pts,
+                out_dir / "plots" / f"{_slug(f'eff_{fw}_x{n}_{mode}_{mask}_{shp}_{impl}')}.png",
+                title=f"{fw} x{n} GPUs, attn-{mode}, {mask} mask\n{shp}, impl {impl}",
+                xlabel="tokens per GPU",
+                ylabel="efficiency % (per-GPU / single-GPU TFLOP/s)",
+                hline=100.0,
+                xtick_label=plots.seqlen_label,
+            )
+        )
+    return paths
+
+
+def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per (framework, mode, shape, impl, mask, tokens/GPU) run on 2+ GPU counts: per-GPU
+    TFLOP/s vs GPUs, with the single-GPU rate measured in each run as a dashed reference."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _point_rows(rows):
+        groups[
+            (r["framework"], r["mode"], shape(r), r["impl"], r["mask"], r["tokens_per_gpu"])
+        ].append(r)
+    paths = []
+    for (fw, mode, shp, impl, mask, tokens), members in sorted(groups.items(), key=_group_order):
+        if len({r["num_gpus"] for r in members}) < 2:
+            continue
+        pts = [
+            {
+                "series": series(r),
+                "x": r["num_gpus"],
+                "status": r["status"],
+                "y": r["tflops_per_gpu"] if r["status"] == "ok" else None,
+            }
+            for r in members
+        ]
+        single: dict[int, list[float]] = defaultdict(list)
+        for r in members:
+            if r["single_gpu_tflops"]:
+                single[r["num_gpus"]].append(r["single_gpu_tflops"])
+        ref = sorted((n, sorted(v)[len(v) // 2]) for n, v in single.items())
+        name = f"scaling_{fw}_{mode}_{mask}_{tokens}_{shp}_{impl}"
+        paths.append(
+            line_plot(
+                pts,
+                out_dir / "plots" / f"{_slug(name)}.png",
+                title=f"{fw} attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} tokens/GPU\n"
+                f"{shp}, impl {impl}",
+                xlabel="GPUs",
+                ylabel="per-GPU TFLOP/s (median)",
+                reference={"single GPU, per-GPU problem": ref} if ref else None,
+                xtick_label=lambda x: str(int(x)),
+            )
+        )
+    return paths
+
+
+def write_report(results: Sequence[str | Path], out_dir: str | Path) -> dict[str, object]:
+    """Every artefact into out_dir: cp_report.md, cp_results.csv, plots; returns their paths."""
+    out_dir = Path(out_dir)
+    rows, records = load_rows(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = write_csv(rows, out_dir / "cp_results.csv")
+    eff = efficiency_plots(rows, out_dir)
+    scaling = scaling_plots(rows, out_dir)
+    md = write_markdown(rows, records, [str(p) for p in results], out_dir, eff + scaling)
+    return {"markdown": md, "csv": csv_path, "efficiency_plots": eff, "scaling_plots": scaling}
+
+
+def main(argv: list[str]) -> None:
+    """CLI: report on CP benchmark JSON-lines files."""
+    from absl import app, flags
+
+    del argv
+    fv = flags.FLAGS
+    missing = [p for p in fv.results if not Path(p).is_file()]
+    if missing:
+        raise app.UsageError(f"--results: not a file: {', '.join(map(repr, missing))}")
+    out_dir = fv.out_dir or str(Path(fv.results[0]).parent / "cp_report")
+    paths = write_report(fv.results, out_dir)
+    n = len(paths["efficiency_plots"]) + len(paths["scaling_plots"])
+    print(f"Report: {paths['markdown']} ({n} plots)")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_list("results", None, "CP benchmark JSON-lines files (JAX and/or torch).")
+    flags.mark_flag_as_required("results")
+    flags.DEFINE_string("out_dir", None, "Report folder (default: cp_report/ beside the first).")
+    app.run(main)
