@@ -2,12 +2,22 @@
 
 Triton's interpreter (the CPU correctness tests) accepts code that the compiler rejects, so each
 kernel is also compiled to a cubin here at its default tiles, and must fit the H100/H200
-shared-memory budget per block.
+shared-memory budget per block; at the benchmark shapes (half precision, D 64 and 128) ptxas must
+also report no register spills. `python tests/test_triton_compile.py` sweeps candidate tiles and
+prints registers, spills and shared memory per config (the data behind launch.default_configs).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -20,11 +30,27 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from triton_attn import kernels, launch  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 64)
+HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 STAT_POINTERS = ("lse_ptr", "delta_ptr")
 INDEX_POINTERS = ("lo_ptr", "hi_ptr")
+KERNELS = {
+    "fwd": kernels.attn_fwd_kernel,
+    "dkdv": kernels.attn_bwd_dkdv_kernel,
+    "dq": kernels.attn_bwd_dq_kernel,
+}
+# Triton's own ptxas flags for sm_90 (backends/nvidia/compiler.py), so counts match its cubin.
+PTXAS_FLAGS = ("-v", "-lineinfo", "--regAllocOptLevel=2", "--gpu-name=sm_90a")
+CASES = [
+    (64, "bfloat16"),
+    (64, "float16"),
+    (128, "bfloat16"),
+    (128, "float16"),
+    (256, "bfloat16"),
+    (256, "float32"),
+]
+SPILL_FREE = {(64, "bfloat16"), (64, "float16"), (128, "bfloat16"), (128, "float16")}
 
 
 def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
@@ -46,19 +72,10 @@ def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
     return sig
 
 
-@pytest.mark.parametrize(
-    "head_dim,dtype", [(64, "bfloat16"), (128, "bfloat16"), (128, "float16"), (256, "float32")]
-)
-@pytest.mark.parametrize("which", ["fwd", "dkdv", "dq"])
-def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype):
-    itemsize = 4 if dtype == "float32" else 2
-    configs = launch.default_configs(head_dim, itemsize)
-    cfg = configs.fwd if which == "fwd" else configs.bwd
-    fn = {
-        "fwd": kernels.attn_fwd_kernel,
-        "dkdv": kernels.attn_bwd_dkdv_kernel,
-        "dq": kernels.attn_bwd_dq_kernel,
-    }[which]
+@functools.cache
+def compile_kernel(which: str, head_dim: int, dtype: str, cfg: launch.KernelConfig) -> Any:
+    """Kernel `which` compiled for sm_90 at `cfg` (GQA group 8, two mask intervals)."""
+    fn = KERNELS[which]
     meta = {
         "GROUP": 8,
         "NUM_INTERVALS": 2,
@@ -70,6 +87,91 @@ def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype)
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
     src = ASTSource(fn=fn, signature=_signature(fn, dtype, meta), constexprs=constexprs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    compiled = triton.compile(src, target=HOPPER, options=options)
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+def _ptxas_log(ptx: str) -> str | None:
+    """ptxas -v output for `ptx` from the first of Triton's ptxas binaries that accepts it."""
+    nvidia = triton.knobs.nvidia
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        for tool in (nvidia.ptxas_blackwell, nvidia.ptxas):
+            try:
+                binary = tool.path
+            except Exception:  # a knob whose binary is missing raises on lookup
+                continue
+            cmd = [binary, *PTXAS_FLAGS, path, "-o", os.path.join(tmp, "kernel.cubin")]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                return done.stderr + done.stdout
+    return None
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int] | None:
+    """(registers per thread, spill store bytes) of `ptx` for sm_90a, None if no ptxas takes it."""
+    log = _ptxas_log(ptx)
+    if log is None:
+        return None
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    assert regs and spills, log
+    return int(regs.group(1)), int(spills.group(1))
+
+
+def kernel_config(configs: launch.Configs, which: str) -> launch.KernelConfig:
+    """The config launch uses for kernel `which`."""
+    return {"fwd": configs.fwd, "dkdv": configs.dkdv, "dq": configs.dq}[which]
+
+
+@pytest.mark.parametrize("head_dim,dtype", CASES)
+@pytest.mark.parametrize("which", list(KERNELS))
+def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype):
+    itemsize = 4 if dtype == "float32" else 2
+    cfg = kernel_config(launch.default_configs(head_dim, itemsize), which)
+    compiled = compile_kernel(which, head_dim, dtype, cfg)
     assert compiled.asm["cubin"], "no cubin produced"
     assert 0 < compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("head_dim,dtype", sorted(SPILL_FREE))
+@pytest.mark.parametrize("which", list(KERNELS))
+def test_default_config_does_not_spill_registers(which, head_dim, dtype):
+    cfg = kernel_config(launch.default_configs(head_dim, 2), which)
+    usage = ptxas_usage(compile_kernel(which, head_dim, dtype, cfg).asm["ptx"])
+    if usage is None:
+        pytest.skip("no ptxas shipped with Triton accepts the PTX it generates")
+    regs, spilled = usage
+    assert spilled == 0, f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled"
+
+
+def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.KernelConfig) -> str:
+    """One CSV row: kernel, head dim, dtype, config, registers, spill bytes, shared memory."""
+    compiled = compile_kernel(which, head_dim, dtype, cfg)
+    usage = ptxas_usage(compiled.asm["ptx"]) or (-1, -1)
+    fields = (which, head_dim, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return ",".join(map(str, (*fields, *usage, compiled.metadata.shared)))
+
+
+def sweep(head_dims: list[int], dtypes: list[str]) -> None:
+    """Print registers, spills and shared memory of every candidate config as CSV."""
+    tiles, warps, stages = (32, 64, 128), (4, 8), (1, 2, 3, 4)
+    jobs = [
+        (which, head_dim, dtype, launch.KernelConfig(bm, bn, w, s))
+        for head_dim, dtype, which, bm, bn, w, s in itertools.product(
+            head_dims, dtypes, tuple(KERNELS), tiles, tiles, warps, stages
+        )
+    ]
+    print("kernel,head_dim,dtype,block_m,block_n,num_warps,num_stages,regs,spill_bytes,smem")
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        for row in pool.map(sweep_one, *zip(*jobs, strict=True)):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":  # e.g. python tests/test_triton_compile.py 64 128 bfloat16 float32
+    args = sys.argv[1:]
+    sweep(
+        [int(a) for a in args if a.isdigit()] or [64, 128, 256],
+        [a for a in args if not a.isdigit()] or list(TRITON_DTYPE),
+    )

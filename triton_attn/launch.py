@@ -30,10 +30,16 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class Configs:
-    """The forward's config and the backward's (dK/dV and dQ share tiles, hence one table)."""
+    """Per-kernel configs: forward, dK/dV and dQ (dQ takes dK/dV's when not given)."""
 
     fwd: KernelConfig
-    bwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig | None = None
+
+    def __post_init__(self) -> None:
+        """Give dQ the dK/dV config when it has none of its own."""
+        if self.dq is None:
+            object.__setattr__(self, "dq", self.dkdv)
 
 
 @dataclass(frozen=True)
@@ -114,20 +120,23 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
     return None
 
 
+# (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_m, block_n, num_warps, num_stages):
+# the largest tiles that ptxas compiles for sm_90 without register spills, or the least spilling
+# where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV); data in triton_attn/NOTES.md.
+_DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
+    (64, False): ((128, 128, 8, 2), (64, 128, 8, 1), (128, 128, 8, 2)),
+    (128, False): ((64, 128, 8, 3), (32, 64, 8, 1), (64, 64, 8, 3)),
+    (256, False): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
+    (64, True): ((128, 32, 8, 1), (32, 32, 8, 1), (64, 32, 8, 1)),
+    (128, True): ((64, 32, 8, 1), (32, 64, 8, 1), (32, 64, 8, 1)),
+    (256, True): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
+}
+
+
 def default_configs(head_dim: int, itemsize: int) -> Configs:
-    """Tiles by padded head dim and element size: smaller tiles where registers/smem run short."""
-    bd = block_d(head_dim)
-    wide = itemsize >= 4
-    if bd <= 64:
-        fwd = KernelConfig(128, 32 if wide else 64, 4, 3)
-        bwd = KernelConfig(64, 64, 4, 2)
-    elif bd <= 128:
-        fwd = KernelConfig(128, 32 if wide else 64, 8, 2 if wide else 3)
-        bwd = KernelConfig(32 if wide else 64, 64, 8, 2)
-    else:
-        fwd = KernelConfig(64, 32 if wide else 64, 8, 2)
-        bwd = KernelConfig(32, 32, 4, 1)
-    return Configs(fwd, bwd)
+    """Per-kernel configs by padded head dim (32 counts as 64) and element size (fp32 or half)."""
+    fwd, dkdv, dq = _DEFAULTS[max(64, block_d(head_dim)), itemsize >= 4]
+    return Configs(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
 def _clear_edges(index: np.ndarray, full: np.ndarray, own_edge: bool, other_edge: int | None):
@@ -163,7 +172,8 @@ def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
     if lo.shape[1] == 0:
         lo = hi = np.zeros((mask.seqlen_q, 1), np.int32)
     fwd, _ = _tile_lists(mask, configs.fwd.block_m, configs.fwd.block_n)
-    dq, dkdv = _tile_lists(mask, configs.bwd.block_m, configs.bwd.block_n)
+    dq, _ = _tile_lists(mask, configs.dq.block_m, configs.dq.block_n)
+    _, dkdv = _tile_lists(mask, configs.dkdv.block_m, configs.dkdv.block_n)
     return MaskTables(
         lo=np.ascontiguousarray(lo, np.int32),
         hi=np.ascontiguousarray(hi, np.int32),
@@ -211,7 +221,7 @@ def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call
 
 def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dkdv_kernel: one program per (k tile, batch x KV head)."""
-    cfg = tables.configs.bwd
+    cfg = tables.configs.dkdv
     return Call(
         grid=(cdiv(shape.seqlen_k, cfg.block_n), shape.batch * shape.heads_kv),
         scalars=_scalars(shape, tables.dkdv.width, scale),
@@ -223,7 +233,7 @@ def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Cal
 
 def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dq_kernel: one program per (q tile, batch x query head)."""
-    cfg = tables.configs.bwd
+    cfg = tables.configs.dq
     return Call(
         grid=(cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q),
         scalars=_scalars(shape, tables.dq.width, scale),
