@@ -102,9 +102,17 @@ def attn_fwd_kernel(
     dim_ok = dims < head_dim
     q_row = heads_q * head_dim
     k_row = heads_kv * head_dim
-    q_base = b * seqlen_q * q_row + h * head_dim
-    k_base = b * seqlen_k * k_row + kvh * head_dim
-    q_off = q_base + rows[:, None] * q_row + dims[None, :]
+    # Batch, head and tile starts go into the scalar pointers in int64 (long sequences stay
+    # correct); the offset tensors hold only in-tile offsets, in int32 (fewer registers).
+    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * head_dim
+    q_ptr += q_start
+    out_ptr += q_start
+    kv_base = b * seqlen_k * k_row + kvh * head_dim
+    k_ptr += kv_base
+    v_ptr += kv_base
+    lse_ptr += (b * heads_q + h) * seqlen_q
+    q_off = tl.arange(0, BLOCK_M)[:, None] * q_row + dims[None, :]
+    kv_off = tl.arange(0, BLOCK_N)[:, None] * k_row + dims[None, :]
     q_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     qk_scale = scale * LOG2E
@@ -117,9 +125,9 @@ def attn_fwd_kernel(
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
         cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
-        kv_off = k_base + cols[:, None] * k_row + dims[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
+        k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         if full == 0:
             vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, False)
@@ -135,7 +143,7 @@ def attn_fwd_kernel(
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(lse_ptr + (b * heads_q + h) * seqlen_q + rows, lse, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -178,7 +186,14 @@ def attn_bwd_dkdv_kernel(
     dim_ok = dims < head_dim
     q_row = heads_q * head_dim
     k_row = heads_kv * head_dim
-    kv_off = b * seqlen_k * k_row + kvh * head_dim + cols[:, None] * k_row + dims[None, :]
+    # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
+    kv_start = (b * seqlen_k + k_tile * BLOCK_N) * k_row + kvh * head_dim
+    k_ptr += kv_start
+    v_ptr += kv_start
+    dk_ptr += kv_start
+    dv_ptr += kv_start
+    kv_off = tl.arange(0, BLOCK_N)[:, None] * k_row + dims[None, :]
+    q_off = tl.arange(0, BLOCK_M)[:, None] * q_row + dims[None, :]
     kv_mask = col_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -188,19 +203,19 @@ def attn_bwd_dkdv_kernel(
     count = tl.load(q_count_ptr + k_tile)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
-        q_base = b * seqlen_q * q_row + h * head_dim
-        stat_base = (b * heads_q + h) * seqlen_q
+        q_head = b * seqlen_q * q_row + h * head_dim
+        stat_head = (b * heads_q + h) * seqlen_q
         for n in range(0, count):
             q_tile = tl.load(q_index_ptr + k_tile * list_width + n)
             full = tl.load(q_full_ptr + k_tile * list_width + n)
             rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < seqlen_q
-            q_off = q_base + rows[:, None] * q_row + dims[None, :]
+            q_start = q_head + q_tile.to(tl.int64) * BLOCK_M * q_row
             q_mask = row_ok[:, None] & dim_ok[None, :]
-            q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
-            lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
-            delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
+            q = tl.load((q_ptr + q_start) + q_off, mask=q_mask, other=0.0)
+            do = tl.load((do_ptr + q_start) + q_off, mask=q_mask, other=0.0)
+            lse = tl.load((lse_ptr + stat_head) + rows, mask=row_ok, other=float("-inf"))
+            delta = tl.load((delta_ptr + stat_head) + rows, mask=row_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             s_t = _dot(k, tl.trans(q), IEEE) * qk_scale
             p_t = tl.exp2(s_t - lse2[None, :])
@@ -255,14 +270,24 @@ def attn_bwd_dq_kernel(
     dim_ok = dims < head_dim
     q_row = heads_q * head_dim
     k_row = heads_kv * head_dim
-    q_off = b * seqlen_q * q_row + h * head_dim + rows[:, None] * q_row + dims[None, :]
-    k_base = b * seqlen_k * k_row + kvh * head_dim
+    # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
+    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * head_dim
+    q_ptr += q_start
+    do_ptr += q_start
+    dq_ptr += q_start
+    kv_base = b * seqlen_k * k_row + kvh * head_dim
+    k_ptr += kv_base
+    v_ptr += kv_base
+    stat_head = (b * heads_q + h) * seqlen_q
+    lse_ptr += stat_head
+    delta_ptr += stat_head
+    q_off = tl.arange(0, BLOCK_M)[:, None] * q_row + dims[None, :]
+    kv_off = tl.arange(0, BLOCK_N)[:, None] * k_row + dims[None, :]
     q_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
-    stat = (b * heads_q + h) * seqlen_q + rows
-    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
-    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -272,9 +297,9 @@ def attn_bwd_dq_kernel(
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
         cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
-        kv_off = k_base + cols[:, None] * k_row + dims[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
+        k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if full == 0:

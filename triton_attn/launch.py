@@ -124,8 +124,8 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
 # the largest tiles that ptxas compiles for sm_90 without register spills, or the least spilling
 # where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV); data in triton_attn/NOTES.md.
 _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
-    (64, False): ((128, 128, 8, 2), (64, 128, 8, 1), (128, 128, 8, 2)),
-    (128, False): ((64, 128, 8, 3), (32, 64, 8, 1), (64, 64, 8, 3)),
+    (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)),
+    (128, False): ((128, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2)),
     (256, False): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
     (64, True): ((128, 32, 8, 1), (32, 32, 8, 1), (64, 32, 8, 1)),
     (128, True): ((64, 32, 8, 1), (32, 64, 8, 1), (32, 64, 8, 1)),
