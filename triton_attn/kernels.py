@@ -65,6 +65,17 @@ def _visible(
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N: tl.constexpr):
+    """(key positions, K tile, V tile) of key tile k_tile; keys past seqlen_k load as zeros."""
+    cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
+    kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
+    k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+    return cols, k, v
+
+
+@triton.jit
 def attn_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -123,11 +134,7 @@ def attn_fwd_kernel(
     for n in range(0, count):
         k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
-        cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
-        kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
-        k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+        cols, k, v = _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         if full == 0:
             vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, False)
@@ -295,11 +302,7 @@ def attn_bwd_dq_kernel(
     for n in range(0, count):
         k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
-        cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
-        kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
-        k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
+        cols, k, v = _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if full == 0:

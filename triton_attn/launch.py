@@ -207,37 +207,41 @@ def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
     )
 
 
-def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
-    """attn_fwd_kernel: one program per (q tile, batch x query head)."""
-    cfg = tables.configs.fwd
+def _call(
+    shape: Shape,
+    tables: MaskTables,
+    cfg: KernelConfig,
+    lists: TileList,
+    grid: tuple[int, int],
+    scale: float,
+    ieee: bool,
+) -> Call:
+    """The launch of one kernel: its grid, runtime scalars, constexprs, warps and stages."""
     return Call(
-        grid=(cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q),
-        scalars=_scalars(shape, tables.fwd.width, scale),
+        grid=grid,
+        scalars=_scalars(shape, lists.width, scale),
         meta=_meta(shape, tables, cfg, ieee),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
+    """attn_fwd_kernel: one program per (q tile, batch x query head)."""
+    cfg = tables.configs.fwd
+    grid = (cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
+    return _call(shape, tables, cfg, tables.fwd, grid, scale, ieee)
 
 
 def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dkdv_kernel: one program per (k tile, batch x KV head)."""
     cfg = tables.configs.dkdv
-    return Call(
-        grid=(cdiv(shape.seqlen_k, cfg.block_n), shape.batch * shape.heads_kv),
-        scalars=_scalars(shape, tables.dkdv.width, scale),
-        meta=_meta(shape, tables, cfg, ieee),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    grid = (cdiv(shape.seqlen_k, cfg.block_n), shape.batch * shape.heads_kv)
+    return _call(shape, tables, cfg, tables.dkdv, grid, scale, ieee)
 
 
 def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dq_kernel: one program per (q tile, batch x query head)."""
     cfg = tables.configs.dq
-    return Call(
-        grid=(cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q),
-        scalars=_scalars(shape, tables.dq.width, scale),
-        meta=_meta(shape, tables, cfg, ieee),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    grid = (cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
+    return _call(shape, tables, cfg, tables.dq, grid, scale, ieee)
