@@ -6,7 +6,6 @@ JAX-vs-PyTorch table and a grid image of all plots.
 
 from __future__ import annotations
 
-import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +14,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments import plots  # noqa: E402
+from experiments.report_parts import failed_points, md_table, slug, write_csv  # noqa: E402
 from experiments.results import latest_by_key, read_records  # noqa: E402
 
 POINT_FIELDS = (
@@ -104,15 +104,6 @@ def load_rows(results: str | Path) -> tuple[list[dict], list[dict]]:
     return [flat_row(r) for r in records], records
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
-    """All rows with the fixed COLUMNS header."""
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    return path
-
-
 def _kind(row: dict) -> str:
     return "kernel" if row["cp"] in (None, "none") else "cp"
 
@@ -132,10 +123,6 @@ def series_name(row: dict) -> str:
         return f"{row['framework']}/{row['impl']}"
     name = f"{row['framework']}/{row['cp']}/{row['layout']}"
     return name if row["impl"] == "default" else f"{name}/{row['impl']}"
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")
 
 
 def _cell(row: dict) -> str:
@@ -165,7 +152,7 @@ def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ]
         unit = "per-device " if kind == "cp" else ""
         title = f"{unit}attn-{mode} with {mask} mask\n{kind}: {cfg}"
-        path = out_dir / "plots" / f"{_slug(f'{kind}_{mode}_{mask}_{cfg}')}.png"
+        path = out_dir / "plots" / f"{slug(f'{kind}_{mode}_{mask}_{cfg}')}.png"
         paths.append(plots.bar_plot(plot_rows, path, title=title, xlabel="total sequence length"))
     return paths
 
@@ -260,12 +247,6 @@ def same_kernel(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
-    return lines
-
-
 def _provenance_lines(records: list[dict]) -> list[str]:
     prov = next((r.get("provenance") for r in records if r.get("provenance")), None)
     if not prov:
@@ -324,7 +305,7 @@ def write_markdown(
             [mask, s, *(c.get(n, "") for n in series)] for (mask, s), c in sorted(cells.items())
         ]
         lines += [f"## {kind} {mode}: {cfg}", ""]
-        lines += _md_table(["mask", "seqlen", *series], body) + [""]
+        lines += md_table(["mask", "seqlen", *series], body) + [""]
     if cross:
         lines += [
             "## JAX vs PyTorch",
@@ -345,7 +326,7 @@ def write_markdown(
             "cudnn_torch",
             "cudnn_jax_over_torch",
         ]
-        lines += _md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
+        lines += md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
     if shared:
         lines += [
             "## Same kernel, two front ends",
@@ -354,17 +335,8 @@ def write_markdown(
             "",
         ]
         keys = list(shared[0])
-        lines += _md_table(keys, [[c[k] for k in keys] for c in shared]) + [""]
-    problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
-    if problems:
-        lines += ["## Failed points", ""]
-        lines += _md_table(
-            ["key", "status", "reason"],
-            [
-                [r["key"], r["status"], (r["reason"] or "").replace("|", "/").splitlines()[0][:200]]
-                for r in problems
-            ],
-        ) + [""]
+        lines += md_table(keys, [[c[k] for k in keys] for c in shared]) + [""]
+    lines += failed_points(rows, "reason")
     if plot_paths:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in plot_paths]
     if mask_paths:
@@ -383,17 +355,13 @@ def write_report(results: str | Path, out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, records = load_rows(results)
-    csv_path = write_csv(rows, out_dir / "results.csv")
+    csv_path = write_csv(rows, out_dir / "results.csv", COLUMNS)
     plot_paths = write_plots(rows, out_dir)
     mask_paths, mask_note = write_mask_pictures(rows, out_dir)
     cross = cross_framework(rows)
     cross_path = None
     if cross:
-        cross_path = out_dir / "cross_framework.csv"
-        with cross_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(cross[0]))
-            w.writeheader()
-            w.writerows(cross)
+        cross_path = write_csv(cross, out_dir / "cross_framework.csv", list(cross[0]))
     grid = plots.image_grid(plot_paths, out_dir / "all_plots.png")
     notes = [mask_note] if mask_note else []
     shared = same_kernel(rows)

@@ -11,7 +11,6 @@ framework is read from "framework" when present and otherwise derived from those
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
@@ -30,6 +29,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from experiments import plots  # noqa: E402
+from experiments.report_parts import failed_points, md_table, slug, write_csv  # noqa: E402
 from experiments.results import latest_by_key  # noqa: E402
 from shard_strategies import LAYOUTS, STRATEGIES  # noqa: E402
 
@@ -217,15 +217,6 @@ def load_rows(paths: Sequence[str | Path]) -> tuple[list[dict], list[dict]]:
     return list(rows.values()), records
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
-    """All rows with the fixed COLUMNS header."""
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    return path
-
-
 def shape(row: dict) -> str:
     """The problem shape both frameworks must share to be compared: heads, head dim, dtype."""
     return f"h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
@@ -265,12 +256,6 @@ def _group_order(item: tuple) -> tuple:
 
 def _point_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["mask"] is not None]
-
-
-def _md_table(header: list[str], body: list[list[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
-    return lines
 
 
 def _bytes_label(b: float | None) -> str:
@@ -445,7 +430,7 @@ def write_markdown(
         "",
     ]
     for title, header, body in strategy_tables(rows):
-        lines += [f"## {title}", ""] + _md_table(header, body) + [""]
+        lines += [f"## {title}", ""] + md_table(header, body) + [""]
     cross = cross_framework(rows)
     if cross:
         lines += [
@@ -457,7 +442,7 @@ def write_markdown(
             "both executors share one plan, so a mismatch is a bug.",
             "",
         ]
-        lines += _md_table(list(cross[0]), [list(c.values()) for c in cross]) + [""]
+        lines += md_table(list(cross[0]), [list(c.values()) for c in cross]) + [""]
     tgt = targets(rows)
     if tgt:
         lines += [
@@ -468,26 +453,13 @@ def write_markdown(
             "heterogeneous masks >= 85% with the balanced layout). 'no data': none of those ran.",
             "",
         ]
-        lines += _md_table(list(tgt[0]), [list(t.values()) for t in tgt]) + [""]
-    problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
-    if problems:
-        lines += ["## Failed points", ""]
-        lines += _md_table(
-            ["key", "status", "error"],
-            [
-                [r["key"], r["status"], (r["error"] or "").replace("|", "/").splitlines()[0][:200]]
-                for r in problems
-            ],
-        ) + [""]
+        lines += md_table(list(tgt[0]), [list(t.values()) for t in tgt]) + [""]
+    lines += failed_points(rows, "error")
     if figs:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in figs]
     path = out_dir / "cp_report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")
 
 
 def line_plot(
@@ -588,7 +560,7 @@ def efficiency_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         paths.append(
             line_plot(
                 pts,
-                out_dir / "plots" / f"{_slug(f'eff_{fw}_x{n}_{mode}_{mask}_{shp}_{impl}')}.png",
+                out_dir / "plots" / f"{slug(f'eff_{fw}_x{n}_{mode}_{mask}_{shp}_{impl}')}.png",
                 title=f"{fw} x{n} GPUs, attn-{mode}, {mask} mask\n{shp}, impl {impl}",
                 xlabel="tokens per GPU",
                 ylabel="efficiency % (per-GPU / single-GPU TFLOP/s)",
@@ -629,7 +601,7 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         paths.append(
             line_plot(
                 pts,
-                out_dir / "plots" / f"{_slug(name)}.png",
+                out_dir / "plots" / f"{slug(name)}.png",
                 title=f"{fw} attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} tokens/GPU\n"
                 f"{shp}, impl {impl}",
                 xlabel="GPUs",
@@ -646,7 +618,7 @@ def write_report(results: Sequence[str | Path], out_dir: str | Path) -> dict[str
     out_dir = Path(out_dir)
     rows, records = load_rows(results)
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path = write_csv(rows, out_dir / "cp_results.csv")
+    csv_path = write_csv(rows, out_dir / "cp_results.csv", COLUMNS)
     eff = efficiency_plots(rows, out_dir)
     scaling = scaling_plots(rows, out_dir)
     md = write_markdown(rows, records, [str(p) for p in results], out_dir, eff + scaling)
