@@ -148,6 +148,10 @@ def test_config_validation_names_value_and_range() -> None:
         MosaicConfig().check(64, jnp.float32)
     with pytest.raises(ValueError, match="shared memory"):
         MosaicConfig(block_k=256, max_concurrent_steps=4).check(128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_k_dq=96.*multiple of 64"):
+        MosaicConfig(block_k_dq=96)
+    with pytest.raises(ValueError, match=r"num_stages_bwd=0.*\[1, 4\]"):
+        MosaicConfig(num_stages_bwd=0)
 
 
 def test_wrong_mask_tiles_rejected() -> None:

@@ -6,7 +6,6 @@ lacks by jax_attn.mosaic_gpu.interpret (the kernels are the ones the GPU runs).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -18,6 +17,7 @@ from kernel_cases import random_slices
 from attn_masks import MaskType, from_slices, reference_attention
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
+from jax_attn.mosaic_gpu import MosaicConfig
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
@@ -25,19 +25,6 @@ FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
 # Relative Frobenius error bounds: P and dS are rounded to the input dtype before their wgmmas
 # (fp32 accumulation), so the error is a few ulps of that dtype.
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The MosaicConfig fields the backward reads (all but block_q/block_k optional)."""
-
-    block_q: int = 64
-    block_k: int = 64
-    block_q_dkv: int | None = None
-    block_k_dkv: int | None = None
-    block_q_dq: int | None = None
-    block_k_dq: int | None = None
-    num_stages_bwd: int | None = None
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +54,13 @@ def _grads(q, k, v, out, lse, do, arrays, *, scale, config, interpret):
     )
 
 
-def _check(mask, config: Config, interpret, *, b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16):
-    """dq, dk, dv vs the oracle; gradients no query/key reaches are exactly 0."""
+def _check(mask, config, interpret, *, tiles=(64, 64), b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16):
+    """dq, dk, dv vs the oracle (mask tiles `tiles`); gradients no query/key reaches are 0."""
     sq, sk = mask.seqlen_q, mask.seqlen_k
     (q, k, v, do), (q64, k64, v64, do64) = _inputs(sq + 7 * sk, b, sq, sk, hq, hkv, d, dtype)
     scale = d**-0.5
     ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=do64)
-    arrays = prepare_mask(mask, config.block_q, config.block_k)
+    arrays = prepare_mask(mask, *tiles)
     out = jnp.asarray(ref.out, dtype)
     lse = jnp.asarray(ref.lse, jnp.float32)
     dq, dk, dv = _grads(
@@ -118,13 +105,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradients(name: str, interpret) -> None:
     case = dict(CASES[name])
-    _check(case.pop("mask"), Config(), interpret, **case)
+    _check(case.pop("mask"), MosaicConfig(), interpret, **case)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
     """128x128 mask tiles walked as 64-row kernel tiles (and 128-key dQ steps), 3 stages."""
-    config = Config(block_q=128, block_k=128, block_k_dq=128, num_stages_bwd=3)
-    _check(make_mask("causal_document", 320, seed=1), config, interpret, hq=4, hkv=2)
+    config = MosaicConfig(block_k_dq=128, num_stages_bwd=3)
+    mask = make_mask("causal_document", 320, seed=1)
+    _check(mask, config, interpret, tiles=(128, 128), hq=4, hkv=2)
 
 
 def test_lse_cotangent(interpret) -> None:
@@ -153,7 +141,7 @@ def test_lse_cotangent(interpret) -> None:
         do,
         arrays,
         scale=0.125,
-        config=Config(),
+        config=MosaicConfig(),
         interpret=interpret,
         dlse=dlse,
     )
@@ -168,12 +156,21 @@ def test_rejects_unsupported(interpret) -> None:
     lse = jnp.zeros((1, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="head_dim"):
         flash_attention_mosaic_bwd(
-            x, x, x, x, lse, x, arrays, scale=1.0, config=Config(), interpret=interpret
+            x, x, x, x, lse, x, arrays, scale=1.0, config=MosaicConfig(), interpret=interpret
         )
     with pytest.raises(ValueError, match="block_k_dq"):
         y = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
         flash_attention_mosaic_bwd(
-            y, y, y, y, lse, y, arrays, scale=1.0, config=Config(block_k_dq=128), interpret=None
+            y,
+            y,
+            y,
+            y,
+            lse,
+            y,
+            arrays,
+            scale=1.0,
+            config=MosaicConfig(block_k_dq=128),
+            interpret=None,
         )
 
 
@@ -181,8 +178,8 @@ def test_rejects_unsupported(interpret) -> None:
 def test_lowers_for_hopper(d: int) -> None:
     """The GPU path (layout hints included, which interpret mode skips) lowers to Mosaic GPU."""
     mask = random_slices(2, 384, 256)
-    config = Config(block_q=128, block_k=128, block_k_dq=128)
-    arrays = prepare_mask(mask, config.block_q, config.block_k)
+    config = MosaicConfig(block_k=128, block_k_dq=128)
+    arrays = prepare_mask(mask, *config.tiles)
     assert arrays.num_intervals > 1
     q = jnp.zeros((1, mask.seqlen_q, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, mask.seqlen_k, 2, d), jnp.bfloat16)
@@ -196,5 +193,6 @@ def test_lowers_for_hopper(d: int) -> None:
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_lowering_s2048(d: int) -> None:
     """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles."""
-    config = Config(block_q=128, block_k=128, num_stages_bwd=2)
-    _check(make_mask("causal_document", 2048, seed=0), config, None, b=2, hq=4, hkv=2, d=d)
+    config = MosaicConfig(block_k=128, num_stages_bwd=2)
+    mask = make_mask("causal_document", 2048, seed=0)
+    _check(mask, config, None, tiles=config.tiles, b=2, hq=4, hkv=2, d=d)

@@ -25,11 +25,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..mask_arrays import MaskArrays
 from ..padding import pad_axis
 from ..pallas_triton.tiles import TileLists, split_partial_full
+from .config import MosaicConfig
 
 LOG2E = math.log2(math.e)
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
-DEFAULT_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,9 +312,9 @@ def _dq_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_tile(config: Any, name: str, mask_tile: int) -> int:
-    """The kernel tile `name` of config (default 64): a multiple of 64 dividing the mask tile."""
-    tile = getattr(config, name, None) or min(DEFAULT_TILE, mask_tile)
+def _kernel_tile(tile: int | None, name: str, mask_tile: int) -> int:
+    """The kernel tile `name` (None: 64): a multiple of 64 dividing the mask tile."""
+    tile = tile or min(DEFAULT_TILE, mask_tile)
     if tile % WGMMA_ROWS or mask_tile % tile:
         raise ValueError(
             f"{name}={tile} must be a multiple of {WGMMA_ROWS} dividing the mask tile {mask_tile}"
@@ -357,15 +357,17 @@ def _check(q: jax.Array, k: jax.Array, arrays: MaskArrays) -> None:
 
 
 def _kernels(
-    q: jax.Array, k: jax.Array, arrays: MaskArrays, *, scale: float, config: Any, interpret: Any
+    q: jax.Array,
+    k: jax.Array,
+    arrays: MaskArrays,
+    *,
+    scale: float,
+    config: MosaicConfig,
+    interpret: Any,
 ) -> tuple[_Kernel, _Kernel]:
     """The static (dK/dV, dQ) kernel descriptions of a call, validated before any launch."""
     mbq, mbk = arrays.block_q, arrays.block_k
-    stages = int(
-        getattr(config, "num_stages_bwd", None)
-        or getattr(config, "max_concurrent_steps", None)
-        or DEFAULT_STAGES
-    )
+    stages = config.num_stages_bwd or config.max_concurrent_steps
     common = dict(
         mask_block_q=mbq,
         mask_block_k=mbk,
@@ -376,13 +378,13 @@ def _kernels(
     )
     return (
         _Kernel(
-            block_q=_kernel_tile(config, "block_q_dkv", mbq),
-            block_k=_kernel_tile(config, "block_k_dkv", mbk),
+            block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
+            block_k=_kernel_tile(config.block_k_dkv, "block_k_dkv", mbk),
             **common,
         ),
         _Kernel(
-            block_q=_kernel_tile(config, "block_q_dq", mbq),
-            block_k=_kernel_tile(config, "block_k_dq", mbk),
+            block_q=_kernel_tile(config.block_q_dq, "block_q_dq", mbq),
+            block_k=_kernel_tile(config.block_k_dq, "block_k_dq", mbk),
             **common,
         ),
     )
@@ -398,16 +400,15 @@ def flash_attention_mosaic_bwd(
     arrays: MaskArrays,
     *,
     scale: float,
-    config: Any,
+    config: MosaicConfig,
     interpret: Any = None,
     dlse: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv of masked attention from its residuals (out, natural-log lse), on Hopper.
 
     Shapes are unpadded (B, S, H, D); lengths are padded to the mask tiles here, padded rows
-    and keys contributing nothing. config supplies block_q_dkv, block_k_dkv, block_q_dq,
-    block_k_dq (kernel tiles, default 64, dividing the mask tiles) and num_stages_bwd (TMA ring
-    depth; default max_concurrent_steps, else 2), each optional. interpret: an
+    and keys contributing nothing. config's backward fields set the kernel sub-tiles and the TMA
+    ring depth (MosaicConfig). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
     cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
     """

@@ -15,17 +15,25 @@ MAX_INTERVALS = 8
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Launch configuration of the Mosaic GPU forward kernel.
+    """Launch configuration of the Mosaic GPU kernels.
 
-    Each CTA holds CONSUMER_WARPGROUPS * block_q query rows (one block_q slice per consumer
-    warpgroup; block_q is the wgmma M dimension, so 64) and streams block_k keys per step
-    through a ring of max_concurrent_steps shared-memory stages filled by the producer
+    Forward: each CTA holds CONSUMER_WARPGROUPS * block_q query rows (one block_q slice per
+    consumer warpgroup; block_q is the wgmma M dimension, so 64) and streams block_k keys per
+    step through a ring of max_concurrent_steps shared-memory stages filled by the producer
     warpgroup. The mask tiles (MaskArrays) are (mask_block_q, block_k).
+    Backward: the dK/dV and dQ kernels walk the same mask tiles in sub-tiles of
+    block_{q,k}_{dkv,dq} rows/keys (None: 64; multiples of 64 dividing the mask tile) through a
+    ring of num_stages_bwd stages (None: max_concurrent_steps).
     """
 
     block_q: int = 64
     block_k: int = 128
     max_concurrent_steps: int = 2
+    block_q_dkv: int | None = None
+    block_k_dkv: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    num_stages_bwd: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -42,6 +50,16 @@ class MosaicConfig:
             raise ValueError(
                 f"max_concurrent_steps={self.max_concurrent_steps} is invalid: valid range is "
                 "[2, 4] shared-memory stages"
+            )
+        for name in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            tile = getattr(self, name)
+            if tile is not None and (tile <= 0 or tile % 64):
+                raise ValueError(
+                    f"{name}={tile} is invalid: valid values are None or a positive multiple of 64"
+                )
+        if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
+            raise ValueError(
+                f"num_stages_bwd={self.num_stages_bwd} is invalid: valid range is [1, 4] (or None)"
             )
 
     @property
