@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from attn_masks.shapes import check_attention_shapes
 from ..mask_arrays import MaskArrays
 from ..padding import pad_axis
 from ..pallas_triton.tiles import split_partial_full
+from .backward import flash_attention_mosaic_bwd
 from .config import CONSUMER_WARPGROUPS, MosaicConfig, default_config
 from .forward import forward
 from .interpret import interpret_params
@@ -84,18 +84,9 @@ def _attention_fwd(
 
 
 def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
-    """Gradients from the residuals by the Mosaic backward kernel (imported on first use).
-
-    The LSE cotangent is forwarded when the backward accepts `dlse`; otherwise only the
-    output's cotangent is differentiated.
-    """
-    from .backward import flash_attention_mosaic_bwd
-
+    """Gradients from the residuals by the Mosaic backward kernels (the LSE's cotangent too)."""
     q, k, v, arrays, out, lse = res
     d_out, d_lse = cotangents
-    extra = {}
-    if "dlse" in inspect.signature(flash_attention_mosaic_bwd).parameters:
-        extra["dlse"] = d_lse
     dq, dk, dv = flash_attention_mosaic_bwd(
         q,
         k,
@@ -107,7 +98,7 @@ def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
         scale=static.scale,
         config=static.config,
         interpret=interpret_params() if static.interpret else None,
-        **extra,
+        dlse=d_lse,
     )
     return dq, dk, dv, None
 
