@@ -11,6 +11,8 @@ supports() says so.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -40,7 +42,48 @@ def modules() -> tuple[ModuleType | None, ModuleType | None, str | None]:
         return None, None, f"jax-triton not installed ({err})"
     except ImportError as err:  # e.g. jax without GPU support
         return None, None, f"jax-triton cannot be imported ({err})"
+    why = version_mismatch(getattr(jt, "__version__", None), _installed_version("triton"))
+    if why is not None:
+        return None, None, why
     return jt, importlib.import_module("triton_attn.kernels"), None
+
+
+# jax-triton releases from this one on need triton >= the paired version: installed beside an
+# older triton without its dependencies, they import but stub out the NVIDIA backend.
+_JAX_TRITON_NEEDS = ((0, 4), (3, 7))
+
+
+def _release(version: str | None) -> tuple[int, ...] | None:
+    """The leading numeric release of a version string ("3.6.0+git" -> (3, 6, 0))."""
+    if not version:
+        return None
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def _installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_mismatch(jax_triton_version: str | None, triton_version: str | None) -> str | None:
+    """Why this jax-triton cannot drive this triton (None: a working pair, or unknown)."""
+    jt, tr = _release(jax_triton_version), _release(triton_version)
+    (jt_min, tr_min) = _JAX_TRITON_NEEDS
+    if jt is None or tr is None or jt < jt_min or tr >= tr_min:
+        return None
+    return (
+        f"jax-triton {jax_triton_version} needs triton >= {'.'.join(map(str, tr_min))}, found "
+        f"triton {triton_version} (its NVIDIA backend would be a stub); install "
+        f"jax-triton==0.3.1 for triton {triton_version}, or a newer triton"
+    )
 
 
 def _check(req: Request) -> str | None:
@@ -114,9 +157,12 @@ def _call(kernel, call: launch.Call, arrays: tuple, out_shape: tuple) -> Any:
     jt, _, why = modules()
     if why is not None:
         raise Unsupported(why)
+    # A Python float reaches the kernel as fp64 through jax-triton (the torch launcher makes it
+    # fp32); the kernels' arithmetic is fp32, so the scalars go as np.float32.
+    scalars = tuple(np.float32(x) if isinstance(x, float) else x for x in call.scalars)
     return jt.triton_call(
         *arrays,
-        *call.scalars,
+        *scalars,
         kernel=kernel,
         out_shape=out_shape,
         grid=call.grid,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ class _Static:
 
     scale: float
     config: MosaicConfig
-    interpret: bool
+    interpret: Any  # False (the GPU) or the InterpretGPUParams to run the CPU interpreter with
 
 
 def _bounds(arrays: MaskArrays, padded_q: int, block_q: int) -> jax.Array:
@@ -64,7 +65,7 @@ def _forward_padded(
         lists.count,
         scale=static.scale,
         config=cfg,
-        interpret=interpret_params() if static.interpret else None,
+        interpret=static.interpret or None,
     )
     return out[:, :sq], lse[:, :, :sq]
 
@@ -97,7 +98,7 @@ def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
         arrays,
         scale=static.scale,
         config=static.config,
-        interpret=interpret_params() if static.interpret else None,
+        interpret=static.interpret or None,
         dlse=d_lse,
     )
     return dq, dk, dv, None
@@ -145,13 +146,14 @@ def flash_attention_mosaic(
     scale: float,
     return_lse: bool = False,
     config: MosaicConfig | None = None,
-    interpret: bool | None = None,
+    interpret: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Masked attention (B,Sq,Hq,D) on Hopper via Mosaic GPU, differentiable; optionally LSE.
 
     arrays must be built with this config's tiles (config.tiles). LSE is (B,Hq,Sq) float32
     natural log, -inf where a row sees no key (its output is 0). interpret=None runs the CPU
-    interpreter when the default backend is the CPU (slow; for tests).
+    interpreter when the default backend is the CPU (slow; for tests); True runs it anyway, and
+    an InterpretGPUParams runs it with those parameters (e.g. its race detector).
     """
     config = resolve_config(q, config)
     check_inputs(q, k, v, arrays, config)
@@ -164,6 +166,8 @@ def flash_attention_mosaic(
             f"than {INTERPRET_MIN_CPU_DEVICES} CPU devices (got {len(jax.devices('cpu'))}); set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
         )
-    static = _Static(scale=float(scale), config=config, interpret=bool(interpret))
+    if interpret is True:
+        interpret = interpret_params()
+    static = _Static(scale=float(scale), config=config, interpret=interpret or False)
     out, lse = _attention_jit(q, k, v, arrays, static)
     return (out, lse) if return_lse else out

@@ -285,6 +285,8 @@ def _dq_kernel(
 
     def accumulate(dq_acc: Any) -> jax.Array:
         shape = (bq, bk)
+        # The row vectors below are TMA destinations: read them only once their copies landed.
+        plgpu.barrier_wait(bar)
         lse = _broadcast(_row_vector(lse_s, kern, 1), shape, 1)
         delta = _broadcast(_row_vector(delta_s, kern, 1), shape, 1)
 
@@ -303,7 +305,6 @@ def _dq_kernel(
             plgpu.commit_smem()
             plgpu.wgmma(dq_acc, ds_s, k)
 
-        plgpu.barrier_wait(bar)
         _ring(total, n_masked, kern.stages, fetch, compute)
         return dq_acc[...]
 

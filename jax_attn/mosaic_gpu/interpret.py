@@ -8,7 +8,9 @@ kernels themselves are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -16,13 +18,44 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def interpret_params() -> Any:
-    """Parameters that run Mosaic GPU kernels in the CPU interpreter (jax >= 0.10)."""
+def interpret_params(*, detect_races: bool = False) -> Any:
+    """Parameters that run Mosaic GPU kernels in the CPU interpreter (jax >= 0.10).
+
+    detect_races turns on the interpreter's happens-before race detector, which also orders
+    TMA copies: shared memory read before the barrier of the copy that fills it is a race
+    (races_found() says whether one was seen).
+    """
     enable_interpret_support()
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
+    return params(detect_races=detect_races)
+
+
+@contextlib.contextmanager
+def launches_with_races() -> Iterator[list[bool]]:
+    """Inside: one entry per kernel launch interpreted with detect_races, True if it raced.
+
+    The interpreter keeps one race-detector state per launch and drops it at the next launch;
+    this records each state as it is made, so a caller sees every kernel of a jitted function.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    made: list[Any] = []
+    base = gpu_callbacks.RaceDetectionState
+
+    class Recorded(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    flags: list[bool] = []
+    gpu_callbacks.RaceDetectionState = Recorded
+    try:
+        yield flags
+    finally:
+        gpu_callbacks.RaceDetectionState = base
+        flags.extend(bool(state.races_found) for state in made)
 
 
 @functools.cache
