@@ -6,13 +6,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from absl import app
 
-from experiments import cp_launch, frameworks, presets, provenance, sweep
+from experiments import cp_launch, frameworks, presets, provenance, sweep, workers
 from experiments.flags import Settings
 from experiments.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
 from experiments.progress import Progress
@@ -88,7 +89,7 @@ def _resolve_impls(framework: str, grid: Grid) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keep))
 
 
-def _check_impl_names(settings: Settings, grids: list[Grid]) -> None:
+def _check_impl_names(settings: Settings, impls: Iterable[str]) -> None:
     """Reject impl names that no requested (importable) framework knows."""
     known: dict[str, tuple[str, ...]] = {}
     for fw in settings.frameworks:
@@ -97,13 +98,12 @@ def _check_impl_names(settings: Settings, grids: list[Grid]) -> None:
         except ImportError:
             return
     valid = sorted({n for names in known.values() for n in names})
-    for g in grids:
-        for impl in g.impls:
-            if impl not in (ALL, DEFAULT_IMPL) and impl not in valid:
-                raise app.UsageError(
-                    f"unknown impl {impl!r} for --framework={'/'.join(settings.frameworks)}; "
-                    f"valid impls: {', '.join(valid)}, all"
-                )
+    for impl in impls:
+        if impl not in (ALL, DEFAULT_IMPL) and impl not in valid:
+            raise app.UsageError(
+                f"unknown impl {impl!r} for --framework={'/'.join(settings.frameworks)}; "
+                f"valid impls: {', '.join(valid)}, all"
+            )
 
 
 def _grid_points(
@@ -140,7 +140,7 @@ def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Pl
     on_gpu = {fw: d[0] for fw, d in detected.items()}
     preset = presets.get_preset(settings.preset, on_gpu=all(on_gpu.values()))
     grids = presets.apply_overrides(presets.select_grids(preset, cps), overrides)
-    _check_impl_names(settings, grids)
+    _check_impl_names(settings, [i for g in grids for i in g.impls])
     notes = []
     if settings.preset == "smoke" and not all(on_gpu.values()):
         cpu = [fw for fw, g in on_gpu.items() if not g]
@@ -258,11 +258,16 @@ def _finish(settings: Settings, points: list[Point], store: ResultsStore) -> Non
     counts = collections.Counter(latest[p.key]["status"] for p in points if p.key in latest)
     print("Statuses: " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())), flush=True)
     if settings.report:
-        from experiments import report
+        _write_report(store.path, settings.out_dir)
 
-        paths = report.write_report(store.path, settings.out_dir)
-        print(_result_tables(Path(paths["markdown"]).read_text()), flush=True)
-        print(f"Report: {paths['markdown']}", flush=True)
+
+def _write_report(results: Path, out_dir: str) -> None:
+    """The report of a results file, its tables echoed to the terminal."""
+    from experiments import report
+
+    paths = report.write_report(results, out_dir)
+    print(_result_tables(Path(paths["markdown"]).read_text()), flush=True)
+    print(f"Report: {paths['markdown']}", flush=True)
 
 
 def _result_tables(markdown: str) -> str:
@@ -281,6 +286,26 @@ def _record_unavailable(
         raise exc
 
     sweep.run_points(points, runner_for, store=store, progress=progress, provenance=prov)
+
+
+def runs_in_workers(settings: Settings) -> bool:
+    """Whether a run's frameworks go to worker processes: several, on a single host."""
+    multi_host = settings.coordinator_address or (settings.num_processes or 1) > 1
+    return len(settings.frameworks) > 1 and not settings.dry_run and not multi_host
+
+
+def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) -> int:
+    """Run each framework's points in a worker process of its own, then the joint report."""
+    _check_launch(settings)
+    impls = overrides.get("impls")
+    if impls is not None:
+        _check_impl_names(settings, impls)
+    cp_size = workers.shared_cp_size(settings.frameworks, settings.num_devices)
+    code = workers.run_each(settings.frameworks, flags, settings.out_dir, cp_size, impls)
+    results = ResultsStore(settings.out_dir).path
+    if code != workers.INTERRUPTED and settings.report and results.exists():
+        _write_report(results, settings.out_dir)
+    return code
 
 
 def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -96,6 +97,7 @@ def collect(flag_values: dict) -> dict[str, object]:
         "versions": package_versions(),
         "git": git_state(),
         "host": socket.gethostname(),
+        "pid": os.getpid(),
         "platform": platform.platform(),
         "argv": sys.argv,
         "flags": flag_values,

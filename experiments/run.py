@@ -36,7 +36,7 @@ if _want_virtual_cpu_devices():
 
 from absl import app, flags, logging  # noqa: E402
 
-from experiments import driver  # noqa: E402
+from experiments import driver, workers  # noqa: E402
 from experiments import flags as run_flags  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
@@ -60,9 +60,11 @@ def main(argv: list[str]) -> int:
         from experiments.workloads import train_step
 
         return train_step.run_from_flags(run_flags.FLAGS)
-    return driver.execute(
-        run_flags.settings(), run_flags.requested_cps(), run_flags.grid_overrides()
-    )
+    settings = run_flags.settings()
+    if driver.runs_in_workers(settings):
+        flags = workers.forwarded_flags(run_flags.FLAGS)
+        return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
+    return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
 
 
 def run_cli(args: list[str]) -> int:

@@ -236,6 +236,8 @@ def test_both_frameworks_cross_table(tmp_path):
         ("jax", "reference"),
         ("torch", "naive"),
     }
+    pids = {r["point"]["framework"]: r["provenance"]["pid"] for r in recs}
+    assert len(set(pids.values())) == 2 and os.getpid() not in pids.values(), pids
     cross = (tmp_path / "cross_framework.csv").read_text()
     assert "reference" in cross and "naive" in cross
     assert "JAX vs PyTorch" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,377 @@
+"""GPU acceptance: every impl of both frameworks against the float64 oracle, in a few minutes.
+
+    python experiments/acceptance.py                     # both frameworks, each in its own process
+    python experiments/acceptance.py --framework=jax     # one framework
+
+Small problems (lengths that divide no tile, GQA and MHA, Sq != Sk) on which each impl's out,
+LSE, dq, dk and dv (for the loss <out, dout> + <lse, dlse>) are compared with exact float64
+attention of the same rounded inputs; one line per case, then a summary. The shared Triton kernel
+is also compared between its two front ends on identical inputs. Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from attn_masks import MASK_NAMES, Mask, MaskType, from_slices, make_mask  # noqa: E402
+from attn_masks import reference_attention as oracle  # noqa: E402
+from experiments.checks import GRAD_FACTOR, tolerance  # noqa: E402
+
+FRAMEWORKS = ("jax", "torch")
+STATIC_MASKS = MASK_NAMES[:12]  # the published benchmark's 12 static masks
+EVERY_IMPL_MASKS = ("full", "causal", "causal_document", "share_question", "random")
+OWN_KERNELS = {"jax": ("pallas", "mosaic", "triton"), "torch": ("triton",)}
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+SEQLEN = 700  # divides neither 64 nor 128: every kernel sees ragged edge tiles
+TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks launch
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("framework", list(FRAMEWORKS), "Frameworks to check: jax, torch or both.")
+flags.DEFINE_integer("seqlen", SEQLEN, "Query/key length of the square cases.", lower_bound=16)
+flags.DEFINE_list("impl", [], "Only these impls (default: every impl of each framework).")
+flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
+flags.DEFINE_string("save_dir", None, "Internal: where a worker saves the two-front-end outputs.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One problem: a mask by name at (Sq, Sk), heads, head dim and dtype."""
+
+    mask: str
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.mask:<22} {self.dtype:<8} D{self.head_dim:<3} "
+            f"{self.heads_q}:{self.heads_kv} {self.seqlen_q}x{self.seqlen_k}"
+        )
+
+    @property
+    def key(self) -> str:
+        return "_".join(str(x) for x in dataclasses.astuple(self))
+
+
+def random_slices(seed: int, sq: int, sk: int) -> Mask:
+    """Random slices: up to two key ranges of random type per query chunk, so rows see zero,
+    one or two intervals and tiles come out empty, partial and full."""
+    rng = np.random.default_rng(seed)
+    cuts = np.unique(np.concatenate([[0, sq], rng.integers(1, sq, 4)]))
+    qs, ks, types = [], [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        c1, c2 = np.sort(rng.integers(0, sk + 1, 2))
+        for k0, k1 in ((0, c1), (c2, sk)):
+            if k1 > k0:
+                qs.append((a, b))
+                ks.append((k0, k1))
+                types.append(int(rng.integers(0, len(MaskType))))
+    return from_slices(qs, ks, types, sq, sk)
+
+
+def build_mask(case: Case) -> Mask:
+    """The case's mask: a static one at small-scale parameters, or random slices."""
+    if case.mask == "random":
+        return random_slices(case.seqlen_q + case.seqlen_k, case.seqlen_q, case.seqlen_k)
+    block = case.seqlen_q // 5 if case.seqlen_q % 5 == 0 else case.seqlen_q
+    params = {"block_size": block} if case.mask == "block_causal_document" else {}
+    return make_mask(case.mask, case.seqlen_q, seed=1, window=160, **params)
+
+
+def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
+    """(impl, case) pairs: every impl on five masks; the own kernels on every mask, both half
+    dtypes, D 64 and 128, MHA and GQA, fp32, and random slices with Sq != Sk. only: these impls."""
+    from experiments import frameworks
+
+    main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
+    other = dict(main, heads_q=2, heads_kv=2, head_dim=64, dtype="float16")
+    out: list[tuple[str, Case]] = []
+    own = OWN_KERNELS[framework]
+    for impl in frameworks.impl_names(framework):
+        if impl in own:
+            continue
+        out += [(impl, Case(m, **main)) for m in EVERY_IMPL_MASKS]
+    for impl in own:
+        out += [(impl, Case(m, **main)) for m in (*STATIC_MASKS, "random")]
+        out += [(impl, Case(m, **other)) for m in EVERY_IMPL_MASKS]
+        out += [(impl, Case(m, **dict(main, dtype="float32"))) for m in EVERY_IMPL_MASKS]
+        out.append((impl, Case("random", **dict(main, seqlen_k=s + s // 5))))
+        out.append((impl, Case("random", **dict(other, seqlen_q=s - s // 4))))
+    return [(impl, case) for impl, case in out if not only or impl in only]
+
+
+def inputs(case: Case) -> dict[str, np.ndarray]:
+    """Fresh float32 normal q, k, v, dout, dlse, the same for every impl and framework."""
+    rng = np.random.default_rng(zlib.crc32(case.key.encode()))
+    b, sq, sk, d = 1, case.seqlen_q, case.seqlen_k, case.head_dim
+    hq, hkv = case.heads_q, case.heads_kv
+    shapes = {
+        "q": (b, sq, hq, d),
+        "k": (b, sk, hkv, d),
+        "v": (b, sk, hkv, d),
+        "dout": (b, sq, hq, d),
+        "dlse": (b, hq, sq),
+    }
+    return {n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()}
+
+
+def oracle_with_lse(mask: Mask, x: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
+    """Exact float64 out, lse and the gradients of <out, dout> + <lse, dlse> (finite lse)."""
+    ref = oracle(x["q"], x["k"], x["v"], mask, scale=scale, dout=x["dout"])
+    group = x["q"].shape[2] // x["k"].shape[2]
+    q = x["q"].astype(np.float64)
+    k = np.repeat(x["k"].astype(np.float64), group, axis=2)
+    lse = ref.lse[..., None]
+    finite = np.isfinite(lse)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    p = np.where(mask.dense() & finite, np.exp(s - np.where(finite, lse, 0.0)), 0.0)
+    ds = p * x["dlse"].astype(np.float64)[..., None]
+    dq = ref.dq + np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk_heads = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    b, sk, hkv, d = x["k"].shape
+    dk = ref.dk + dk_heads.reshape(b, sk, hkv, group, d).sum(axis=3)
+    return {"out": ref.out, "lse": ref.lse, "dq": dq, "dk": dk, "dv": ref.dv}
+
+
+def relative_error(name: str, got: np.ndarray, want: np.ndarray) -> float:
+    """||got - want|| / ||want|| (LSE over its finite entries; its -inf pattern must match)."""
+    got = np.asarray(got, np.float64)
+    if name == "lse":
+        if not np.array_equal(np.isneginf(got), np.isneginf(want)):
+            return float("inf")
+        keep = np.isfinite(want)
+        got, want = got[keep], want[keep]
+    if not np.isfinite(got).all():
+        return float("inf")
+    denom = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / denom) if denom > 0 else float(np.abs(got).max())
+
+
+def _jax_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, grads: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attn
+
+    q, k, v = (jnp.asarray(x[n]).astype(dtype) for n in ("q", "k", "v"))
+
+    def f(q, k, v):
+        return jax_attn.attention(q, k, v, mask, impl=impl, scale=scale, return_lse=True)
+
+    if not grads:
+        out, lse = jax.jit(f)(q, k, v)
+        res = {"out": out, "lse": lse}
+    else:
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        dlse = jnp.where(jnp.isfinite(lse), jnp.asarray(x["dlse"]), 0.0)
+        dq, dk, dv = pullback((jnp.asarray(x["dout"]).astype(out.dtype), dlse))
+        res = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    rounded = {
+        n: np.asarray(jnp.asarray(x[n]).astype(dtype).astype(jnp.float32))
+        for n in ("q", "k", "v", "dout")
+    }
+    return {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items()} | {
+        "inputs": rounded
+    }
+
+
+def _torch_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, grads: bool) -> dict:
+    import torch
+
+    import torch_attn
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.tensor(x[n], device=dev).to(tdt).requires_grad_(grads) for n in "qkv")
+    out, lse = torch_attn.attention(q, k, v, mask, impl=impl, scale=scale, return_lse=True)
+    res = {"out": out, "lse": lse}
+    if grads:
+        dlse = torch.tensor(x["dlse"], device=dev)
+        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+        dout = torch.tensor(x["dout"], device=dev).to(tdt)
+        loss = (out.float() * dout.float()).sum()
+        loss = loss + (torch.where(torch.isfinite(lse), lse.float(), 0.0) * dlse).sum()
+        loss.backward()
+        res |= {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+    rounded = {n: t.detach().float().cpu().numpy() for n, t in zip("qkv", (q, k, v))}
+    rounded["dout"] = torch.tensor(x["dout"]).to(tdt).float().numpy()
+    return {n: t.detach().float().cpu().numpy() for n, t in res.items()} | {"inputs": rounded}
+
+
+def _supports(framework: str, impl: str, mask: Mask, case: Case, grads: bool) -> bool | str:
+    if framework == "jax":
+        import jax_attn
+
+        return jax_attn.supports(
+            impl,
+            mask,
+            dtype=case.dtype,
+            head_dim=case.head_dim,
+            heads_q=case.heads_q,
+            heads_kv=case.heads_kv,
+            return_lse=True,
+            mode="fwd_bwd" if grads else "fwd",
+        )
+    import torch
+
+    import torch_attn
+
+    return torch_attn.supports(
+        impl,
+        mask,
+        dtype=getattr(torch, case.dtype),
+        head_dim=case.head_dim,
+        heads_q=case.heads_q,
+        heads_kv=case.heads_kv,
+        backward=grads,
+    )
+
+
+def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tuple[str, str]:
+    """(status, line) of one case: ok, FAIL, unsupported (with the reason) or ERROR."""
+    head = f"{framework:<5} {impl:<13} {case.label}"
+    try:
+        mask = build_mask(case)
+        grads = _supports(framework, impl, mask, case, grads=True) is True
+        verdict = True if grads else _supports(framework, impl, mask, case, grads=False)
+        if verdict is not True:
+            return "unsupported", f"{'unsupported':<11} {head}  {verdict}"
+        x = inputs(case)
+        scale = 1.0 / np.sqrt(case.head_dim)
+        run = _jax_run if framework == "jax" else _torch_run
+        got = run(impl, mask, x, case.dtype, scale, grads)
+        want = oracle_with_lse(mask, dict(x, **got.pop("inputs")), scale)
+    except Exception as err:  # a crash is a finding to report, not a reason to stop
+        return "ERROR", f"{'ERROR':<11} {head}  {type(err).__name__}: {str(err)[:300]}"
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
+    rtol = tolerance(short, on_gpu=True)
+    parts, bad = [], []
+    for name in QUANTITIES:
+        if name not in got:
+            parts.append(f"{name} -")
+            continue
+        err = relative_error(name, got[name], want[name])
+        tol = rtol * (GRAD_FACTOR if name.startswith("d") else 1.0)
+        parts.append(f"{name} {err:.1e}")
+        if not err <= tol:
+            bad.append(f"{name} {err:.2e} > {tol:.0e}")
+    if save_dir and impl == TWO_FRONT_ENDS:
+        np.savez(Path(save_dir) / f"{framework}_{case.key}.npz", **got)
+    status = "FAIL" if bad else "ok"
+    note = f"  [{'; '.join(bad)}]" if bad else ("" if grads else "  (forward only)")
+    return status, f"{status:<11} {head}  {' '.join(parts)}{note}"
+
+
+def worker(framework: str, save_dir: str | None, seqlen: int, only: tuple[str, ...]) -> int:
+    """Run one framework's cases in this process, one line each; exit 1 on any failure."""
+    counts: Counter = Counter()
+    for impl, case in cases(framework, seqlen, only):
+        status, line = run_case(framework, impl, case, save_dir)
+        counts[status] += 1
+        print(line, flush=True)
+    print(f"SUMMARY {framework} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    return 1 if counts["FAIL"] or counts["ERROR"] else 0
+
+
+def ulps_apart(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
+    """Largest |a - b| in units of the last place of `dtype` at the compared values."""
+    import ml_dtypes
+
+    eps = float(np.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).eps)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not np.array_equal(finite, np.isfinite(a)) or not np.array_equal(a[~finite], b[~finite]):
+        return float("inf")
+    a, b = a[finite].astype(np.float64), b[finite].astype(np.float64)
+    if a.size == 0:
+        return 0.0
+    ulp = eps * np.maximum(np.maximum(np.abs(a), np.abs(b)), np.finfo(np.float32).tiny)
+    return float((np.abs(a - b) / ulp).max())
+
+
+def compare_front_ends(save_dir: str) -> list[str]:
+    """One line per case both frameworks ran: bitwise equal, or the largest ulp distance."""
+    lines = []
+    for jax_file in sorted(Path(save_dir).glob("jax_*.npz")):
+        torch_file = jax_file.with_name("torch_" + jax_file.name[4:])
+        if not torch_file.exists():
+            continue
+        a, b = np.load(jax_file), np.load(torch_file)
+        dtype = jax_file.stem.split("_")[-1]
+        names = [n for n in QUANTITIES if n in a and n in b]
+        same = all(np.array_equal(a[n], b[n]) for n in names)
+        worst = max(ulps_apart(a[n], b[n], dtype) for n in names)
+        verdict = "bitwise" if same else f"max {worst:.1f} ulp"
+        status = "ok" if worst <= 1.0 else "FAIL"
+        lines.append(f"{status:<11} front ends   {jax_file.stem[4:]}  {verdict}")
+    return lines
+
+
+def _worker_env() -> dict[str, str]:
+    """Each worker process gets the whole GPU; compilation caches persist in .cache/."""
+    cache = Path(_ROOT) / ".cache"
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def main(argv: list[str]) -> int:
+    """Run the workers (or be one), then print the failures and a summary."""
+    del argv
+    if FLAGS.worker:
+        return worker(FLAGS.worker, FLAGS.save_dir, FLAGS.seqlen, tuple(FLAGS.impl))
+    unknown = sorted(set(FLAGS.framework) - set(FRAMEWORKS))
+    if unknown:
+        raise app.UsageError(f"--framework={','.join(unknown)}: valid values are jax, torch")
+    start = time.time()
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory() as save_dir:
+        for fw in [f for f in FRAMEWORKS if f in FLAGS.framework]:
+            cmd = [
+                sys.executable,
+                __file__,
+                f"--worker={fw}",
+                f"--save_dir={save_dir}",
+                f"--seqlen={FLAGS.seqlen}",
+                f"--impl={','.join(FLAGS.impl)}",
+            ]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_worker_env())
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if line.startswith(("FAIL", "ERROR")):
+                    failed.append(line.rstrip())
+            if proc.wait() != 0 and not failed:
+                failed.append(f"ERROR {fw} worker exited with status {proc.returncode}")
+        for line in compare_front_ends(save_dir):
+            print(line, flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    print(f"\n{len(failed)} failures in {time.time() - start:.0f} s")
+    for line in failed:
+        print("  " + line)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,90 @@
+"""The GPU acceptance command's parts on the CPU: its oracle, its verdicts, its front-end check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attn_masks import from_slices
+from experiments import acceptance
+from experiments.acceptance import Case
+
+
+def _dense_autograd(mask, x: dict, scale: float) -> dict[str, np.ndarray]:
+    """out, lse and gradients of <out, dout> + <lse, dlse> by torch autograd in float64."""
+    q, k, v = (torch.tensor(x[n], dtype=torch.float64, requires_grad=True) for n in "qkv")
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    s = s.masked_fill(~torch.tensor(mask.dense()), -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    dlse = torch.where(seen, torch.tensor(x["dlse"], dtype=torch.float64), 0.0)
+    loss = (out * torch.tensor(x["dout"], dtype=torch.float64)).sum()
+    (loss + (torch.where(seen, lse, 0.0) * dlse).sum()).backward()
+    res = {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {n: t.detach().numpy() for n, t in res.items()}
+
+
+def test_oracle_with_lse_matches_autograd():
+    """GQA, Sq != Sk, rows that see nothing: the oracle's five arrays equal float64 autograd."""
+    mask = from_slices([[0, 20], [30, 48]], [[5, 40], [0, 61]], [0, 1], 48, 61)
+    assert not mask.dense().any(axis=1).all(), "the case must have rows that see no key"
+    x = acceptance.inputs(Case("custom", 48, 61, 4, 2, 16, "float32"))
+    got = acceptance.oracle_with_lse(mask, x, 0.3)
+    want = _dense_autograd(mask, x, 0.3)
+    for name in acceptance.QUANTITIES:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_inputs_are_fresh_per_case_and_equal_across_calls():
+    a, b = Case("full", 32, 32, 2, 1, 16, "float32"), Case("causal", 32, 32, 2, 1, 16, "float32")
+    assert np.array_equal(acceptance.inputs(a)["q"], acceptance.inputs(a)["q"])
+    assert not np.allclose(acceptance.inputs(a)["q"], acceptance.inputs(b)["q"])
+
+
+def test_run_case_passes_a_right_impl_and_fails_a_wrong_one(monkeypatch):
+    case = Case("causal_document", 40, 40, 2, 1, 16, "float32")
+    status, line = acceptance.run_case("torch", "naive", case, None)
+    assert status == "ok", line
+    assert all(f" {n} " in line for n in ("out", "lse", "dq", "dk", "dv"))
+
+    import torch_attn
+
+    right = torch_attn.attention
+
+    def off_by_a_little(*args, **kwargs):
+        out, lse = right(*args, **kwargs)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(torch_attn, "attention", off_by_a_little)
+    status, line = acceptance.run_case("torch", "naive", case, None)
+    assert status == "FAIL" and "out 1.00e-02 > 2e-03" in line, line
+
+
+def test_run_case_reports_unsupported_with_the_reason():
+    status, line = acceptance.run_case(
+        "torch", "flash3", Case("full", 40, 40, 2, 1, 16, "float32"), None
+    )
+    assert status == "unsupported" and line.split("  ")[-1].strip()
+
+
+def _save(path, dtype, **arrays):
+    np.savez(path, **{n: a.astype(np.float32) for n, a in arrays.items()})
+
+
+@pytest.mark.parametrize("ulps, verdict", [(0, "bitwise"), (1, "max 1.0 ulp"), (4, "max 4.0 ulp")])
+def test_front_end_comparison(tmp_path, ulps, verdict):
+    """The two front ends' outputs: bitwise equal, within one ulp of the dtype (ok), or not."""
+    case = Case("full", 8, 8, 1, 1, 16, "float16")
+    out = np.linspace(1.0, 2.0, 64).astype(np.float16)
+    eps = float(np.finfo(np.float16).eps)
+    shifted = out.astype(np.float64) * (1 + ulps * eps)
+    _save(tmp_path / f"jax_{case.key}.npz", "float16", out=out)
+    _save(tmp_path / f"torch_{case.key}.npz", "float16", out=shifted)
+    (line,) = acceptance.compare_front_ends(str(tmp_path))
+    assert verdict in line
+    assert line.startswith("ok" if ulps <= 1 else "FAIL")
