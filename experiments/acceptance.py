@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections import Counter
@@ -26,7 +28,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from attn_masks import MASK_NAMES, Mask, MaskType, from_slices, make_mask  # noqa: E402
 from attn_masks import reference_attention as oracle  # noqa: E402
@@ -44,7 +46,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("framework", list(FRAMEWORKS), "Frameworks to check: jax, torch or both.")
 flags.DEFINE_integer("seqlen", SEQLEN, "Query/key length of the square cases.", lower_bound=16)
 flags.DEFINE_list("impl", [], "Only these impls (default: every impl of each framework).")
+flags.DEFINE_integer("jax_workers", 6, "JAX worker processes (cases split between them).", 1)
+flags.DEFINE_integer("torch_workers", 3, "PyTorch worker processes.", lower_bound=1)
 flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
+flags.DEFINE_integer("shard", 0, "Internal: which shard of the cases a worker runs.")
+flags.DEFINE_integer("shards", 1, "Internal: how many shards the cases are split into.")
 flags.DEFINE_string("save_dir", None, "Internal: where a worker saves the two-front-end outputs.")
 
 
@@ -98,8 +104,9 @@ def build_mask(case: Case) -> Mask:
 
 
 def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
-    """(impl, case) pairs: every impl on five masks; the own kernels on every mask, both half
-    dtypes, D 64 and 128, MHA and GQA, fp32, and random slices with Sq != Sk. only: these impls."""
+    """(impl, case) pairs: every impl on five masks (and two in the other half dtype); the own
+    kernels on every mask, both half dtypes, D 64 and 128, MHA and GQA, fp32, and random slices
+    with Sq != Sk. only: these impls."""
     from experiments import frameworks
 
     main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
@@ -110,6 +117,7 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
         if impl in own:
             continue
         out += [(impl, Case(m, **main)) for m in EVERY_IMPL_MASKS]
+        out += [(impl, Case(m, **other)) for m in ("full", "causal_document")]
     for impl in own:
         out += [(impl, Case(m, **main)) for m in (*STATIC_MASKS, "random")]
         out += [(impl, Case(m, **other)) for m in EVERY_IMPL_MASKS]
@@ -166,38 +174,42 @@ def relative_error(name: str, got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / denom) if denom > 0 else float(np.abs(got).max())
 
 
-def _jax_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, grads: bool) -> dict:
+def _jax_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, ask: tuple) -> dict:
     import jax
     import jax.numpy as jnp
 
     import jax_attn
 
+    grads, with_lse = ask
     q, k, v = (jnp.asarray(x[n]).astype(dtype) for n in ("q", "k", "v"))
 
     def f(q, k, v):
-        return jax_attn.attention(q, k, v, mask, impl=impl, scale=scale, return_lse=True)
+        got = jax_attn.attention(q, k, v, mask, impl=impl, scale=scale, return_lse=with_lse)
+        return got if with_lse else (got, None)
 
     if not grads:
         out, lse = jax.jit(f)(q, k, v)
         res = {"out": out, "lse": lse}
     else:
         (out, lse), pullback = jax.vjp(f, q, k, v)
-        dlse = jnp.where(jnp.isfinite(lse), jnp.asarray(x["dlse"]), 0.0)
-        dq, dk, dv = pullback((jnp.asarray(x["dout"]).astype(out.dtype), dlse))
+        dout = jnp.asarray(x["dout"]).astype(out.dtype)
+        dlse = None if lse is None else jnp.where(jnp.isfinite(lse), jnp.asarray(x["dlse"]), 0.0)
+        dq, dk, dv = pullback((dout, dlse))
         res = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     rounded = {
         n: np.asarray(jnp.asarray(x[n]).astype(dtype).astype(jnp.float32))
         for n in ("q", "k", "v", "dout")
     }
-    return {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items()} | {
-        "inputs": rounded
-    }
+    arrays = {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items() if a is not None}
+    return arrays | {"inputs": rounded}
 
 
-def _torch_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, grads: bool) -> dict:
+def _torch_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, ask: tuple) -> dict:
     import torch
 
     import torch_attn
+
+    grads, _ = ask  # every torch impl returns a differentiable LSE
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tdt = getattr(torch, dtype)
@@ -217,7 +229,9 @@ def _torch_run(impl: str, mask: Mask, x: dict, dtype: str, scale: float, grads: 
     return {n: t.detach().float().cpu().numpy() for n, t in res.items()} | {"inputs": rounded}
 
 
-def _supports(framework: str, impl: str, mask: Mask, case: Case, grads: bool) -> bool | str:
+def _supports(framework: str, impl: str, mask: Mask, case: Case, ask: tuple) -> bool | str:
+    """supports() of the framework for (gradients?, LSE?) on this case."""
+    grads, with_lse = ask
     if framework == "jax":
         import jax_attn
 
@@ -228,7 +242,7 @@ def _supports(framework: str, impl: str, mask: Mask, case: Case, grads: bool) ->
             head_dim=case.head_dim,
             heads_q=case.heads_q,
             heads_kv=case.heads_kv,
-            return_lse=True,
+            return_lse=with_lse,
             mode="fwd_bwd" if grads else "fwd",
         )
     import torch
@@ -246,20 +260,38 @@ def _supports(framework: str, impl: str, mask: Mask, case: Case, grads: bool) ->
     )
 
 
+ASKS = ((True, True), (True, False), (False, True), (False, False))  # (gradients, LSE)
+
+
+def most_supported(framework: str, impl: str, mask: Mask, case: Case) -> tuple[tuple, str]:
+    """The fullest (gradients, LSE) the impl supports on the case, or ((), the reason)."""
+    first = ""
+    for ask in ASKS:
+        verdict = _supports(framework, impl, mask, case, ask)
+        if verdict is True:
+            return ask, ""
+        first = first or str(verdict)
+    return (), first
+
+
 def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tuple[str, str]:
     """(status, line) of one case: ok, FAIL, unsupported (with the reason) or ERROR."""
     head = f"{framework:<5} {impl:<13} {case.label}"
     try:
         mask = build_mask(case)
-        grads = _supports(framework, impl, mask, case, grads=True) is True
-        verdict = True if grads else _supports(framework, impl, mask, case, grads=False)
-        if verdict is not True:
-            return "unsupported", f"{'unsupported':<11} {head}  {verdict}"
+        ask, why = most_supported(framework, impl, mask, case)
+        if not ask:
+            return "unsupported", f"{'unsupported':<11} {head}  {why}"
         x = inputs(case)
         scale = 1.0 / np.sqrt(case.head_dim)
         run = _jax_run if framework == "jax" else _torch_run
-        got = run(impl, mask, x, case.dtype, scale, grads)
-        want = oracle_with_lse(mask, dict(x, **got.pop("inputs")), scale)
+        t0 = time.monotonic()
+        got = run(impl, mask, x, case.dtype, scale, ask)
+        took = time.monotonic() - t0
+        rounded = got.pop("inputs")
+        if "lse" not in got:
+            rounded["dlse"] = np.zeros_like(x["dlse"])
+        want = oracle_with_lse(mask, dict(x, **rounded), scale)
     except Exception as err:  # a crash is a finding to report, not a reason to stop
         return "ERROR", f"{'ERROR':<11} {head}  {type(err).__name__}: {str(err)[:300]}"
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
@@ -277,14 +309,22 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tup
     if save_dir and impl == TWO_FRONT_ENDS:
         np.savez(Path(save_dir) / f"{framework}_{case.key}.npz", **got)
     status = "FAIL" if bad else "ok"
-    note = f"  [{'; '.join(bad)}]" if bad else ("" if grads else "  (forward only)")
-    return status, f"{status:<11} {head}  {' '.join(parts)}{note}"
+    note = f"  [{'; '.join(bad)}]" if bad else ("" if ask[0] else "  (forward only)")
+    return status, f"{status:<11} {head}  {' '.join(parts)}  {took:.1f}s{note}"
 
 
-def worker(framework: str, save_dir: str | None, seqlen: int, only: tuple[str, ...]) -> int:
-    """Run one framework's cases in this process, one line each; exit 1 on any failure."""
+def worker(
+    framework: str,
+    save_dir: str | None,
+    seqlen: int,
+    only: tuple[str, ...],
+    shard: int = 0,
+    shards: int = 1,
+) -> int:
+    """Run shard `shard` of `shards` of one framework's cases here, one line each; exit 1 on
+    any failure."""
     counts: Counter = Counter()
-    for impl, case in cases(framework, seqlen, only):
+    for impl, case in cases(framework, seqlen, only)[shard::shards]:
         status, line = run_case(framework, impl, case, save_dir)
         counts[status] += 1
         print(line, flush=True)
@@ -336,33 +376,70 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+def _workers(fw: str) -> int:
+    return FLAGS.jax_workers if fw == "jax" else FLAGS.torch_workers
+
+
+def _launch(fw: str, shard: int, save_dir: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        __file__,
+        f"--worker={fw}",
+        f"--shard={shard}",
+        f"--shards={_workers(fw)}",
+        f"--save_dir={save_dir}",
+        f"--seqlen={FLAGS.seqlen}",
+        f"--impl={','.join(FLAGS.impl)}",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_worker_env())
+
+
+def _pump(name: str, proc: subprocess.Popen, lines: queue.Queue) -> None:
+    """Forward a worker's lines, then (name, exit status) when it ends."""
+    for line in proc.stdout:
+        lines.put(line.rstrip("\n"))
+    lines.put((name, proc.wait()))
+
+
+def run_workers(save_dir: str) -> list[str]:
+    """Every shard of every requested framework at once (the GPU is shared; compilation, which
+    dominates such small problems, runs in parallel); their lines as they come; the failures."""
+    lines: queue.Queue = queue.Queue()
+    running = 0
+    for fw in [f for f in FRAMEWORKS if f in FLAGS.framework]:
+        for shard in range(_workers(fw)):
+            proc = _launch(fw, shard, save_dir)
+            threading.Thread(target=_pump, args=(f"{fw}/{shard}", proc, lines)).start()
+            running += 1
+    failed: list[str] = []
+    while running:
+        item = lines.get()
+        if isinstance(item, tuple):
+            running -= 1
+            name, code = item
+            if code not in (0, 1):
+                failed.append(f"ERROR worker {name} exited with status {code}")
+            continue
+        if not item.startswith("SUMMARY"):
+            print(item, flush=True)
+        if item.startswith(("FAIL", "ERROR")):
+            failed.append(item)
+    return failed
+
+
 def main(argv: list[str]) -> int:
     """Run the workers (or be one), then print the failures and a summary."""
     del argv
+    logging.set_verbosity(logging.WARNING)
     if FLAGS.worker:
-        return worker(FLAGS.worker, FLAGS.save_dir, FLAGS.seqlen, tuple(FLAGS.impl))
+        only = tuple(FLAGS.impl)
+        return worker(FLAGS.worker, FLAGS.save_dir, FLAGS.seqlen, only, FLAGS.shard, FLAGS.shards)
     unknown = sorted(set(FLAGS.framework) - set(FRAMEWORKS))
     if unknown:
         raise app.UsageError(f"--framework={','.join(unknown)}: valid values are jax, torch")
     start = time.time()
-    failed: list[str] = []
     with tempfile.TemporaryDirectory() as save_dir:
-        for fw in [f for f in FRAMEWORKS if f in FLAGS.framework]:
-            cmd = [
-                sys.executable,
-                __file__,
-                f"--worker={fw}",
-                f"--save_dir={save_dir}",
-                f"--seqlen={FLAGS.seqlen}",
-                f"--impl={','.join(FLAGS.impl)}",
-            ]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_worker_env())
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                if line.startswith(("FAIL", "ERROR")):
-                    failed.append(line.rstrip())
-            if proc.wait() != 0 and not failed:
-                failed.append(f"ERROR {fw} worker exited with status {proc.returncode}")
+        failed = run_workers(save_dir)
         for line in compare_front_ends(save_dir):
             print(line, flush=True)
             if line.startswith("FAIL"):
