@@ -366,13 +366,15 @@ def compare_front_ends(save_dir: str) -> list[str]:
 
 
 def _worker_env() -> dict[str, str]:
-    """Each worker process gets the whole GPU; compilation caches persist in .cache/."""
+    """Workers allocate GPU memory as they need it (they run side by side); compilation caches
+    persist in .cache/, so a second run on the same machine compiles nothing."""
     cache = Path(_ROOT) / ".cache"
     env = dict(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the workers share one GPU
     return env
 
 
