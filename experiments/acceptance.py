@@ -336,7 +336,7 @@ def ulps_apart(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
     """Largest |a - b| in units of the last place of `dtype` at the compared values."""
     import ml_dtypes
 
-    eps = float(np.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).eps)
+    eps = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).eps)
     finite = np.isfinite(a) & np.isfinite(b)
     if not np.array_equal(finite, np.isfinite(a)) or not np.array_equal(a[~finite], b[~finite]):
         return float("inf")

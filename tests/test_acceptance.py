@@ -76,15 +76,19 @@ def _save(path, dtype, **arrays):
     np.savez(path, **{n: a.astype(np.float32) for n, a in arrays.items()})
 
 
-@pytest.mark.parametrize("ulps, verdict", [(0, "bitwise"), (1, "max 1.0 ulp"), (4, "max 4.0 ulp")])
-def test_front_end_comparison(tmp_path, ulps, verdict):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("ulps, verdict", [(0, "bitwise"), (1, "max 1.0 ulp"), (4, " ulp")])
+def test_front_end_comparison(tmp_path, ulps, verdict, dtype):
     """The two front ends' outputs: bitwise equal, within one ulp of the dtype (ok), or not."""
-    case = Case("full", 8, 8, 1, 1, 16, "float16")
-    out = np.linspace(1.0, 2.0, 64).astype(np.float16)
-    eps = float(np.finfo(np.float16).eps)
+    import ml_dtypes
+
+    case = Case("full", 8, 8, 1, 1, 16, dtype)
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    out = np.linspace(1.0, 1.5, 64).astype(kind).astype(np.float32)
+    eps = float(ml_dtypes.finfo(kind).eps)
     shifted = out.astype(np.float64) * (1 + ulps * eps)
-    _save(tmp_path / f"jax_{case.key}.npz", "float16", out=out)
-    _save(tmp_path / f"torch_{case.key}.npz", "float16", out=shifted)
+    _save(tmp_path / f"jax_{case.key}.npz", dtype, out=out)
+    _save(tmp_path / f"torch_{case.key}.npz", dtype, out=shifted)
     (line,) = acceptance.compare_front_ends(str(tmp_path))
     assert verdict in line
     assert line.startswith("ok" if ulps <= 1 else "FAIL")
