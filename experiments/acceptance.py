@@ -264,14 +264,15 @@ ASKS = ((True, True), (True, False), (False, True), (False, False))  # (gradient
 
 
 def most_supported(framework: str, impl: str, mask: Mask, case: Case) -> tuple[tuple, str]:
-    """The fullest (gradients, LSE) the impl supports on the case, or ((), the reason)."""
-    first = ""
+    """The fullest (gradients, LSE) the impl supports on the case, or ((), why it cannot even
+    run the plain forward)."""
+    why = ""
     for ask in ASKS:
         verdict = _supports(framework, impl, mask, case, ask)
         if verdict is True:
             return ask, ""
-        first = first or str(verdict)
-    return (), first
+        why = str(verdict)
+    return (), why
 
 
 def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tuple[str, str]:
