@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,6 +284,18 @@ def _record_unavailable(
     sweep.run_points(points, runner_for, store=store, progress=progress, provenance=prov)
 
 
+def check_out_dir(out_dir: str) -> None:
+    """Create the output folder and try a write in it; a UsageError names it if either fails."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise app.UsageError(
+            f"--out_dir={out_dir!r}: cannot create or write this folder ({e.strerror or e})"
+        ) from None
+
+
 def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:
     """Run (or resume) a sweep and write its report; returns the process exit code."""
     _check_launch(settings)
@@ -305,6 +318,8 @@ def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) ->
         for p in run_plan.points:
             say(p.key)
         return 0
+    if writer:
+        check_out_dir(settings.out_dir)
     store = ResultsStore(settings.out_dir)
     todo = _todo(run_plan.points, store, settings.retry_errors)
     total = len(run_plan.points)

@@ -46,23 +46,33 @@ workload_flags.define_flags()
 flags.adopt_module_key_flags(workload_flags)
 
 
+def _usage_error(error: app.UsageError) -> int:
+    """Report a flag value the driver rejected as absl reports the ones its validators reject."""
+    print(f"FATAL Flags parsing error: {error}", file=sys.stderr)
+    print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr, flush=True)
+    return error.exitcode
+
+
 def main(argv: list[str]) -> int:
-    """absl entry point: run or resume the sweep the flags describe."""
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
-    if not run_flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    if run_flags.FLAGS.parity_bundle:
-        from experiments.workloads import parity
+    """absl entry point: run or resume the sweep (or workload) the flags describe."""
+    try:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
+        if not run_flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)
+        if run_flags.FLAGS.parity_bundle:
+            from experiments.workloads import parity
 
-        return parity.run_from_flags(run_flags.FLAGS)
-    if run_flags.FLAGS.workload == "train_step":
-        from experiments.workloads import train_step
+            return parity.run_from_flags(run_flags.FLAGS)
+        if run_flags.FLAGS.workload == "train_step":
+            from experiments.workloads import train_step
 
-        return train_step.run_from_flags(run_flags.FLAGS)
-    return driver.execute(
-        run_flags.settings(), run_flags.requested_cps(), run_flags.grid_overrides()
-    )
+            return train_step.run_from_flags(run_flags.FLAGS)
+        return driver.execute(
+            run_flags.settings(), run_flags.requested_cps(), run_flags.grid_overrides()
+        )
+    except app.UsageError as e:
+        return _usage_error(e)
 
 
 def run_cli(args: list[str]) -> int:

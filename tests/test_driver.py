@@ -295,12 +295,30 @@ def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
     ],
 )
 def test_bad_flag_values_fail_clearly(flag, expected, tmp_path):
+    """One 'FATAL Flags parsing error' line (and absl's hint), never the flags' help."""
     res = _subprocess([*flag.split(), f"--out_dir={tmp_path}"], timeout=120)
     assert res.returncode != 0
-    assert expected in res.stderr, res.stderr[-2000:]
+    fatal, hint = res.stderr.strip().splitlines()
+    assert fatal.startswith("FATAL Flags parsing error: ") and expected in fatal, res.stderr[-2000:]
+    assert hint == "Pass --helpshort or --helpfull to see help on flags."
     if "unknown mask" in expected:
         assert "causal_document_long" in res.stderr
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
+    """An output folder that cannot be created is one line naming it, before any point runs."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out_dir = blocker / "results"
+    args = ["--framework=jax", "--impl=reference", "--mask=causal", "--mode=fwd", *TINY]
+    assert _run_in_process([*args, f"--out_dir={out_dir}"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == (
+        f"FATAL Flags parsing error: --out_dir={str(out_dir)!r}: cannot create or write this "
+        "folder (Not a directory)"
+    ), err
+    assert "to run." not in out and not out_dir.exists()
 
 
 def test_paper_preset_is_the_published_grid():
