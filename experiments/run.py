@@ -3,8 +3,8 @@
     python experiments/run.py --framework=jax --cp=ring        # CPU: embedded small default
     python experiments/run.py --framework=both --preset=paper   # the published sweeps
 
-Results go to <out_dir>/results.jsonl (one record per point, resumable), plus CSV, plots and
-report.md. See experiments/flags.py for every flag.
+Results go to <out_dir>/results.jsonl (one record per point; a rerun, also after Ctrl-C, resumes),
+plus CSV, plots and report.md. See experiments/flags.py for every flag.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from experiments import driver  # noqa: E402
 from experiments import flags as run_flags  # noqa: E402
+from experiments.results import ResultsStore  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
 run_flags.define_flags()
@@ -46,11 +47,36 @@ workload_flags.define_flags()
 flags.adopt_module_key_flags(workload_flags)
 
 
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as shells report a Ctrl-C
+
+
 def _usage_error(error: app.UsageError) -> int:
     """Report a flag value the driver rejected as absl reports the ones its validators reject."""
     print(f"FATAL Flags parsing error: {error}", file=sys.stderr)
     print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr, flush=True)
     return error.exitcode
+
+
+def _interrupted(out_dir: str) -> int:
+    """One line on an interrupted sweep: what is recorded, and that rerunning resumes."""
+    store = ResultsStore(out_dir)
+    recorded = len(store.done_keys())
+    print(
+        f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in {store.path}; "
+        "rerun the same command to resume.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return INTERRUPTED_EXIT_CODE
+
+
+def _sweep() -> int:
+    """Run or resume the sweep the flags describe; Ctrl-C ends it with one line."""
+    settings = run_flags.settings()
+    try:
+        return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
+    except KeyboardInterrupt:
+        return _interrupted(settings.out_dir)
 
 
 def main(argv: list[str]) -> int:
@@ -68,9 +94,7 @@ def main(argv: list[str]) -> int:
             from experiments.workloads import train_step
 
             return train_step.run_from_flags(run_flags.FLAGS)
-        return driver.execute(
-            run_flags.settings(), run_flags.requested_cps(), run_flags.grid_overrides()
-        )
+        return _sweep()
     except app.UsageError as e:
         return _usage_error(e)
 

@@ -321,6 +321,82 @@ def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
     assert "to run." not in out and not out_dir.exists()
 
 
+def _interrupt_on_call(monkeypatch, n: int) -> None:
+    """Make the n-th JAX point raise KeyboardInterrupt, as a Ctrl-C during it would."""
+    from experiments.jax_runner import JaxRunner
+
+    real, calls = JaxRunner.run, []
+
+    def run(self, point):
+        calls.append(point.key)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(self, point)
+
+    monkeypatch.setattr(JaxRunner, "run", run)
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, capsys, monkeypatch):
+    args = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=full,causal,causal_document",
+        "--mode=fwd",
+        f"--out_dir={tmp_path}",
+        *TINY,
+    ]
+    _interrupt_on_call(monkeypatch, 2)
+    assert _run_in_process(args) == 130
+    assert len(_records(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"Interrupted: 1 point recorded in {tmp_path / 'results.jsonl'}; "
+        "rerun the same command to resume.\n"
+    )
+    monkeypatch.undo()
+    assert _run_in_process(args) == 0
+    assert "3 points, 1 already in" in capsys.readouterr().out
+    assert len({r["key"] for r in _records(tmp_path)}) == len(_records(tmp_path)) == 3
+
+
+def test_sigint_exits_130_with_one_line(tmp_path):
+    """A real SIGINT mid-sweep: exit code 130, one line on stderr, no traceback."""
+    args = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=full,causal",
+        "--seqlen=32,48,64,80",
+        "--mode=fwd",
+        f"--out_dir={tmp_path}",
+        *TINY[1:],
+    ]
+    # Python's own SIGINT handler even where this process inherited SIGINT ignored.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", start, RUN, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not _records(tmp_path):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    recorded = len(_records(tmp_path))
+    assert 1 <= recorded < 8, "the sweep should have been interrupted mid-way"
+    assert proc.returncode == 130, err[-3000:]
+    assert err.splitlines() == [
+        f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in "
+        f"{tmp_path / 'results.jsonl'}; rerun the same command to resume."
+    ]
+
+
 def test_paper_preset_is_the_published_grid():
     p = presets.get_preset("paper", on_gpu=True)
     (kernel,), (cp,) = p.kernel, p.cp
