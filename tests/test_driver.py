@@ -15,7 +15,7 @@ import pytest
 
 from experiments import checks, inputs, outcomes, presets, report
 from experiments.flags import parse_seqlen
-from experiments.points import expand
+from experiments.points import CP_STRATEGIES, expand
 from experiments.results import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -424,6 +424,31 @@ def test_paper_preset_is_the_published_grid():
     assert balanced.masks == presets.STATIC_MASKS and balanced.layouts == ("balanced",)
     assert presets.select_grids(p, ("none",)) == [kernel]
     assert presets.select_grids(p, ("ring",))[0].cps == ("ring",)
+
+
+def test_cpu_default_sizes_run_every_cp_strategy():
+    """Every CP strategy plans the CPU default's shapes on 8 JAX devices and 4 torch ranks."""
+    import shard_strategies
+    from attn_masks import make_mask
+    from experiments.cp_launch import CPU_TORCH_RANKS
+    from experiments.run import VIRTUAL_CPU_DEVICES
+
+    (grid,) = presets.get_preset("smoke", on_gpu=False).cp
+    ((hq, hkv),) = grid.heads
+    for world in (VIRTUAL_CPU_DEVICES, CPU_TORCH_RANKS):
+        for name in grid.masks:
+            mask = make_mask(name, grid.seqlens[0] * world, window=grid.window)
+            for strategy in CP_STRATEGIES:
+                plan = shard_strategies.make_plan(
+                    mask,
+                    world,
+                    strategy,
+                    grid.layouts[0],
+                    num_heads_q=hq,
+                    num_heads_kv=hkv,
+                    head_dim=grid.head_dim,
+                )
+                assert plan.world_size == world
 
 
 def _fake_record(impl: str, seqlen: int, status: str, framework: str = "jax") -> dict:
