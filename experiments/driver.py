@@ -61,7 +61,7 @@ def _supported_anywhere(framework: str, impl: str, points: list[Point]) -> bool:
     """Whether an impl supports at least one point (first mask) of a grid."""
     cache: dict = {}
     for p in points:
-        key = (p.mask, p.total_seqlen)
+        key = (p.mask, p.seqlen_total)
         try:
             if key not in cache:
                 cache[key] = frameworks.make_masks(dataclasses.replace(p, num_masks=1))[0]

@@ -162,7 +162,8 @@ def test_jax_cp_in_process_and_resume(tmp_path, capsys):
         assert r["masks"][0]["comm"]["fwd_bytes"] > 0
         assert r["status"] == "ok", r["reason"]
         p, m = r["point"], r["metrics"]
-        assert p["num_devices"] == 4 and p["total_seqlen"] == 64 and p["scaling"] == "weak"
+        assert p["num_devices"] == 4 and p["scaling"] == "weak"
+        assert (p["seqlen_total"], p["seqlen_per_device"]) == (64, 16)
         flops = r["masks"][0]["flops"]
         assert m["tflops"]["median"] == pytest.approx(
             flops / 4 / (m["time_ms"]["median"] * 1e-3) / 1e12
@@ -212,7 +213,7 @@ def test_torch_cp_subprocess_gloo(tmp_path):
     assert len(recs) == 2
     for r in recs:
         assert r["status"] == "ok", r["reason"]
-        assert r["point"]["num_devices"] == 2 and r["point"]["total_seqlen"] == 64
+        assert r["point"]["num_devices"] == 2 and r["point"]["seqlen_total"] == 64
         assert len(r["masks"][0]["rank_median_ms"]) == 2
         assert r["metrics"]["time_ms"]["median"] >= max(r["masks"][0]["rank_median_ms"]) * 0.999
 
@@ -417,7 +418,8 @@ def test_paper_preset_is_the_published_grid():
     assert len(kpts) == 9 * 2 * 12 * 2 * 2
     cpts = expand(cp, "torch", ("default",), num_devices=8, **kw)
     assert len(cpts) == 5 * 4 * 3
-    assert {p.total_seqlen for p in cpts} == {65536} and {p.num_masks for p in cpts} == {30}
+    assert {(p.seqlen_total, p.seqlen_per_device) for p in cpts} == {(65536, 8192)}
+    assert {p.num_masks for p in cpts} == {30}
     full = presets.get_preset("full", on_gpu=True)
     assert not any(g.reference_compat for g in (*full.kernel, *full.cp))
     balanced = full.cp[1]
@@ -531,6 +533,36 @@ def test_report_marks_failed_points_and_runs_standalone(tmp_path):
     assert (tmp_path / "cli" / "all_plots.png").exists()
 
 
+def test_csv_and_report_name_total_and_per_device_seqlen(tmp_path):
+    """CP rows say seqlen_total and seqlen_per_device, also for records that predate them."""
+    from experiments.sweep import make_record
+
+    (grid,) = presets.get_preset("smoke", on_gpu=False).cp
+    grid = grid.replace(masks=("causal", "full"), modes=("fwd",), seqlens=(16,))
+    kw = dict(seed=42, ulysses_size=None, ulysses_intra_node=True)
+    points = expand(grid, "jax", ("default",), num_devices=4, **kw)
+    metrics = {
+        "tflops": {"median": 2.0, "p20": 2.5, "p80": 1.5},
+        "time_ms": {"median": 1.0, "p20": 0.8, "p80": 1.2},
+    }
+    new, old = (make_record(p, "ok", result={"metrics": metrics}) for p in points)
+    assert (new["point"]["seqlen_total"], new["point"]["seqlen_per_device"]) == (64, 16)
+    for field in ("seqlen_total", "seqlen_per_device"):
+        del old["point"][field]
+    old["point"].update(seqlen=16, total_seqlen=64)  # how records were written before
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (new, old)))
+    paths = report.write_report(results, tmp_path)
+    header, *rows = paths["csv"].read_text().splitlines()
+    columns = header.split(",")
+    assert "seqlen" not in columns and "total_seqlen" not in columns
+    at = columns.index("seqlen_total"), columns.index("seqlen_per_device")
+    assert [[row.split(",")[i] for i in at] for row in rows] == [["64", "16"], ["64", "16"]]
+    md = paths["markdown"].read_text()
+    assert "| mask | seqlen_total | seqlen_per_device | jax/ring/zigzag |" in md
+    assert "| causal | 64 | 16 | 2 |" in md and "| full | 64 | 16 | 2 |" in md
+
+
 def test_row_check_matches_full_reference():
     """The large-size row check is exact: equal to the full float64 reference on those rows."""
     from attn_masks import make_mask, reference_attention
@@ -593,7 +625,8 @@ def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024
         "cp": "none",
         "layout": None,
         "mask": "causal",
-        "total_seqlen": seqlen,
+        "seqlen_total": seqlen,
+        "seqlen_per_device": seqlen,
         "mode": "fwd",
         "batch": 1,
         "heads_q": 4,
@@ -618,12 +651,12 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
         _flat("jax", "cudnn", 120.0),
         _flat("torch", "sdpa_cudnn", 100.0),
     ]
-    by_len = {r["seqlen"]: r for r in same_kernel(rows)}
+    by_len = {r["seqlen_total"]: r for r in same_kernel(rows)}
     assert sorted(by_len) == [1024, 2048, 4096]  # 8192 ran in one framework only
     assert by_len[1024]["jax_vs_torch"] == f"{100 / 95 - 1:+.1%} (over 3%: profile)"
     assert by_len[2048]["jax_vs_torch"] == f"{100 / 99 - 1:+.1%}"
     assert (by_len[4096]["jax"], by_len[4096]["jax_vs_torch"]) == ("OOM", "-")
-    cross = {r["seqlen"]: r for r in cross_framework(rows)}
+    cross = {r["seqlen_total"]: r for r in cross_framework(rows)}
     assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
     assert cross[2048]["cudnn_jax_over_torch"] == "-"
