@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ def _supported_anywhere(framework: str, impl: str, points: list[Point]) -> bool:
     """Whether an impl supports at least one point (first mask) of a grid."""
     cache: dict = {}
     for p in points:
-        key = (p.mask, p.total_seqlen)
+        key = (p.mask, p.seqlen_total)
         try:
             if key not in cache:
                 cache[key] = frameworks.make_masks(dataclasses.replace(p, num_masks=1))[0]
@@ -297,6 +298,7 @@ def runs_in_workers(settings: Settings) -> bool:
 def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) -> int:
     """Run each framework's points in a worker process of its own, then the joint report."""
     _check_launch(settings)
+    check_out_dir(settings.out_dir)
     impls = overrides.get("impls")
     if impls is not None:
         _check_impl_names(settings, impls)
@@ -306,6 +308,18 @@ def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) ->
     if code != workers.INTERRUPTED and settings.report and results.exists():
         _write_report(results, settings.out_dir)
     return code
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Create the output folder and try a write in it; a UsageError names it if either fails."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise app.UsageError(
+            f"--out_dir={out_dir!r}: cannot create or write this folder ({e.strerror or e})"
+        ) from None
 
 
 def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:
@@ -330,6 +344,8 @@ def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) ->
         for p in run_plan.points:
             say(p.key)
         return 0
+    if writer:
+        check_out_dir(settings.out_dir)
     store = ResultsStore(settings.out_dir)
     todo = _todo(run_plan.points, store, settings.retry_errors)
     total = len(run_plan.points)

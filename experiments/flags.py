@@ -96,8 +96,8 @@ def define_flags() -> None:
     flags.DEFINE_list(
         "seqlen",
         None,
-        "Sequence lengths, K/M suffix accepted (8K = 8192). For CP: "
-        "tokens per device with --cp_scaling=weak, total with strong.",
+        "Sequence lengths, K/M suffix accepted (8K = 8192). Under CP: tokens per device "
+        "(--cp_scaling=weak, the default), or the total with --cp_scaling=strong.",
     )
     flags.DEFINE_enum("cp_scaling", None, list(points.SCALINGS), "CP scaling (default weak).")
     flags.DEFINE_integer("batch", None, "Batch size.", lower_bound=1)

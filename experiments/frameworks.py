@@ -118,7 +118,7 @@ def make_masks(point: Point) -> list:
     try:
         return draw_masks(
             point.mask,
-            point.total_seqlen,
+            point.seqlen_total,
             point.num_masks,
             seed=point.seed,
             window=point.window,

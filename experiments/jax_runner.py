@@ -65,7 +65,7 @@ class JaxRunner:
 
         dtype = frameworks.framework_dtype("jax", point.dtype)
         sizes = inputs.shapes(
-            point.batch, point.total_seqlen, point.heads_q, point.heads_kv, point.head_dim
+            point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )
         key = (tuple(sizes.items()), str(dtype), point.seed, index, id(mesh))
         if key in self._input_cache:

@@ -62,9 +62,9 @@ class Point:
     ulysses_size: int | None
     ulysses_intra_node: bool | None
     mask: str
-    seqlen: int
+    seqlen_total: int  # tokens of the whole sequence
+    seqlen_per_device: int  # tokens each CP device holds (seqlen_total / num_devices, rounded up)
     scaling: str
-    total_seqlen: int
     num_devices: int
     batch: int
     heads_q: int
@@ -102,7 +102,7 @@ class Point:
                 self.impl,
                 cp,
                 self.mask,
-                f"S{self.total_seqlen}",
+                f"S{self.seqlen_total}",
                 f"b{self.batch}h{self.heads_q}:{self.heads_kv}d{self.head_dim}",
                 self.dtype,
                 self.mode,
@@ -113,9 +113,12 @@ class Point:
 
     def label(self) -> str:
         """Short human-readable description for progress lines."""
-        where = "" if not self.is_cp else f" {self.cp}/{self.layout} x{self.num_devices}"
+        where, per_device = "", ""
+        if self.is_cp:
+            where = f" {self.cp}/{self.layout} x{self.num_devices}"
+            per_device = f" ({self.seqlen_per_device}/device)"
         return (
-            f"{self.framework}/{self.impl}{where} {self.mask} S={self.total_seqlen} "
+            f"{self.framework}/{self.impl}{where} {self.mask} S={self.seqlen_total}{per_device} "
             f"h{self.heads_q}:{self.heads_kv} {self.dtype} {self.mode}"
         )
 
@@ -125,7 +128,8 @@ class Point:
 
 
 def total_seqlen(seqlen: int, scaling: str, num_devices: int, cp: str) -> int:
-    """Global tokens: per-device seqlen times devices under weak CP scaling, else as given."""
+    """Global tokens of a --seqlen value: per device times devices under weak CP scaling, else
+    the value itself."""
     return seqlen * num_devices if cp != "none" and scaling == "weak" else seqlen
 
 
@@ -148,6 +152,7 @@ def expand(
     for mode, mask, (hq, hkv), cp, layout, impl, seqlen in axes:
         is_cp = cp != "none"
         n = num_devices if is_cp else 1
+        total = total_seqlen(seqlen, grid.scaling, n, cp)
         points.append(
             Point(
                 workload=workload,
@@ -158,9 +163,9 @@ def expand(
                 ulysses_size=ulysses_size if cp in HYBRID_STRATEGIES else None,
                 ulysses_intra_node=ulysses_intra_node if cp in HYBRID_STRATEGIES else None,
                 mask=mask,
-                seqlen=seqlen,
+                seqlen_total=total,
+                seqlen_per_device=-(-total // n),
                 scaling=grid.scaling if is_cp else "none",
-                total_seqlen=total_seqlen(seqlen, grid.scaling, n, cp),
                 num_devices=n,
                 batch=grid.batch,
                 heads_q=hq,

@@ -24,8 +24,8 @@ POINT_FIELDS = (
     "layout",
     "ulysses_size",
     "mask",
-    "seqlen",
-    "total_seqlen",
+    "seqlen_total",
+    "seqlen_per_device",
     "num_devices",
     "scaling",
     "batch",
@@ -63,16 +63,27 @@ COLUMNS = (
     "elapsed_s",
     "timestamp",
 )
+SEQLEN_COLUMNS = ("seqlen_total", "seqlen_per_device")
 STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
 CUDNN_CONTROL = {"jax": ("cudnn",), "torch": ("sdpa_cudnn", "cudnn")}
 SHARED_KERNEL_IMPLS = ("triton",)
 SAME_KERNEL_TOLERANCE = 0.03
 
 
+def point_seqlens(point: dict) -> tuple[int, int]:
+    """(seqlen_total, seqlen_per_device) of a record's point; older records have only
+    total_seqlen (beside a `seqlen` that was per device under weak CP scaling, else total)."""
+    if "seqlen_total" in point:
+        return point["seqlen_total"], point["seqlen_per_device"]
+    total = point["total_seqlen"]
+    return total, -(-total // (point.get("num_devices") or 1))
+
+
 def flat_row(rec: dict) -> dict:
     """One CSV row from a record (metrics empty unless status is ok)."""
     p = rec["point"]
     row = {"key": rec["key"], "status": rec["status"], **{f: p.get(f) for f in POINT_FIELDS}}
+    row["seqlen_total"], row["seqlen_per_device"] = point_seqlens(p)
     m = rec.get("metrics") or {}
     if m:
         row.update(
@@ -141,7 +152,7 @@ def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         plot_rows = [
             {
                 "series": series_name(r),
-                "seqlen": r["total_seqlen"],
+                "seqlen": r["seqlen_total"],
                 "status": r["status"],
                 "tflops": r["tflops"],
                 "tflops_at_p20_time": r["tflops_at_p20_time"],
@@ -166,7 +177,7 @@ def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], st
     smallest: dict[tuple, int] = {}
     for r in rows:
         k = (r["mask"], r["window"], bool(r["reference_compat"]), r["seed"])
-        smallest[k] = min(smallest.get(k, r["total_seqlen"]), r["total_seqlen"])
+        smallest[k] = min(smallest.get(k, r["seqlen_total"]), r["seqlen_total"])
     paths, notes = [], []
     (out_dir / "masks").mkdir(parents=True, exist_ok=True)
     for (mask, window, compat, seed), s in sorted(smallest.items()):
@@ -180,11 +191,13 @@ def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], st
 
 
 def _point_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows of both frameworks grouped by (cp, mask, length, mode, config)."""
+    """Rows of both frameworks grouped by (cp, mask, total and per-device length, mode,
+    config)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
-        groups[(cp, r["mask"], r["total_seqlen"], r["mode"], _config(r))].append(r)
+        key = (cp, r["mask"], r["seqlen_total"], r["seqlen_per_device"], r["mode"], _config(r))
+        groups[key].append(r)
     return {k: v for k, v in groups.items() if {r["framework"] for r in v} == {"jax", "torch"}}
 
 
@@ -196,8 +209,15 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 def cross_framework(rows: list[dict]) -> list[dict]:
     """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
     out = []
-    for (cp, mask, seqlen, mode, cfg), members in sorted(_point_groups(rows).items()):
-        row = {"cp": cp, "mask": mask, "seqlen": seqlen, "mode": mode, "config": cfg}
+    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
+        row = {
+            "cp": cp,
+            "mask": mask,
+            "seqlen_total": total,
+            "seqlen_per_device": per_device,
+            "mode": mode,
+            "config": cfg,
+        }
         best, control = {}, {}
         for fw in ("jax", "torch"):
             ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
@@ -220,7 +240,7 @@ def same_kernel(rows: list[dict]) -> list[dict]:
     (dispatch, layout copies, synchronisation) and is flagged for a profile.
     """
     out = []
-    for (cp, mask, seqlen, mode, cfg), members in sorted(_point_groups(rows).items()):
+    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
         for impl in SHARED_KERNEL_IMPLS:
             pair = {r["framework"]: r for r in members if r["impl"] == impl}
             if set(pair) != {"jax", "torch"}:
@@ -235,7 +255,8 @@ def same_kernel(rows: list[dict]) -> list[dict]:
                 {
                     "cp": cp,
                     "mask": mask,
-                    "seqlen": seqlen,
+                    "seqlen_total": total,
+                    "seqlen_per_device": per_device,
                     "mode": mode,
                     "config": cfg,
                     "impl": impl,
@@ -290,7 +311,8 @@ def write_markdown(
         "",
         "Cells: median TFLOP/s per device (CP: global FLOPs / devices / slowest rank's "
         "time); OOM, unsup. (unsupported), WRONG (failed the float64 check) and error "
-        "points carry no number.",
+        "points carry no number. seqlen_total: tokens of the whole sequence; "
+        "seqlen_per_device: tokens each device holds (the same without CP).",
         "",
     ]
     tables: dict[tuple, list[dict]] = defaultdict(list)
@@ -300,12 +322,11 @@ def write_markdown(
         series = sorted({series_name(r) for r in members})
         cells: dict[tuple, dict[str, str]] = defaultdict(dict)
         for r in members:
-            cells[(r["mask"], r["total_seqlen"])][series_name(r)] = _cell(r)
-        body = [
-            [mask, s, *(c.get(n, "") for n in series)] for (mask, s), c in sorted(cells.items())
-        ]
+            length = (r["seqlen_total"], r["seqlen_per_device"])
+            cells[(r["mask"], *length)][series_name(r)] = _cell(r)
+        body = [[*k, *(c.get(n, "") for n in series)] for k, c in sorted(cells.items())]
         lines += [f"## {kind} {mode}: {cfg}", ""]
-        lines += md_table(["mask", "seqlen", *series], body) + [""]
+        lines += md_table(["mask", *SEQLEN_COLUMNS, *series], body) + [""]
     if cross:
         lines += [
             "## JAX vs PyTorch",
@@ -316,7 +337,7 @@ def write_markdown(
         keys = [
             "cp",
             "mask",
-            "seqlen",
+            *SEQLEN_COLUMNS,
             "mode",
             "config",
             "best_jax",

@@ -3,8 +3,8 @@
     python experiments/run.py --framework=jax --cp=ring        # CPU: embedded small default
     python experiments/run.py --framework=both --preset=paper   # the published sweeps
 
-Results go to <out_dir>/results.jsonl (one record per point, resumable), plus CSV, plots and
-report.md. See experiments/flags.py for every flag.
+Results go to <out_dir>/results.jsonl (one record per point; a rerun, also after Ctrl-C, resumes),
+plus CSV, plots and report.md. See experiments/flags.py for every flag.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from experiments import driver, workers  # noqa: E402
 from experiments import flags as run_flags  # noqa: E402
+from experiments.results import ResultsStore  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
 run_flags.define_flags()
@@ -46,25 +47,56 @@ workload_flags.define_flags()
 flags.adopt_module_key_flags(workload_flags)
 
 
-def main(argv: list[str]) -> int:
-    """absl entry point: run or resume the sweep the flags describe."""
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
-    if not run_flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    if run_flags.FLAGS.parity_bundle:
-        from experiments.workloads import parity
+def _usage_error(error: app.UsageError) -> int:
+    """Report a flag value the driver rejected as absl reports the ones its validators reject."""
+    print(f"FATAL Flags parsing error: {error}", file=sys.stderr)
+    print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr, flush=True)
+    return error.exitcode
 
-        return parity.run_from_flags(run_flags.FLAGS)
-    if run_flags.FLAGS.workload == "train_step":
-        from experiments.workloads import train_step
 
-        return train_step.run_from_flags(run_flags.FLAGS)
+def _interrupted(out_dir: str) -> int:
+    """One line on an interrupted sweep: what is recorded, and that rerunning resumes."""
+    store = ResultsStore(out_dir)
+    recorded = len(store.done_keys())
+    print(
+        f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in {store.path}; "
+        "rerun the same command to resume.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return workers.INTERRUPTED
+
+
+def _sweep() -> int:
+    """Run or resume the sweep the flags describe; Ctrl-C ends it with one line."""
     settings = run_flags.settings()
-    if driver.runs_in_workers(settings):
-        flags = workers.forwarded_flags(run_flags.FLAGS)
-        return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
-    return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
+    try:
+        if driver.runs_in_workers(settings):  # each worker reports its own Ctrl-C
+            flags = workers.forwarded_flags(run_flags.FLAGS)
+            return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
+        return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
+    except KeyboardInterrupt:
+        return _interrupted(settings.out_dir)
+
+
+def main(argv: list[str]) -> int:
+    """absl entry point: run or resume the sweep (or workload) the flags describe."""
+    try:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
+        if not run_flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)
+        if run_flags.FLAGS.parity_bundle:
+            from experiments.workloads import parity
+
+            return parity.run_from_flags(run_flags.FLAGS)
+        if run_flags.FLAGS.workload == "train_step":
+            from experiments.workloads import train_step
+
+            return train_step.run_from_flags(run_flags.FLAGS)
+        return _sweep()
+    except app.UsageError as e:
+        return _usage_error(e)
 
 
 def run_cli(args: list[str]) -> int:

@@ -131,7 +131,7 @@ class TorchRunner:
         """q, k, v, dout in the point's dtype on this rank's device (same on every rank)."""
         dtype = frameworks.framework_dtype("torch", point.dtype)
         sizes = inputs.shapes(
-            point.batch, point.total_seqlen, point.heads_q, point.heads_kv, point.head_dim
+            point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )
         return {
             n: self.torch.from_numpy(inputs.block(n, s, point.seed, index)).to(self.device, dtype)

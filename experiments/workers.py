@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 RUN_PY = str(Path(__file__).resolve().parent / "run.py")
-INTERRUPTED = 130  # the exit status of a process ended by Ctrl-C
+INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
 _OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl")
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from experiments import checks, inputs, outcomes, presets, report
 from experiments.flags import parse_seqlen
-from experiments.points import expand
+from experiments.points import CP_STRATEGIES, expand
 from experiments.results import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,7 +162,8 @@ def test_jax_cp_in_process_and_resume(tmp_path, capsys):
         assert r["masks"][0]["comm"]["fwd_bytes"] > 0
         assert r["status"] == "ok", r["reason"]
         p, m = r["point"], r["metrics"]
-        assert p["num_devices"] == 4 and p["total_seqlen"] == 64 and p["scaling"] == "weak"
+        assert p["num_devices"] == 4 and p["scaling"] == "weak"
+        assert (p["seqlen_total"], p["seqlen_per_device"]) == (64, 16)
         flops = r["masks"][0]["flops"]
         assert m["tflops"]["median"] == pytest.approx(
             flops / 4 / (m["time_ms"]["median"] * 1e-3) / 1e12
@@ -212,7 +213,7 @@ def test_torch_cp_subprocess_gloo(tmp_path):
     assert len(recs) == 2
     for r in recs:
         assert r["status"] == "ok", r["reason"]
-        assert r["point"]["num_devices"] == 2 and r["point"]["total_seqlen"] == 64
+        assert r["point"]["num_devices"] == 2 and r["point"]["seqlen_total"] == 64
         assert len(r["masks"][0]["rank_median_ms"]) == 2
         assert r["metrics"]["time_ms"]["median"] >= max(r["masks"][0]["rank_median_ms"]) * 0.999
 
@@ -297,12 +298,106 @@ def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
     ],
 )
 def test_bad_flag_values_fail_clearly(flag, expected, tmp_path):
+    """One 'FATAL Flags parsing error' line (and absl's hint), never the flags' help."""
     res = _subprocess([*flag.split(), f"--out_dir={tmp_path}"], timeout=120)
     assert res.returncode != 0
-    assert expected in res.stderr, res.stderr[-2000:]
+    fatal, hint = res.stderr.strip().splitlines()
+    assert fatal.startswith("FATAL Flags parsing error: ") and expected in fatal, res.stderr[-2000:]
+    assert hint == "Pass --helpshort or --helpfull to see help on flags."
     if "unknown mask" in expected:
         assert "causal_document_long" in res.stderr
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
+    """An output folder that cannot be created is one line naming it, before any point runs."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out_dir = blocker / "results"
+    args = ["--framework=jax", "--impl=reference", "--mask=causal", "--mode=fwd", *TINY]
+    assert _run_in_process([*args, f"--out_dir={out_dir}"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == (
+        f"FATAL Flags parsing error: --out_dir={str(out_dir)!r}: cannot create or write this "
+        "folder (Not a directory)"
+    ), err
+    assert "to run." not in out and not out_dir.exists()
+
+
+def _interrupt_on_call(monkeypatch, n: int) -> None:
+    """Make the n-th JAX point raise KeyboardInterrupt, as a Ctrl-C during it would."""
+    from experiments.jax_runner import JaxRunner
+
+    real, calls = JaxRunner.run, []
+
+    def run(self, point):
+        calls.append(point.key)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(self, point)
+
+    monkeypatch.setattr(JaxRunner, "run", run)
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, capsys, monkeypatch):
+    args = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=full,causal,causal_document",
+        "--mode=fwd",
+        f"--out_dir={tmp_path}",
+        *TINY,
+    ]
+    _interrupt_on_call(monkeypatch, 2)
+    assert _run_in_process(args) == 130
+    assert len(_records(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"Interrupted: 1 point recorded in {tmp_path / 'results.jsonl'}; "
+        "rerun the same command to resume.\n"
+    )
+    monkeypatch.undo()
+    assert _run_in_process(args) == 0
+    assert "3 points, 1 already in" in capsys.readouterr().out
+    assert len({r["key"] for r in _records(tmp_path)}) == len(_records(tmp_path)) == 3
+
+
+def test_sigint_exits_130_with_one_line(tmp_path):
+    """A real SIGINT mid-sweep: exit code 130, one line on stderr, no traceback."""
+    args = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=full,causal",
+        "--seqlen=32,48,64,80",
+        "--mode=fwd",
+        f"--out_dir={tmp_path}",
+        *TINY[1:],
+    ]
+    # Python's own SIGINT handler even where this process inherited SIGINT ignored.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", start, RUN, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not _records(tmp_path):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    recorded = len(_records(tmp_path))
+    assert 1 <= recorded < 8, "the sweep should have been interrupted mid-way"
+    assert proc.returncode == 130, err[-3000:]
+    assert err.splitlines() == [
+        f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in "
+        f"{tmp_path / 'results.jsonl'}; rerun the same command to resume."
+    ]
 
 
 def test_paper_preset_is_the_published_grid():
@@ -325,13 +420,39 @@ def test_paper_preset_is_the_published_grid():
     assert len(kpts) == 9 * 2 * 12 * 2 * 2
     cpts = expand(cp, "torch", ("default",), num_devices=8, **kw)
     assert len(cpts) == 5 * 4 * 3
-    assert {p.total_seqlen for p in cpts} == {65536} and {p.num_masks for p in cpts} == {30}
+    assert {(p.seqlen_total, p.seqlen_per_device) for p in cpts} == {(65536, 8192)}
+    assert {p.num_masks for p in cpts} == {30}
     full = presets.get_preset("full", on_gpu=True)
     assert not any(g.reference_compat for g in (*full.kernel, *full.cp))
     balanced = full.cp[1]
     assert balanced.masks == presets.STATIC_MASKS and balanced.layouts == ("balanced",)
     assert presets.select_grids(p, ("none",)) == [kernel]
     assert presets.select_grids(p, ("ring",))[0].cps == ("ring",)
+
+
+def test_cpu_default_sizes_run_every_cp_strategy():
+    """Every CP strategy plans the CPU default's shapes on 8 JAX devices and 4 torch ranks."""
+    import shard_strategies
+    from attn_masks import make_mask
+    from experiments.cp_launch import CPU_TORCH_RANKS
+    from experiments.run import VIRTUAL_CPU_DEVICES
+
+    (grid,) = presets.get_preset("smoke", on_gpu=False).cp
+    ((hq, hkv),) = grid.heads
+    for world in (VIRTUAL_CPU_DEVICES, CPU_TORCH_RANKS):
+        for name in grid.masks:
+            mask = make_mask(name, grid.seqlens[0] * world, window=grid.window)
+            for strategy in CP_STRATEGIES:
+                plan = shard_strategies.make_plan(
+                    mask,
+                    world,
+                    strategy,
+                    grid.layouts[0],
+                    num_heads_q=hq,
+                    num_heads_kv=hkv,
+                    head_dim=grid.head_dim,
+                )
+                assert plan.world_size == world
 
 
 def _fake_record(impl: str, seqlen: int, status: str, framework: str = "jax") -> dict:
@@ -414,6 +535,36 @@ def test_report_marks_failed_points_and_runs_standalone(tmp_path):
     assert (tmp_path / "cli" / "all_plots.png").exists()
 
 
+def test_csv_and_report_name_total_and_per_device_seqlen(tmp_path):
+    """CP rows say seqlen_total and seqlen_per_device, also for records that predate them."""
+    from experiments.sweep import make_record
+
+    (grid,) = presets.get_preset("smoke", on_gpu=False).cp
+    grid = grid.replace(masks=("causal", "full"), modes=("fwd",), seqlens=(16,))
+    kw = dict(seed=42, ulysses_size=None, ulysses_intra_node=True)
+    points = expand(grid, "jax", ("default",), num_devices=4, **kw)
+    metrics = {
+        "tflops": {"median": 2.0, "p20": 2.5, "p80": 1.5},
+        "time_ms": {"median": 1.0, "p20": 0.8, "p80": 1.2},
+    }
+    new, old = (make_record(p, "ok", result={"metrics": metrics}) for p in points)
+    assert (new["point"]["seqlen_total"], new["point"]["seqlen_per_device"]) == (64, 16)
+    for field in ("seqlen_total", "seqlen_per_device"):
+        del old["point"][field]
+    old["point"].update(seqlen=16, total_seqlen=64)  # how records were written before
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (new, old)))
+    paths = report.write_report(results, tmp_path)
+    header, *rows = paths["csv"].read_text().splitlines()
+    columns = header.split(",")
+    assert "seqlen" not in columns and "total_seqlen" not in columns
+    at = columns.index("seqlen_total"), columns.index("seqlen_per_device")
+    assert [[row.split(",")[i] for i in at] for row in rows] == [["64", "16"], ["64", "16"]]
+    md = paths["markdown"].read_text()
+    assert "| mask | seqlen_total | seqlen_per_device | jax/ring/zigzag |" in md
+    assert "| causal | 64 | 16 | 2 |" in md and "| full | 64 | 16 | 2 |" in md
+
+
 def test_row_check_matches_full_reference():
     """The large-size row check is exact: equal to the full float64 reference on those rows."""
     from attn_masks import make_mask, reference_attention
@@ -476,7 +627,8 @@ def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024
         "cp": "none",
         "layout": None,
         "mask": "causal",
-        "total_seqlen": seqlen,
+        "seqlen_total": seqlen,
+        "seqlen_per_device": seqlen,
         "mode": "fwd",
         "batch": 1,
         "heads_q": 4,
@@ -501,12 +653,12 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
         _flat("jax", "cudnn", 120.0),
         _flat("torch", "sdpa_cudnn", 100.0),
     ]
-    by_len = {r["seqlen"]: r for r in same_kernel(rows)}
+    by_len = {r["seqlen_total"]: r for r in same_kernel(rows)}
     assert sorted(by_len) == [1024, 2048, 4096]  # 8192 ran in one framework only
     assert by_len[1024]["jax_vs_torch"] == f"{100 / 95 - 1:+.1%} (over 3%: profile)"
     assert by_len[2048]["jax_vs_torch"] == f"{100 / 99 - 1:+.1%}"
     assert (by_len[4096]["jax"], by_len[4096]["jax_vs_torch"]) == ("OOM", "-")
-    cross = {r["seqlen"]: r for r in cross_framework(rows)}
+    cross = {r["seqlen_total"]: r for r in cross_framework(rows)}
     assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
     assert cross[2048]["cudnn_jax_over_torch"] == "-"

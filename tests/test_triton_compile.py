@@ -3,8 +3,11 @@
 Triton's interpreter (the CPU correctness tests) accepts code that the compiler rejects, so each
 kernel is also compiled to a cubin here at its default tiles, and must fit the H100/H200
 shared-memory budget per block; at the benchmark shapes (half precision, D 64 and 128) ptxas must
-also report no register spills. `python tests/test_triton_compile.py` sweeps candidate tiles and
-prints registers, spills and shared memory per config (the data behind launch.default_configs).
+also report no register spills. Register use depends on the compiler, so the spill check runs
+only under the Triton release the defaults were tuned with (launch.TUNED_WITH_TRITON) and is
+skipped, naming both releases, under another. `python tests/test_triton_compile.py` sweeps
+candidate tiles and prints registers, spills and shared memory per config (the data behind
+launch.default_configs).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CASES = [
     (256, "float32"),
 ]
 SPILL_FREE = {(64, "bfloat16"), (64, "float16"), (128, "bfloat16"), (128, "float16")}
+TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])  # "3.9.0" -> "3.9"
 
 
 def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
@@ -135,6 +139,12 @@ def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype)
     assert 0 < compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
 
 
+@pytest.mark.skipif(
+    TRITON_RELEASE != launch.TUNED_WITH_TRITON,
+    reason=f"default tiles were tuned to spill no registers with Triton "
+    f"{launch.TUNED_WITH_TRITON}; Triton {triton.__version__} is installed "
+    "(.ci/constraints.txt pins the tuned release)",
+)
 @pytest.mark.parametrize("head_dim,dtype", sorted(SPILL_FREE))
 @pytest.mark.parametrize("which", list(KERNELS))
 def test_default_config_does_not_spill_registers(which, head_dim, dtype):

@@ -123,6 +123,8 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
 # (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_m, block_n, num_warps, num_stages):
 # the largest tiles that ptxas compiles for sm_90 without register spills, or the least spilling
 # where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV); data in triton_attn/NOTES.md.
+# Register use depends on the compiler: they were measured with this Triton release.
+TUNED_WITH_TRITON = "3.9"
 _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
     (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)),
     (128, False): ((128, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2)),
