@@ -43,15 +43,19 @@ SEQLEN = 700  # divides neither 64 nor 128: every kernel sees ragged edge tiles
 TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks launch
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("framework", list(FRAMEWORKS), "Frameworks to check: jax, torch or both.")
-flags.DEFINE_integer("seqlen", SEQLEN, "Query/key length of the square cases.", lower_bound=16)
-flags.DEFINE_list("impl", [], "Only these impls (default: every impl of each framework).")
-flags.DEFINE_integer("jax_workers", 6, "JAX worker processes (cases split between them).", 1)
-flags.DEFINE_integer("torch_workers", 3, "PyTorch worker processes.", lower_bound=1)
-flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
-flags.DEFINE_integer("shard", 0, "Internal: which shard of the cases a worker runs.")
-flags.DEFINE_integer("shards", 1, "Internal: how many shards the cases are split into.")
-flags.DEFINE_string("save_dir", None, "Internal: where a worker saves the two-front-end outputs.")
+
+
+def define_flags() -> None:
+    """The command's flags (defined only when it runs, so importing the module defines none)."""
+    flags.DEFINE_list("framework", list(FRAMEWORKS), "Frameworks to check: jax, torch or both.")
+    flags.DEFINE_integer("seqlen", SEQLEN, "Query/key length of the square cases.", lower_bound=16)
+    flags.DEFINE_list("impl", [], "Only these impls (default: every impl of each framework).")
+    flags.DEFINE_integer("jax_workers", 6, "JAX worker processes (cases split among them).", 1)
+    flags.DEFINE_integer("torch_workers", 3, "PyTorch worker processes.", lower_bound=1)
+    flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
+    flags.DEFINE_integer("shard", 0, "Internal: which shard of the cases a worker runs.")
+    flags.DEFINE_integer("shards", 1, "Internal: how many shards the cases are split into.")
+    flags.DEFINE_string("save_dir", None, "Internal: where a worker saves front-end outputs.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,4 +458,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
