@@ -605,3 +605,28 @@ def test_gpu_mosaic_causal_backward_is_unsupported():
     q, k, v = (jnp.asarray(x, jnp.float16) for x in (q, k, v))
     with pytest.raises(Unsupported, match="no backward"):
         jax.grad(lambda q: jax_attn.attention(q, k, v, mask, impl="mosaic_mha").sum())(q)
+
+
+def test_triton_names_a_jax_triton_that_cannot_drive_the_installed_triton(monkeypatch):
+    """jax-triton 0.4.x on triton 3.6 imports but stubs the NVIDIA backend: supports() says so."""
+    import types
+
+    from jax_attn.adapters import triton as adapter
+
+    assert adapter.version_mismatch("0.3.1", "3.6.0") is None
+    assert adapter.version_mismatch("0.4.1", "3.7.0") is None
+    assert adapter.version_mismatch("0.4.1", None) is None
+    why = adapter.version_mismatch("0.4.1", "3.6.0+git1234")
+    assert "0.4.1" in why and "3.6.0" in why and "jax-triton==0.3.1" in why
+
+    real_import = adapter.importlib.import_module
+    fake = types.SimpleNamespace(__version__="0.4.1")
+    monkeypatch.setattr(
+        adapter.importlib,
+        "import_module",
+        lambda name: fake if name == "jax_triton" else real_import(name),
+    )
+    monkeypatch.setattr(adapter, "_installed_version", lambda dist: "3.6.0")
+    mask = from_slices([(0, 256)], [(0, 256)], [int(MaskType.CAUSAL)], 256, 256)
+    reason = jax_attn.supports("triton", mask, backend="gpu")
+    assert isinstance(reason, str) and "needs triton >= 3.7" in reason
