@@ -32,7 +32,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from attn_masks import MASK_NAMES, Mask, MaskType, from_slices, make_mask  # noqa: E402
 from attn_masks import reference_attention as oracle  # noqa: E402
-from experiments.checks import GRAD_FACTOR, tolerance  # noqa: E402
+from experiments.runners.checks import GRAD_FACTOR, tolerance  # noqa: E402
 
 FRAMEWORKS = ("jax", "torch")
 STATIC_MASKS = MASK_NAMES[:12]  # the published benchmark's 12 static masks
@@ -111,7 +111,7 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
     """(impl, case) pairs: every impl on five masks (and two in the other half dtype); the own
     kernels on every mask, both half dtypes, D 64 and 128, MHA and GQA, fp32, and random slices
     with Sq != Sk. only: these impls."""
-    from experiments import frameworks
+    from experiments.runners import frameworks
 
     main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
     other = dict(main, heads_q=2, heads_kv=2, head_dim=64, dtype="float16")

@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import checks, inputs, outcomes, presets, report
-from experiments.flags import parse_seqlen
-from experiments.points import CP_STRATEGIES, expand
-from experiments.results import read_records
+from experiments.core import outcomes, presets
+from experiments.core.flags import parse_seqlen
+from experiments.core.points import CP_STRATEGIES, expand
+from experiments.core.results import read_records
+from experiments.reports import report
+from experiments.runners import checks, inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = str(ROOT / "experiments" / "run.py")
@@ -120,7 +122,7 @@ def test_broken_impl_is_wrong_not_a_speed(tmp_path, monkeypatch):
 
 def test_missing_package_is_unsupported_not_a_crash(tmp_path, monkeypatch):
     """A framework package that cannot be imported gives 'unsupported: not available: ...'."""
-    from experiments import frameworks
+    from experiments.runners import frameworks
 
     monkeypatch.setitem(frameworks.KERNEL_PACKAGES, "jax", "jax_attn_not_written_yet")
     code = _run_in_process(
@@ -326,7 +328,7 @@ def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
 
 def _interrupt_on_call(monkeypatch, n: int) -> None:
     """Make the n-th JAX point raise KeyboardInterrupt, as a Ctrl-C during it would."""
-    from experiments.jax_runner import JaxRunner
+    from experiments.runners.jax_runner import JaxRunner
 
     real, calls = JaxRunner.run, []
 
@@ -434,8 +436,8 @@ def test_cpu_default_sizes_run_every_cp_strategy():
     """Every CP strategy plans the CPU default's shapes on 8 JAX devices and 4 torch ranks."""
     import shard_strategies
     from attn_masks import make_mask
-    from experiments.cp_launch import CPU_TORCH_RANKS
     from experiments.run import VIRTUAL_CPU_DEVICES
+    from experiments.runners.cp_launch import CPU_TORCH_RANKS
 
     (grid,) = presets.get_preset("smoke", on_gpu=False).cp
     ((hq, hkv),) = grid.heads
@@ -537,7 +539,7 @@ def test_report_marks_failed_points_and_runs_standalone(tmp_path):
 
 def test_csv_and_report_name_total_and_per_device_seqlen(tmp_path):
     """CP rows say seqlen_total and seqlen_per_device, also for records that predate them."""
-    from experiments.sweep import make_record
+    from experiments.core.sweep import make_record
 
     (grid,) = presets.get_preset("smoke", on_gpu=False).cp
     grid = grid.replace(masks=("causal", "full"), modes=("fwd",), seqlens=(16,))
@@ -640,7 +642,7 @@ def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024
 
 
 def test_same_kernel_table_flags_gaps_over_three_percent():
-    from experiments.report import cross_framework, same_kernel
+    from experiments.reports.report import cross_framework, same_kernel
 
     rows = [
         _flat("jax", "triton", 100.0),

@@ -1,6 +1,7 @@
-"""experiments/report_cp.py on synthetic records in both CP writers' formats (checked against
-records the real writers produce on CPU): table cells, status labels, JAX vs PyTorch pairing,
-targets, CSV, plots and the missing-file error."""
+"""The CP report (experiments/reports/report_cp.py) on synthetic driver records (checked against
+records the driver's cp_bench preset writes on CPU): table cells, status labels, efficiency
+against the single-device baseline, JAX vs PyTorch pairing, targets, CSV, plots and the
+missing-file error."""
 
 from __future__ import annotations
 
@@ -14,23 +15,27 @@ from pathlib import Path
 
 import pytest
 
-from experiments import report_cp
+from experiments.core.points import Grid, expand
+from experiments.core.sweep import make_record
+from experiments.reports import report_cp
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
-    "--tokens_per_gpu=64",
+    "--preset=cp_bench",
+    "--seqlen=64",
     "--heads_q=3",
     "--heads_kv=1",
     "--head_dim=16",
-    "--masks=causal",
-    "--layouts=zigzag",
-    "--modes=fwd",
-    "--check_rows=4",
+    "--mask=causal",
+    "--layout=zigzag",
+    "--mode=fwd",
     "--warmup=0",
     "--iters=1",
-    "--dtype=float32",
+    "--dtype=fp32",
+    "--num_devices=2",
+    "--report=false",
 ]
-SHAPE = {"heads_q": 64, "heads_kv": 8, "head_dim": 128, "dtype": "bfloat16"}
+IMPLS = {"jax": "pallas", "torch": "flex"}
 COMM = {
     "fwd_formula_elements": 1.0,
     "bwd_formula_elements": 2.0,
@@ -56,26 +61,109 @@ PLAN = {
     "critical_area": 1.0,
     "ideal_area": 1.0,
 }
-TIMES = {"median": 2.0, "p20": 1.9, "p80": 2.1, "min": 1.8, "max": 2.2, "n": 8}
+TIMES = {"median": 2.0, "p20": 1.9, "p80": 2.1}
+PROVENANCE = {
+    "versions": {"python": "3.11.7", "jax": "0.10.2", "torch": "2.13.0"},
+    "git": {"commit": "abc", "dirty": False},
+    "host": "h",
+    "pid": 1,
+    "platform": "linux",
+    "argv": ["run.py"],
+    "flags": {},
+    "devices": {
+        "jax": {"backend": "gpu", "device_kind": ["NVIDIA H200"], "device_count": 8},
+        "torch": {"backend": "cuda", "device_kind": ["NVIDIA H200"], "device_count": 8},
+    },
+}
 
 
-def _point(mask: str, tokens: int, strategy: str, layout: str, mode: str, n: int) -> dict:
-    return {
-        "mask": mask,
-        "tokens_per_gpu": tokens,
-        "seqlen": tokens * n,
-        "strategy": strategy,
-        "layout": layout,
-        "mode": mode,
+def _point(fw: str, mask: str, tokens: int, strategy: str, layout: str, mode: str, n: int):
+    """The driver's point of a cp_bench configuration (strategy "none": the baseline)."""
+    grid = Grid(
+        name="cp_bench" if strategy != "none" else "cp_bench_single_device",
+        cps=(strategy,),
+        layouts=(layout,),
+        impls=(IMPLS[fw],),
+        masks=(mask,),
+        seqlens=(tokens,),
+        heads=((64, 8),),
+        head_dim=128,
+        dtype="bf16",
+        modes=(mode,),
+        warmup=2,
+        iters=8,
+    )
+    kw = dict(seed=42, ulysses_size=None, ulysses_intra_node=True)
+    return expand(grid, fw, grid.impls, num_devices=n, **kw)[0]
+
+
+def _result(tflops: float, peak_gib: float, extra: dict) -> dict:
+    """measure.aggregate's output for one mask with the given rate and peak."""
+    rates = {"median": tflops, "p20": tflops * 1.05, "p80": tflops * 0.95}
+    mask = {
+        "index": 0,
+        "seed": 42,
+        "area": 1,
+        "density": 0.5,
+        "flops": 1.0,
+        "time_ms": {**TIMES, "min": 1.8, "max": 2.2, "n": 8},
+        "tflops": rates,
+        "peak_mem_gib": peak_gib,
+        "mem_source": "device_peak_bytes_in_use",
+        **extra,
     }
+    metrics = {
+        "time_ms": TIMES,
+        "tflops": rates,
+        "tflops_total": tflops,
+        "flops": 1.0,
+        "density": 0.5,
+        "peak_mem_gib": peak_gib,
+        "mem_source": "device_peak_bytes_in_use",
+    }
+    check = {
+        "ok": True,
+        "kind": "full",
+        "rows": None,
+        "rtol": {"out": 2e-2},
+        "max_errors": {"out": 1e-3},
+        "unchecked": [],
+    }
+    return {"metrics": metrics, "check": check, "masks": [mask]}
 
 
-def _info(fwd_bytes: float, n: int) -> dict:
-    return {
-        "plan": {**PLAN, "world_size": n},
-        "plan_seconds": 0.1,
+def _record(
+    fw: str,
+    mask: str,
+    tokens: int,
+    strategy: str,
+    layout: str,
+    mode: str,
+    *,
+    n: int,
+    status: str,
+    tflops: float,
+    single: float | None,
+    fwd_bytes: float,
+    peak_gib: float,
+) -> list[dict]:
+    """A CP record as the driver writes it, after the record of its single-device baseline."""
+    point = _point(fw, mask, tokens, strategy, layout, mode, n)
+    out = []
+    if single is not None:
+        base = _point(fw, mask, tokens, "none", "none", mode, 1)
+        out.append(make_record(base, "ok", result=_result(single, 20.0, {}), provenance=PROVENANCE))
+    if status != "ok":
+        reason = "no plan" if status == "unsupported" else f"{status} happened"
+        return [*out, make_record(point, status, reason=reason, provenance=PROVENANCE)]
+    extra = {
+        "plan": {**PLAN, "world_size": n, "strategy": strategy, "layout": layout},
         "comm": {**COMM, "fwd_bytes": fwd_bytes, "bwd_bytes": 2 * fwd_bytes},
     }
+    if fw == "torch":
+        extra.update(rank_median_ms=[2.0] * n, peak_mem_gib_mean=peak_gib - 1.0)
+    result = _result(tflops, peak_gib, extra)
+    return [*out, make_record(point, "ok", result=result, provenance=PROVENANCE)]
 
 
 def jax_record(
@@ -88,37 +176,14 @@ def jax_record(
     n: int = 8,
     status: str = "ok",
     tflops: float = 300.0,
-    single: float = 400.0,
+    single: float | None = 400.0,
     fwd_bytes: float = 1e9,
-    time: float = 1.0,
-) -> dict:
-    """A line as bench_cp_jax.Bench.write writes it (meta, point, plan info, measurements)."""
-    meta = {
-        "jax": "0.10.2",
-        "python": "3.11.7",
-        "device_kind": "NVIDIA H200",
-        "num_gpus": n,
-        "impl": "pallas",
-        **SHAPE,
-        "xla_flags": "",
-    }
-    rec = {**meta, **_point(mask, tokens, strategy, layout, mode, n)}
-    if status == "unsupported":
-        return {**rec, "status": status, "error": "no plan", "time": time}
-    rec.update(_info(fwd_bytes, n), compile_seconds=1.0, check={"out": 1e-3, "lse": 1e-3})
-    if status != "ok":
-        return {**rec, "status": status, "error": f"{status} happened", "time": time}
-    return {
-        **rec,
-        "status": "ok",
-        "time_ms": TIMES,
-        "tflops_per_gpu": tflops,
-        "peak_bytes_in_use": 40 * 2**30,
-        "compiled_bytes": 30 * 2**30,
-        "single_gpu_tflops": single,
-        "single_gpu_ms": 1.0,
-        "time": time,
-    }
+) -> list[dict]:
+    """A JAX CP record (with its baseline) as the driver writes it."""
+    return _record(
+        "jax", mask, tokens, strategy, layout, mode, n=n, status=status, tflops=tflops,
+        single=single, fwd_bytes=fwd_bytes, peak_gib=40.0,
+    )  # fmt: skip
 
 
 def torch_record(
@@ -131,48 +196,18 @@ def torch_record(
     n: int = 8,
     status: str = "ok",
     tflops: float = 250.0,
-    single: float = 400.0,
+    single: float | None = 400.0,
     fwd_bytes: float = 1e9,
-    time: float = 1.0,
-) -> dict:
-    """A line as bench_cp_torch.Bench.write writes it (meta, point, plan info, measurements)."""
-    meta = {
-        "framework": "torch",
-        "world_size": n,
-        **SHAPE,
-        "inner_axis": "ulysses",
-        "versions": {"python": "3.11.7", "torch": "2.13.0"},
-        "devices": {"backend": "cuda", "device_kind": ["NVIDIA H200"], "device_count": n},
-        "git": {"commit": "abc", "dirty": False},
-    }
-    point = _point(mask, tokens, strategy, layout, mode, n)
-    rec = {**meta, **point, "impl": "flex"}
-    if status == "stopped":
-        return {**meta, "status": status, "error": "--max_minutes reached", "time": time}
-    if status == "unsupported":
-        return {**rec, "status": status, "error": "no plan", "time": time}
-    rec.update(_info(fwd_bytes, n))
-    if status != "ok":
-        return {**rec, "status": status, "error": f"{status} happened", "time": time}
-    return {
-        **rec,
-        "first_call_seconds": 1.0,
-        "sent_bytes": {"fwd": fwd_bytes, "bwd": 0, "dispatch": 0, "lse": 0},
-        "check": {"out": 1e-3, "lse": 1e-3},
-        "time_ms": TIMES,
-        "peak_gib_max": 50.0,
-        "peak_gib_mean": 49.0,
-        "status": "ok",
-        "tflops_per_gpu": tflops,
-        "single_gpu_tflops": single,
-        "single_gpu_ms": 1.0,
-        "single_gpu_peak_gib": 20.0,
-        "time": time,
-    }
+) -> list[dict]:
+    """A torch CP record (with its baseline) as the driver writes it."""
+    return _record(
+        "torch", mask, tokens, strategy, layout, mode, n=n, status=status, tflops=tflops,
+        single=single, fwd_bytes=fwd_bytes, peak_gib=50.0,
+    )  # fmt: skip
 
 
-def _write(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+def _write(path: Path, records: list[list[dict]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for group in records for r in group))
     return path
 
 
@@ -186,52 +221,31 @@ def _table(md: str, heading: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def real_files(tmp_path_factory) -> dict[str, Path]:
-    """One tiny CPU run of each writer (2 virtual devices / 2 gloo ranks), run side by side.
-
-    A gloo rank sometimes aborts at exit after its records are written ('terminate called
-    without an active exception'); that teardown failure is tolerated, any other is not.
-    """
+    """One tiny CPU cp_bench run of each framework (2 virtual devices / 2 gloo ranks), side by
+    side; each writes its baseline kernel point and its CP points."""
     pytest.importorskip("jax")
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("real")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    jax_env = {
-        **env,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    run_py = str(REPO / "experiments/run.py")
     runs = {
-        "jax": (
-            [sys.executable, str(REPO / "experiments/bench_cp_jax.py"), f"--out={out}/jax.jsonl"]
-            + TINY
-            + ["--strategies=ring,ulysses", "--impl=reference"],
-            jax_env,
-        ),
-        "torch": (
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                str(REPO / "experiments/bench_cp_torch.py"),
-                f"--out={out}/torch.jsonl",
-            ]
-            + TINY
-            + ["--strategies=ring", "--impls=sdpa_math"],
-            env,
-        ),
+        "jax": ["--framework=jax", "--cp=ring,ulysses", "--impl=reference"],
+        "torch": ["--framework=torch", "--cp=ring", "--impl=sdpa_math"],
     }
     procs = {
-        k: subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for k, (cmd, e) in runs.items()
+        k: subprocess.Popen(
+            [sys.executable, run_py, *TINY, *args, f"--out_dir={out / k}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k, args in runs.items()
     }
     for k, p in procs.items():
         log, _ = p.communicate(timeout=300)
-        torn_down = "terminate called without an active exception" in log
-        wrote = (out / f"{k}.jsonl").is_file()
-        assert p.returncode == 0 or (torn_down and wrote), f"{k} writer failed:\n{log[-3000:]}"
-    return {k: out / f"{k}.jsonl" for k in runs}
+        assert p.returncode == 0, f"{k} run failed:\n{log[-3000:]}"
+    return {k: out / k / "results.jsonl" for k in runs}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -245,27 +259,30 @@ def _shape_of(rec: dict) -> dict:
 
 def test_synthetic_records_have_the_writers_keys(real_files):
     jax_recs, torch_recs = _lines(real_files["jax"]), _lines(real_files["torch"])
-    by_status = {r["status"]: r for r in jax_recs}
-    assert set(by_status) == {"ok", "unsupported"}
-    assert _shape_of(jax_record()) == _shape_of(by_status["ok"])
-    assert _shape_of(jax_record(strategy="ulysses", status="unsupported")) == _shape_of(
-        by_status["unsupported"]
+    jax_cp = {r["status"]: r for r in jax_recs if report_cp.is_cp(r)}
+    assert set(jax_cp) == {"ok", "unsupported"}
+    baseline, synthetic_ok = jax_record()
+    assert _shape_of(synthetic_ok) == _shape_of(jax_cp["ok"])
+    assert _shape_of(baseline) == _shape_of(next(r for r in jax_recs if not report_cp.is_cp(r)))
+    assert _shape_of(jax_record(strategy="ulysses", status="unsupported")[1]) == _shape_of(
+        jax_cp["unsupported"]
     )
-    assert [r["status"] for r in torch_recs] == ["ok"]
-    synthetic = _shape_of(torch_record())
-    real = _shape_of(torch_recs[0])
-    assert synthetic.keys() == real.keys()
-    assert {k: v for k, v in synthetic.items() if k not in ("versions", "devices")} == {
-        k: v for k, v in real.items() if k not in ("versions", "devices")
-    }
-    assert [report_cp.framework_of(r) for r in (jax_recs[0], torch_recs[0])] == ["jax", "torch"]
+    torch_cp = [r for r in torch_recs if report_cp.is_cp(r)]
+    assert [r["status"] for r in torch_cp] == ["ok"]
+    synthetic = torch_record()[1]
+    assert _shape_of(synthetic) == _shape_of(torch_cp[0])
+    for name in ("point", "metrics", "check"):
+        assert sorted(synthetic[name]) == sorted(torch_cp[0][name])
+    assert sorted(synthetic["masks"][0]) == sorted(torch_cp[0]["masks"][0])
+    assert [r["point"]["framework"] for r in (jax_cp["ok"], torch_cp[0])] == ["jax", "torch"]
 
 
 def test_report_on_real_writer_records(real_files, tmp_path):
     paths = report_cp.write_report([real_files["jax"], real_files["torch"]], tmp_path)
     md = paths["markdown"].read_text()
-    jax_table = _table(md, "jax x2 GPUs, fwd: h3:1 d16 float32, impl reference")
+    jax_table = _table(md, "jax x2 GPUs, fwd: h3:1 d16 fp32, impl reference")
     assert jax_table[0]["ulysses/zigzag"] == "unsup."
+    assert re.fullmatch(r"\S+ \(\d+\.\d%\)", jax_table[0]["ring/zigzag"])
     cross = _table(md, "JAX vs PyTorch")
     assert len(cross) == 1
     assert cross[0]["strategy/layout"] == "ring/zigzag" and cross[0]["plans agree"] == "yes"
@@ -276,7 +293,7 @@ def test_report_on_real_writer_records(real_files, tmp_path):
 def test_cells_show_rate_and_efficiency_and_labels(tmp_path):
     recs = [
         jax_record("causal", 8192, "ring", "zigzag", tflops=310.0, single=420.0),
-        jax_record("causal", 8192, "ulysses", "zigzag", tflops=123.456, single=130.0),
+        jax_record("causal", 8192, "ulysses", "zigzag", tflops=123.456, single=420.0),
         jax_record("causal", 32768, "ring", "zigzag", status="oom"),
         jax_record("causal", 32768, "ulysses", "zigzag", status="wrong"),
         jax_record("full", 8192, "ring", "zigzag", status="error"),
@@ -285,12 +302,13 @@ def test_cells_show_rate_and_efficiency_and_labels(tmp_path):
     md = report_cp.write_report([_write(tmp_path / "j.jsonl", recs)], tmp_path / "out")[
         "markdown"
     ].read_text()
-    rows = _table(md, "jax x8 GPUs, fwd: h64:8 d128 bfloat16, impl pallas")
+    rows = _table(md, "jax x8 GPUs, fwd: h64:8 d128 bf16, impl pallas")
     cells = {(r["mask"], int(r["tokens/GPU"]), s): r[s] for r in rows for s in r if "/" in s}
-    for rec in recs[:2]:
-        eff = 100.0 * rec["tflops_per_gpu"] / rec["single_gpu_tflops"]
-        want = f"{rec['tflops_per_gpu']:.3g} ({eff:.1f}%)"
-        assert cells[("causal", 8192, f"{rec['strategy']}/zigzag")] == want
+    for base, rec in recs[:2]:
+        tflops = rec["metrics"]["tflops"]["median"]
+        eff = 100.0 * tflops / base["metrics"]["tflops"]["median"]
+        want = f"{tflops:.3g} ({eff:.1f}%)"
+        assert cells[("causal", 8192, f"{rec['point']['cp']}/zigzag")] == want
     labels = {
         ("causal", 32768, "ring/zigzag"): "OOM",
         ("causal", 32768, "ulysses/zigzag"): "WRONG",
@@ -306,29 +324,31 @@ def test_cross_framework_pairs_and_flags_bytes_mismatch(tmp_path):
         jax_record("causal", 16384, "ring", "zigzag", tflops=300.0, fwd_bytes=1e9),
         jax_record("causal", 16384, "allgather", "zigzag", fwd_bytes=2e9),
         jax_record("causal", 16384, "ulysses", "zigzag", fwd_bytes=3e9),
+        jax_record("causal", 16384, "usp", "zigzag", fwd_bytes=5e9),
     ]
     torch_recs = [
         torch_record("causal", 16384, "ring", "zigzag", tflops=250.0, fwd_bytes=1e9),
-        torch_record("causal", 16384, "allgather", "zigzag", status="oom", fwd_bytes=4e9),
+        torch_record("causal", 16384, "allgather", "zigzag", fwd_bytes=4e9),
+        torch_record("causal", 16384, "usp", "zigzag", status="oom"),
         torch_record("causal", 16384, "ulysses", "zigzag", n=4, fwd_bytes=3e9),
         torch_record("causal", 16384, "ring", "zigzag", mode="fwd_bwd"),
     ]
     files = [_write(tmp_path / "j.jsonl", jax_recs), _write(tmp_path / "t.jsonl", torch_recs)]
     md = report_cp.write_report(files, tmp_path / "out")["markdown"].read_text()
     cross = {r["strategy/layout"]: r for r in _table(md, "JAX vs PyTorch")}
-    assert set(cross) == {"ring/zigzag", "allgather/zigzag"}
+    assert set(cross) == {"ring/zigzag", "allgather/zigzag", "usp/zigzag"}
     ring = cross["ring/zigzag"]
     assert ring["jax/torch"] == f"{300.0 / 250.0:.2f}x"
     assert ring["plans agree"] == "yes"
-    assert (ring["jax peak GiB"], ring["jax compiled GiB"], ring["torch peak GiB"]) == (
+    assert (ring["jax peak GiB"], ring["jax peak from"], ring["torch peak GiB"]) == (
         "40.00",
-        "30.00",
+        "device_peak_bytes_in_use",
         "50.00",
     )
     assert ring["bytes moved/GPU"] == f"{1e9 / 2**20:.3g} MiB"
-    ag = cross["allgather/zigzag"]
-    assert ag["torch TFLOP/s/GPU"] == "OOM" and ag["jax/torch"] == "-"
-    assert ag["plans agree"].startswith("MISMATCH")
+    usp = cross["usp/zigzag"]
+    assert usp["torch TFLOP/s/GPU"] == "OOM" and usp["jax/torch"] == "-"
+    assert cross["allgather/zigzag"]["plans agree"].startswith("MISMATCH")
 
 
 def test_targets_met_and_missed(tmp_path):
@@ -365,12 +385,11 @@ def test_targets_met_and_missed(tmp_path):
     }
 
 
-def test_csv_keeps_latest_record_per_key_and_stopped_lines(tmp_path):
+def test_csv_keeps_latest_record_per_key(tmp_path):
     recs = [
-        torch_record(tflops=100.0, time=2.0),
-        torch_record(tflops=200.0, time=1.0),
-        torch_record(tokens=32768, tflops=150.0, time=3.0),
-        torch_record(status="stopped", time=4.0),
+        torch_record(tflops=200.0),
+        torch_record(tflops=100.0),
+        torch_record(tokens=32768, tflops=150.0),
     ]
     paths = report_cp.write_report([_write(tmp_path / "t.jsonl", recs)], tmp_path / "o")
     with paths["csv"].open() as f:
@@ -378,12 +397,10 @@ def test_csv_keeps_latest_record_per_key_and_stopped_lines(tmp_path):
     assert [(r["tokens_per_gpu"], r["tflops_per_gpu"], r["status"]) for r in rows] == [
         ("16384", "100.0", "ok"),
         ("32768", "150.0", "ok"),
-        ("", "", "stopped"),
     ]
     assert rows[0]["framework"] == "torch" and rows[0]["num_gpus"] == "8"
     assert float(rows[0]["efficiency_pct"]) == pytest.approx(100.0 * 100.0 / 400.0)
-    md = paths["markdown"].read_text()
-    assert "sweep stopped (--max_minutes reached)" in md
+    assert float(rows[0]["peak_gib_mean"]) == pytest.approx(49.0)
 
 
 def test_efficiency_and_scaling_plots(tmp_path):
@@ -397,7 +414,7 @@ def test_efficiency_and_scaling_plots(tmp_path):
     paths = report_cp.write_report([_write(tmp_path / "t.jsonl", recs)], tmp_path / "o")
     eff = {p.name for p in paths["efficiency_plots"]}
     assert eff == {
-        f"eff_torch_x{n}_{mode}_{mask}_h64_8_d128_bfloat16_flex.png"
+        f"eff_torch_x{n}_{mode}_{mask}_h64_8_d128_bf16_flex.png"
         for n, mode, mask in [
             (2, "fwd", "causal"),
             (2, "fwd", "share_question"),
@@ -408,7 +425,7 @@ def test_efficiency_and_scaling_plots(tmp_path):
     }
     scaling = {p.name for p in paths["scaling_plots"]}
     assert scaling == {
-        f"scaling_torch_fwd_{mask}_{t}_h64_8_d128_bfloat16_flex.png"
+        f"scaling_torch_fwd_{mask}_{t}_h64_8_d128_bf16_flex.png"
         for mask in ("causal", "share_question")
         for t in (8192, 16384)
     }
@@ -424,7 +441,7 @@ def test_missing_results_path_is_named(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            str(REPO / "experiments/report_cp.py"),
+            str(REPO / "experiments/report.py"),
             f"--results={good},{missing}",
             f"--out_dir={tmp_path / 'o'}",
         ],

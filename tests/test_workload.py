@@ -17,7 +17,7 @@ from flax import nnx
 
 import shard_strategies as ss
 from attn_masks import make_mask
-from experiments.results import read_records
+from experiments.core.results import read_records
 from experiments.workloads import data, lm, parity, train_step
 from experiments.workloads.config import TrainConfig
 from experiments.workloads.placement import cp_mesh
@@ -127,7 +127,7 @@ def _parse_run_flags(args: list[str]):
     """run.py's flags and the workload flags on the global FLAGS, parsed from `args`."""
     from absl import flags
 
-    from experiments import flags as run_flags
+    from experiments.core import flags as run_flags
     from experiments.workloads import flags as workload_flags
 
     run_flags.define_flags()

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from experiments import timing
+from experiments.runners import timing
 from jax_attn.nnx_attention import AttentionBackend
 
 from .placement import put_global, token_sharding

@@ -119,7 +119,7 @@ def single(flag_values: flags.FlagValues, name: str, default: str | None = None)
 def _seqlen(text: str | None) -> int | None:
     if text is None:
         return None
-    from experiments.flags import parse_seqlen
+    from experiments.core.flags import parse_seqlen
 
     return parse_seqlen(text)
 

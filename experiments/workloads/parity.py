@@ -68,7 +68,7 @@ def verify_with_torch(
     import torch
 
     import torch_attn
-    from experiments.checks import GRAD_FACTOR, tolerance
+    from experiments.runners.checks import GRAD_FACTOR, tolerance
 
     arrays, meta, mask = read_bundle(bundle_path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

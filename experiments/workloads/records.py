@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from experiments import timing
-from experiments.results import ResultsStore
+from experiments.core.results import ResultsStore
+from experiments.runners import timing
 
 STEP_LOG_FILE = "train_log.jsonl"
 

@@ -24,10 +24,11 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 
-from experiments import provenance, timing
-from experiments.outcomes import classify, short_traceback
-from experiments.progress import Progress
-from experiments.results import ResultsStore
+from experiments.core import provenance
+from experiments.core.outcomes import classify, short_traceback
+from experiments.core.progress import Progress
+from experiments.core.results import ResultsStore
+from experiments.runners import timing
 from jax_attn.nnx_attention import AttentionBackend
 
 from . import attention_time, data, lm, masking, placement, records, train
@@ -225,7 +226,7 @@ def run(
 
 def run_from_flags(flag_values: Any) -> int:
     """run.py --workload=train_step: run (or resume) the configured training; exit code."""
-    from experiments import cp_launch
+    from experiments.runners import cp_launch
 
     from . import flags as workload_flags
 

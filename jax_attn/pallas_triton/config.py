@@ -76,7 +76,7 @@ def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:
 
 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
-    """Launch defaults expected to be good on H100/H200 (sweep with experiments/tune_pallas.py)."""
+    """Launch defaults expected to be good on H100/H200 (sweep: run.py --preset=tune_pallas)."""
     d = padded_head_dim(head_dim)
     if jnp.dtype(dtype).itemsize > 2:
         return KernelConfig(num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=1)

@@ -37,11 +37,11 @@ Gradients of `attention`: the dispatch backward all-gathers the shards' gradient
 that every rank back-propagates the same dout.
 
 Launch (one process per GPU; `init_distributed` reads the variables either launcher sets):
-    torchrun --standalone --nproc-per-node=8 experiments/bench_cp_torch.py --out cp.jsonl
+    torchrun --standalone --nproc-per-node=8 experiments/run.py --framework=torch --preset=cp_bench
     torchrun --nnodes=$NNODES --nproc-per-node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=$MASTER_ADDR:29500 experiments/bench_cp_torch.py --out cp.jsonl
+        --rdzv-endpoint=$MASTER_ADDR:29500 experiments/run.py --framework=torch --preset=cp_bench
     srun --nodes=$NNODES --ntasks-per-node=8 --gpus-per-node=8 \\
-        python experiments/bench_cp_torch.py --out cp.jsonl   # MASTER_ADDR: first node by default
+        python experiments/run.py --framework=torch --preset=cp_bench  # MASTER_ADDR: node 0
 """
 
 from ._api import attention, bind, dispatch, get_plan, shard_attention, undispatch

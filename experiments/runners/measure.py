@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import timing
-from experiments.points import Point
+from experiments.core.points import Point
+from experiments.runners import timing
 
 QUANTILES = ("median", "p20", "p80")
 

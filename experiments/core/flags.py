@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from absl import flags
 
-from experiments import points, presets
+from experiments.core import points, presets, tuning
 
 FLAGS = flags.FLAGS
 
@@ -58,6 +58,14 @@ def _check_seqlens(values: list[str] | None) -> bool:
             parse_seqlen(v)
         except ValueError as e:
             raise flags.ValidationError(str(e)) from None
+    return True
+
+
+def _check_tune(value: str | None) -> bool:
+    try:
+        tuning.parse_space(value or "")
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
     return True
 
 
@@ -116,7 +124,20 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_masks", None, "Masks drawn per point.", lower_bound=1)
     flags.DEFINE_integer("window", None, "Sliding-window size.", lower_bound=0)
     flags.DEFINE_bool("reference_compat", None, "Reproduce the published (buggy) masks.")
-    flags.DEFINE_enum("preset", "smoke", list(presets.PRESETS), "Sweep preset (smoke|paper|full).")
+    flags.DEFINE_enum(
+        "preset",
+        "smoke",
+        list(presets.PRESETS),
+        "Sweep preset (smoke|paper|full|cp_bench|tune_pallas).",
+    )
+    flags.DEFINE_string(
+        "tune",
+        None,
+        "Pallas tuning space of kernel grids (pallas points), space-separated key=v1,v2 items: "
+        f"{', '.join(tuning.SPACE_DEFAULTS)}. Default: the tune_pallas preset's "
+        "(block_q=64,128 block_k=64,128 num_warps=4,8 num_stages=2,3 bwd_splits=1,2), "
+        "no tuning in the other presets.",
+    )
     flags.DEFINE_string(
         "out_dir",
         None,
@@ -158,6 +179,7 @@ def define_flags() -> None:
     flags.register_validator("mode", lambda v: _choices(v, points.MODES, "mode"))
     flags.register_validator("mask", _check_masks)
     flags.register_validator("seqlen", _check_seqlens)
+    flags.register_validator("tune", _check_tune)
     flags.register_validator("heads_q", lambda v: _check_positive_ints(v, "heads_q"))
     flags.register_validator("heads_kv", lambda v: _check_positive_ints(v, "heads_kv"))
     flags.register_multi_flags_validator(
@@ -248,6 +270,7 @@ def grid_overrides() -> dict:
         "num_masks": "num_masks",
         "window": "window",
         "reference_compat": "reference_compat",
+        "tune": "tune",
     }
     for flag, field in simple.items():
         if FLAGS[flag].value is not None:

@@ -9,11 +9,11 @@ import threading
 import time
 from datetime import timedelta
 
-from experiments import sweep
-from experiments.outcomes import ERROR
-from experiments.points import Point
-from experiments.progress import Progress
-from experiments.results import ResultsStore
+from experiments.core import sweep
+from experiments.core.outcomes import ERROR
+from experiments.core.points import Point
+from experiments.core.progress import Progress
+from experiments.core.results import ResultsStore
 
 CPU_TORCH_RANKS = 4
 PG_TIMEOUT = timedelta(minutes=30)
@@ -140,7 +140,7 @@ def run_torch_ranks(
     collectively); rank 0 records and prints progress."""
     import torch.distributed as dist
 
-    from experiments.torch_runner import TorchRunner
+    from experiments.runners.torch_runner import TorchRunner
 
     device = _join_group(init_method, rank, world)
     try:

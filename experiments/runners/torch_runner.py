@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments import checks, frameworks, inputs, measure, timing
-from experiments.outcomes import OK, WRONG, PointFailure, classify, short_traceback
-from experiments.points import Point
+from experiments.core.outcomes import OK, WRONG, PointFailure, classify, short_traceback
+from experiments.core.points import Point
+from experiments.runners import checks, frameworks, inputs, measure, timing
 
 
 class TorchRunner:

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments import checks, frameworks, inputs, measure, timing
-from experiments.outcomes import WRONG, PointFailure
-from experiments.points import Point
+from experiments.core.outcomes import WRONG, PointFailure
+from experiments.core.points import Point
+from experiments.runners import checks, frameworks, inputs, measure, timing
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:

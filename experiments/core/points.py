@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from experiments.core import tuning
+
 FRAMEWORKS = ("jax", "torch")
 CP_STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
 CP_CHOICES = ("none", *CP_STRATEGIES)
@@ -40,6 +42,7 @@ class Grid:
     window: int = 1024
     reference_compat: bool = False
     scaling: str = "weak"
+    tune: str = ""  # a Pallas tuning space (experiments/core/tuning.py); "" = the library's config
 
     @property
     def is_cp(self) -> bool:
@@ -79,6 +82,7 @@ class Point:
     warmup: int
     iters: int
     grid: str
+    kernel_config: str = ""  # a tuning candidate's name (experiments/core/tuning.py); "" = default
 
     @property
     def is_cp(self) -> bool:
@@ -95,6 +99,7 @@ class Point:
                 f"-n{self.num_devices}-{self.scaling}"
             )
         compat = "c" if self.reference_compat else ""
+        tuned = (f"tune-{self.kernel_config}",) if self.kernel_config else ()
         return "/".join(
             (
                 self.workload,
@@ -108,6 +113,7 @@ class Point:
                 self.mode,
                 f"m{self.num_masks}s{self.seed}w{self.window}{compat}",
                 f"r{self.warmup}:{self.iters}",
+                *tuned,
             )
         )
 
@@ -118,9 +124,13 @@ class Point:
             where = f" {self.cp}/{self.layout} x{self.num_devices}"
             per_device = f" ({self.seqlen_per_device}/device)"
         return (
-            f"{self.framework}/{self.impl}{where} {self.mask} S={self.seqlen_total}{per_device} "
+            f"{self.framework}/{self.impl}{self._tuned()}{where} {self.mask} "
+            f"S={self.seqlen_total}{per_device} "
             f"h{self.heads_q}:{self.heads_kv} {self.dtype} {self.mode}"
         )
+
+    def _tuned(self) -> str:
+        return f"[{self.kernel_config}]" if self.kernel_config else ""
 
     def as_dict(self) -> dict:
         """Plain fields for the JSON record."""
@@ -153,36 +163,43 @@ def expand(
         is_cp = cp != "none"
         n = num_devices if is_cp else 1
         total = total_seqlen(seqlen, grid.scaling, n, cp)
-        points.append(
-            Point(
-                workload=workload,
-                framework=framework,
-                impl=impl,
-                cp=cp,
-                layout=layout if is_cp else "none",
-                ulysses_size=ulysses_size if cp in HYBRID_STRATEGIES else None,
-                ulysses_intra_node=ulysses_intra_node if cp in HYBRID_STRATEGIES else None,
-                mask=mask,
-                seqlen_total=total,
-                seqlen_per_device=-(-total // n),
-                scaling=grid.scaling if is_cp else "none",
-                num_devices=n,
-                batch=grid.batch,
-                heads_q=hq,
-                heads_kv=hkv,
-                head_dim=grid.head_dim,
-                dtype=grid.dtype,
-                mode=mode,
-                num_masks=grid.num_masks,
-                seed=seed,
-                window=grid.window,
-                reference_compat=grid.reference_compat,
-                warmup=grid.warmup,
-                iters=grid.iters,
-                grid=grid.name,
-            )
+        point = Point(
+            workload=workload,
+            framework=framework,
+            impl=impl,
+            cp=cp,
+            layout=layout if is_cp else "none",
+            ulysses_size=ulysses_size if cp in HYBRID_STRATEGIES else None,
+            ulysses_intra_node=ulysses_intra_node if cp in HYBRID_STRATEGIES else None,
+            mask=mask,
+            seqlen_total=total,
+            seqlen_per_device=-(-total // n),
+            scaling=grid.scaling if is_cp else "none",
+            num_devices=n,
+            batch=grid.batch,
+            heads_q=hq,
+            heads_kv=hkv,
+            head_dim=grid.head_dim,
+            dtype=grid.dtype,
+            mode=mode,
+            num_masks=grid.num_masks,
+            seed=seed,
+            window=grid.window,
+            reference_compat=grid.reference_compat,
+            warmup=grid.warmup,
+            iters=grid.iters,
+            grid=grid.name,
         )
+        configs = _kernel_configs(grid, mode, impl)
+        points += [dataclasses.replace(point, kernel_config=c) for c in configs]
     return dedupe(points)
+
+
+def _kernel_configs(grid: Grid, mode: str, impl: str) -> tuple[str, ...]:
+    """The tuning candidates a grid sweeps for an impl in a mode, or its own config alone ("")."""
+    if not grid.tune or impl != tuning.TUNED_IMPL:
+        return ("",)
+    return tuning.candidate_names(grid.tune, mode, grid.head_dim, DTYPE_NAMES[grid.dtype])
 
 
 def dedupe(points: list[Point]) -> list[Point]:

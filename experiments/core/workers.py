@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-RUN_PY = str(Path(__file__).resolve().parent / "run.py")
+RUN_PY = str(Path(__file__).resolve().parent.parent / "run.py")
 INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
 _OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl")
 
@@ -49,7 +49,7 @@ def shared_cp_size(frameworks: Iterable[str], num_devices: int) -> int:
     """--num_devices if given, else the fewest CP devices any of the frameworks has."""
     if num_devices:
         return num_devices
-    from experiments import cp_launch
+    from experiments.runners import cp_launch
 
     sizes = []
     for fw in frameworks:
@@ -63,8 +63,8 @@ def shared_cp_size(frameworks: Iterable[str], num_devices: int) -> int:
 
 def impls_of(framework: str, impls: tuple[str, ...]) -> tuple[str, ...]:
     """The requested impl names this framework knows ('all' and 'default' kept)."""
-    from experiments import frameworks
-    from experiments.points import ALL, DEFAULT_IMPL
+    from experiments.core.points import ALL, DEFAULT_IMPL
+    from experiments.runners import frameworks
 
     try:
         known = set(frameworks.impl_names(framework))

@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 from absl import app
 
-from experiments import cp_launch, frameworks, presets, provenance, sweep, workers
-from experiments.flags import Settings
-from experiments.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
-from experiments.progress import Progress
-from experiments.results import ResultsStore, latest_by_key, read_records
+from experiments.core import presets, provenance, sweep, workers
+from experiments.core.flags import Settings
+from experiments.core.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
+from experiments.core.progress import Progress
+from experiments.core.results import ResultsStore, latest_by_key, read_records
+from experiments.runners import cp_launch, frameworks
 
 
 @dataclass
@@ -189,13 +190,13 @@ def _lazy_runner(make):
 
 
 def _jax_runner(rtol: float | None):
-    from experiments.jax_runner import JaxRunner
+    from experiments.runners.jax_runner import JaxRunner
 
     return JaxRunner(rtol_override=rtol)
 
 
 def _torch_runner(rtol: float | None):
-    from experiments.torch_runner import TorchRunner
+    from experiments.runners.torch_runner import TorchRunner
 
     return TorchRunner(rtol_override=rtol)
 
@@ -264,7 +265,7 @@ def _finish(settings: Settings, points: list[Point], store: ResultsStore) -> Non
 
 def _write_report(results: Path, out_dir: str) -> None:
     """The report of a results file, its tables echoed to the terminal."""
-    from experiments import report
+    from experiments.reports import report
 
     paths = report.write_report(results, out_dir)
     print(_result_tables(Path(paths["markdown"]).read_text()), flush=True)

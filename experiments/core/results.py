@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.outcomes import ERROR
+from experiments.core.outcomes import ERROR
 
 RESULTS_FILE = "results.jsonl"
 
@@ -30,6 +30,11 @@ def _jsonable(x: object) -> object:
 
 def read_records(path: str | os.PathLike) -> list[dict]:
     """All complete records of a results file (a torn last line from a kill is skipped)."""
+    return [rec for rec in read_json_lines(path) if "key" in rec]
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """Every complete JSON object line of a file (none if it does not exist)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -43,7 +48,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and "key" in rec:
+            if isinstance(rec, dict):
                 records.append(rec)
     return records
 

@@ -11,8 +11,8 @@ import inspect
 from collections.abc import Callable
 from types import ModuleType
 
-from experiments.outcomes import UNSUPPORTED, PointFailure, not_available
-from experiments.points import DEFAULT_IMPL, DTYPE_NAMES, Point
+from experiments.core.outcomes import UNSUPPORTED, PointFailure, not_available
+from experiments.core.points import DEFAULT_IMPL, DTYPE_NAMES, Point
 
 KERNEL_PACKAGES = {"jax": "jax_attn", "torch": "torch_attn"}
 CP_MODULES = {"jax": "shard_strategies.jax_cp", "torch": "shard_strategies.torch_cp"}
@@ -37,7 +37,7 @@ def cp_module(framework: str) -> ModuleType:
 
 def cp_kwargs(attention, point: Point) -> dict:
     """Optional CP keywords the executor accepts: the intra-node axis for the placement flag."""
-    from experiments.cp_launch import inner_axis
+    from experiments.runners.cp_launch import inner_axis
 
     try:
         params = inspect.signature(attention).parameters
@@ -49,6 +49,10 @@ def cp_kwargs(attention, point: Point) -> dict:
 def attention_fn(framework: str, point: Point, mask, **placement) -> Callable:
     """(q, k, v) -> out for the point's impl, or for its CP strategy with the executor's
     placement keywords (JAX: mesh, axis; torch: group); modules are looked up here."""
+    if point.kernel_config:
+        from experiments.runners import tuned_kernel
+
+        return tuned_kernel.attention_fn(point, mask)
     if not point.is_cp:
         mod = kernels(framework)
         return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
@@ -75,7 +79,7 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 def cp_plan_info(point: Point, mask) -> dict:
     """The strategy's plan for this point (load balance, steps, per-rank bytes moved); a
     configuration the plan rejects (e.g. heads that do not split over Ulysses) is unsupported."""
-    from experiments.cp_launch import inner_axis
+    from experiments.runners.cp_launch import inner_axis
 
     try:
         import shard_strategies

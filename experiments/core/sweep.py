@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 
-from experiments.outcomes import ERROR, OK, PointFailure, classify, short_traceback
-from experiments.points import Point
-from experiments.progress import Progress
-from experiments.results import ResultsStore
+from experiments.core.outcomes import ERROR, OK, PointFailure, classify, short_traceback
+from experiments.core.points import Point
+from experiments.core.progress import Progress
+from experiments.core.results import ResultsStore
 
 
 def make_record(

@@ -1,36 +1,35 @@
-"""Report on the context-parallel GPU benchmarks (bench_cp_jax.py, bench_cp_torch.py): per-GPU
-TFLOP/s and efficiency against the single-GPU rate, JAX vs PyTorch, the issue's targets, a CSV
-and efficiency / scaling plots.
+"""The context-parallel section of the report: per-GPU TFLOP/s and efficiency against the same
+kernel alone on one GPU at the per-GPU length, JAX vs PyTorch, the issue's targets, a CSV and
+efficiency / scaling plots, from the driver's records (--preset=cp_bench runs both halves).
 
-    python experiments/report_cp.py --results=cp_jax.jsonl,cp_torch_x8.jsonl --out_dir=cp_report/
-
-The two writers' records differ: torch lines carry framework="torch" and world_size, JAX lines
-carry no framework field but always the meta fields "jax" (its version) and num_gpus, so the
-framework is read from "framework" when present and otherwise derived from those two fields.
+    python experiments/report.py --results=results/local/cp/results.jsonl --out_dir=cp_report/
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
 
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from experiments import plots  # noqa: E402
-from experiments.report_parts import failed_points, md_table, slug, write_csv  # noqa: E402
-from experiments.results import latest_by_key  # noqa: E402
+from experiments.reports import plots  # noqa: E402
+from experiments.reports.report_parts import (  # noqa: E402
+    ResultsPaths,
+    failed_points,
+    md_table,
+    point_seqlens,
+    read_results,
+    results_paths,
+    slug,
+    write_csv,
+)
 from shard_strategies import LAYOUTS, STRATEGIES  # noqa: E402
 
 GIB = 2**30
@@ -50,7 +49,6 @@ KEY_FIELDS = (
 )
 COLUMNS = (
     "key",
-    "source",
     *KEY_FIELDS,
     "status",
     "device_kind",
@@ -69,31 +67,19 @@ COLUMNS = (
     "single_gpu_ms",
     "peak_gib",
     "peak_gib_mean",
-    "compiled_gib",
+    "mem_source",
     "single_gpu_peak_gib",
     "comm_bytes",
     "comm_fwd_bytes",
     "comm_bwd_bytes",
-    "sent_bytes",
     "err_out",
-    "err_lse",
     "err_dq",
-    "single_gpu_error",
+    "single_gpu_status",
     "error",
-    "time",
+    "timestamp",
 )
-STATUS_LABEL = {
-    "oom": "OOM",
-    "unsupported": "unsup.",
-    "wrong": "WRONG",
-    "error": "error",
-    "stopped": "stopped",
-}
-MARKERS = {
-    **plots.MARKERS,
-    "stopped": ("stopped", "v", "tab:orange"),
-    "no_single": ("no 1-GPU rate", "o", "tab:olive"),
-}
+STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
+MARKERS = {**plots.MARKERS, "no_single": ("no 1-GPU rate", "o", "tab:olive")}
 TARGET_MIN_TOKENS = 16384
 TARGETS: dict[str, tuple[float, str, Callable[[str, str], bool]]] = {
     "causal": (
@@ -105,45 +91,44 @@ TARGETS: dict[str, tuple[float, str, Callable[[str, str], bool]]] = {
     "share_question": (85.0, "balanced layout", lambda s, lay: lay == "balanced"),
 }
 BYTES_RTOL = 1e-9
+# What a CP point and its single-device baseline (a kernel point at the per-device length) share.
+BASELINE_FIELDS = (
+    "framework",
+    "impl",
+    "mask",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mode",
+    "num_masks",
+    "seed",
+    "window",
+    "reference_compat",
+)
 
 
-def framework_of(rec: dict) -> str:
-    """'torch' or 'jax': the explicit field, else the meta fields only the JAX writer sets."""
-    if rec.get("framework"):
-        return str(rec["framework"])
-    if "jax" in rec and "num_gpus" in rec:
-        return "jax"
-    raise ValueError(f"neither a torch nor a JAX CP record: keys {sorted(rec)}")
+def is_cp(rec: dict) -> bool:
+    """Whether a driver record is of a CP point."""
+    return rec["point"].get("cp", "none") != "none"
 
 
-def read_cp_records(paths: Sequence[str | Path]) -> list[dict]:
-    """Every record of the given JSON-lines files, tagged with its source; missing files raise."""
-    records = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise FileNotFoundError(f"--results: {str(path)!r} does not exist or is not a file")
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                try:
-                    rec["_framework"] = framework_of(rec)
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
-                rec["_source"] = f"{path}:{n}"
-                records.append(rec)
-    return records
+def _baseline_key(point: dict, seqlen: int) -> tuple:
+    return (*(point.get(f) for f in BASELINE_FIELDS), seqlen)
 
 
 def _comm_bytes(comm: dict | None, mode: str | None) -> float | None:
-    """Plan bytes moved per rank for the mode: forward, or forward plus backward."""
+    """Plan bytes moved per rank for the mode: forward, backward, or both."""
     if not comm:
         return None
-    return comm["fwd_bytes"] + (comm["bwd_bytes"] if mode == "fwd_bwd" else 0.0)
+    fwd = comm["fwd_bytes"] if mode != "bwd" else 0.0
+    return fwd + (comm["bwd_bytes"] if mode != "fwd" else 0.0)
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def efficiency(row: dict) -> float | None:
@@ -154,67 +139,75 @@ def efficiency(row: dict) -> float | None:
     return 100.0 * tf / single
 
 
-def flat_row(rec: dict) -> dict:
-    """One CSV row from a raw record of either writer, with the same column names for both."""
-    fw = rec["_framework"]
-    plan = rec.get("plan") or {}
-    check = rec.get("check") or {}
-    times = rec.get("time_ms") or {}
-    comm = rec.get("comm")
-    row = {k: rec.get(k) for k in KEY_FIELDS}
-    row.update(
-        framework=fw,
-        source=rec["_source"],
-        status=rec.get("status"),
-        seqlen_total=rec.get("seqlen"),
-        tflops_per_gpu=rec.get("tflops_per_gpu"),
-        single_gpu_tflops=rec.get("single_gpu_tflops"),
-        single_gpu_ms=rec.get("single_gpu_ms"),
-        single_gpu_error=rec.get("single_gpu_error"),
-        error=rec.get("error"),
-        time=rec.get("time"),
-        time_ms=times.get("median"),
-        time_ms_p20=times.get("p20"),
-        time_ms_p80=times.get("p80"),
-        comm_bytes=_comm_bytes(comm, rec.get("mode")),
-        comm_fwd_bytes=(comm or {}).get("fwd_bytes"),
-        comm_bwd_bytes=(comm or {}).get("bwd_bytes"),
-        err_out=check.get("out"),
-        err_lse=check.get("lse"),
-        err_dq=check.get("dq"),
-        **{k: plan.get(k) for k in ("ulysses_size", "ring_size", "num_windows", "load_balance")},
-    )
-    if fw == "jax":
-        peak, compiled = rec.get("peak_bytes_in_use"), rec.get("compiled_bytes")
-        row.update(
-            device_kind=rec.get("device_kind"),
-            inner_axis=plan.get("inner_axis"),
-            peak_gib=peak / GIB if peak is not None else None,
-            compiled_gib=compiled / GIB if compiled is not None else None,
-        )
-    else:
-        sent = rec.get("sent_bytes")
-        row.update(
-            num_gpus=rec.get("world_size"),
-            device_kind=", ".join((rec.get("devices") or {}).get("device_kind") or []),
-            inner_axis=rec.get("inner_axis"),
-            peak_gib=rec.get("peak_gib_max"),
-            peak_gib_mean=rec.get("peak_gib_mean"),
-            single_gpu_peak_gib=rec.get("single_gpu_peak_gib"),
-            sent_bytes=sum(sent.values()) if sent else None,
-        )
+def _device_kind(rec: dict, framework: str) -> str | None:
+    devices = ((rec.get("provenance") or {}).get("devices") or {}).get(framework) or {}
+    return ", ".join(devices.get("device_kind") or []) or None
+
+
+def flat_row(rec: dict, baseline: dict | None) -> dict:
+    """One CSV row of a CP record, with its single-device baseline record (or None)."""
+    p = rec["point"]
+    masks = rec.get("masks") or []
+    plan = (masks[0].get("plan") if masks else None) or {}
+    comms = [m.get("comm") for m in masks]
+    check = (rec.get("check") or {}).get("max_errors") or {}
+    metrics = rec.get("metrics") or {}
+    times = metrics.get("time_ms") or {}
+    single = (baseline or {}).get("metrics") or {}
+    row = {
+        "key": rec["key"],
+        "framework": p["framework"],
+        "num_gpus": p["num_devices"],
+        "impl": p["impl"],
+        "heads_q": p["heads_q"],
+        "heads_kv": p["heads_kv"],
+        "head_dim": p["head_dim"],
+        "dtype": p["dtype"],
+        "mask": p["mask"],
+        "tokens_per_gpu": point_seqlens(p)[1],
+        "strategy": p["cp"],
+        "layout": p["layout"],
+        "mode": p["mode"],
+        "status": rec["status"],
+        "device_kind": _device_kind(rec, p["framework"]),
+        "seqlen_total": point_seqlens(p)[0],
+        "tflops_per_gpu": (metrics.get("tflops") or {}).get("median"),
+        "single_gpu_tflops": (single.get("tflops") or {}).get("median"),
+        "single_gpu_ms": (single.get("time_ms") or {}).get("median"),
+        "single_gpu_peak_gib": single.get("peak_mem_gib"),
+        "single_gpu_status": baseline["status"] if baseline else None,
+        "time_ms": times.get("median"),
+        "time_ms_p20": times.get("p20"),
+        "time_ms_p80": times.get("p80"),
+        "peak_gib": metrics.get("peak_mem_gib"),
+        "peak_gib_mean": _mean([m.get("peak_mem_gib_mean") for m in masks]),
+        "mem_source": metrics.get("mem_source"),
+        "comm_bytes": _mean([_comm_bytes(c, p["mode"]) for c in comms]),
+        "comm_fwd_bytes": _mean([(c or {}).get("fwd_bytes") for c in comms]),
+        "comm_bwd_bytes": _mean([(c or {}).get("bwd_bytes") for c in comms]),
+        "err_out": check.get("out"),
+        "err_dq": check.get("dq"),
+        "error": rec.get("reason"),
+        "timestamp": rec.get("timestamp"),
+        **{k: plan.get(k) for k in ("ulysses_size", "ring_size", "num_windows", "inner_axis")},
+        "load_balance": plan.get("load_balance"),
+    }
     row["efficiency_pct"] = efficiency(row)
-    has_point = row["mask"] is not None
-    row["key"] = ":".join(str(row[k]) for k in KEY_FIELDS) if has_point else row["source"]
     return {c: row.get(c) for c in COLUMNS}
 
 
-def load_rows(paths: Sequence[str | Path]) -> tuple[list[dict], list[dict]]:
-    """(flat rows, raw records): the latest record of each point key, by its write time."""
-    records = read_cp_records(paths)
-    order = sorted(range(len(records)), key=lambda i: records[i].get("time") or 0.0)
-    rows = latest_by_key([flat_row(records[i]) for i in order])
-    return list(rows.values()), records
+def cp_rows(records: list[dict]) -> list[dict]:
+    """Rows of the CP records, each with the kernel record of its per-device problem."""
+    baselines = {
+        _baseline_key(r["point"], point_seqlens(r["point"])[0]): r
+        for r in records
+        if not is_cp(r) and not r["point"].get("kernel_config")
+    }
+    return [
+        flat_row(r, baselines.get(_baseline_key(r["point"], point_seqlens(r["point"])[1])))
+        for r in records
+        if is_cp(r)
+    ]
 
 
 def shape(row: dict) -> str:
@@ -254,10 +247,6 @@ def _group_order(item: tuple) -> tuple:
     return _key_order(item[0])
 
 
-def _point_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["mask"] is not None]
-
-
 def _bytes_label(b: float | None) -> str:
     if b is None:
         return "-"
@@ -279,7 +268,7 @@ def strategy_tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[st
     """Per (framework, GPUs, mode, shape, impl): rows (mask, tokens/GPU), columns strategy/layout
     (one table each)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _point_rows(rows):
+    for r in rows:
         groups[_table_group(r)].append(r)
     tables = []
     for (fw, n, mode, shp, impl), members in sorted(groups.items(), key=_group_order):
@@ -301,7 +290,7 @@ def cross_framework(rows: list[dict]) -> list[dict]:
         "jax": defaultdict(list),
         "torch": defaultdict(list),
     }
-    for r in _point_rows(rows):
+    for r in rows:
         if r["framework"] in by_fw:
             k = (r["num_gpus"], shape(r), r["mask"], r["tokens_per_gpu"], series(r), r["mode"])
             by_fw[r["framework"]][k].append(r)
@@ -333,7 +322,7 @@ def cross_framework(rows: list[dict]) -> list[dict]:
                             f"{j['tflops_per_gpu'] / t['tflops_per_gpu']:.2f}x" if both_ok else "-"
                         ),
                         "jax peak GiB": _gib(j["peak_gib"]),
-                        "jax compiled GiB": _gib(j["compiled_gib"]),
+                        "jax peak from": j["mem_source"] or "-",
                         "torch peak GiB": _gib(t["peak_gib"]),
                         "bytes moved/GPU": _bytes_label(jb if jb is not None else tb),
                         "plans agree": agree,
@@ -346,7 +335,7 @@ def targets(rows: list[dict]) -> list[dict]:
     """Per (framework, GPUs, mode, shape, impl, mask, tokens/GPU >= TARGET_MIN_TOKENS): the best
     efficiency among the strategy/layouts the target names, and whether it meets the target."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _point_rows(rows):
+    for r in rows:
         if r["mask"] in TARGETS and r["tokens_per_gpu"] >= TARGET_MIN_TOKENS:
             groups[(*_table_group(r), r["mask"], r["tokens_per_gpu"])].append(r)
     out = []
@@ -379,34 +368,25 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def _provenance_lines(rows: list[dict], records: list[dict], paths: Sequence[str]) -> list[str]:
     lines = [f"- results: {', '.join(str(p) for p in paths)}"]
-    for fw in sorted({r["_framework"] for r in records}):
-        recs = [r for r in records if r["_framework"] == fw]
-        gpus = sorted({r["num_gpus"] for r in rows if r["framework"] == fw and r["num_gpus"]})
+    for fw in sorted({r["framework"] for r in rows}):
+        gpus = sorted({r["num_gpus"] for r in rows if r["framework"] == fw})
         kinds = sorted(
             {r["device_kind"] for r in rows if r["framework"] == fw and r["device_kind"]}
         )
-        if fw == "jax":
-            versions = {f"jax {r.get('jax')}, python {r.get('python')}" for r in recs}
-            extra = sorted({f"impl {r.get('impl')}" for r in recs})
-        else:
-            versions = {
-                ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items()) for r in recs
-            }
-            extra = sorted(
-                {
-                    f"git {(r.get('git') or {}).get('commit')}"
-                    f"{' (dirty)' if (r.get('git') or {}).get('dirty') else ''}"
-                    for r in recs
-                }
-            )
+        provs = [r.get("provenance") or {} for r in records if r["point"]["framework"] == fw]
+        versions = {
+            ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items()) for p in provs
+        }
+        commits = {
+            f"git {(p.get('git') or {}).get('commit')}"
+            f"{' (dirty)' if (p.get('git') or {}).get('dirty') else ''}"
+            for p in provs
+        }
         lines += [
             f"- {fw}: devices {', '.join(kinds) or '?'}; GPU counts "
-            f"{', '.join(map(str, gpus)) or '?'}; {'; '.join(extra)}",
-            *(f"  - versions: {v}" for v in sorted(versions)),
+            f"{', '.join(map(str, gpus)) or '?'}; {'; '.join(sorted(commits))}",
+            *(f"  - versions: {v}" for v in sorted(versions) if v),
         ]
-        stopped = [r for r in rows if r["framework"] == fw and r["mask"] is None]
-        for r in stopped:
-            lines.append(f"  - sweep {r['status']} ({r['error']}) at {r['source']}")
     return lines
 
 
@@ -425,8 +405,8 @@ def write_markdown(
         "",
         "Cells: median per-GPU TFLOP/s (global mask FLOPs / GPUs / time) and, in brackets, "
         "efficiency = per-GPU TFLOP/s / the same kernel's single-GPU TFLOP/s on the per-GPU "
-        "problem. OOM, unsup. (unsupported), WRONG (failed the row check), error and stopped "
-        "points carry no number.",
+        "problem (the kernel point of the same impl at the per-GPU length). OOM, unsup. "
+        "(unsupported), WRONG (failed the float64 check) and error points carry no number.",
         "",
     ]
     for title, header, body in strategy_tables(rows):
@@ -437,8 +417,8 @@ def write_markdown(
             "## JAX vs PyTorch",
             "",
             "Same GPUs, shape, mask, tokens, strategy/layout and mode. JAX peak is the device "
-            "high-water mark (it only rises during a run) and compiled is XLA's per-point "
-            "estimate; torch peak is the max over ranks. Bytes moved are the plan's per GPU; "
+            "high-water mark when the point raised it, else XLA's compiled estimate (peak from "
+            "says which); torch peak is the max over ranks. Bytes moved are the plan's per GPU; "
             "both executors share one plan, so a mismatch is a bug.",
             "",
         ]
@@ -544,7 +524,7 @@ def line_plot(
 def efficiency_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     """Per (framework, GPUs, mode, shape, impl, mask): efficiency % vs tokens per GPU."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _point_rows(rows):
+    for r in rows:
         groups[(*_table_group(r), r["mask"])].append(r)
     paths = []
     for (fw, n, mode, shp, impl, mask), members in sorted(groups.items(), key=_group_order):
@@ -575,7 +555,7 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     """Per (framework, mode, shape, impl, mask, tokens/GPU) run on 2+ GPU counts: per-GPU
     TFLOP/s vs GPUs, with the single-GPU rate measured in each run as a dashed reference."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _point_rows(rows):
+    for r in rows:
         groups[
             (r["framework"], r["mode"], shape(r), r["impl"], r["mask"], r["tokens_per_gpu"])
         ].append(r)
@@ -613,37 +593,19 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_report(results: Sequence[str | Path], out_dir: str | Path) -> dict[str, object]:
-    """Every artefact into out_dir: cp_report.md, cp_results.csv, plots; returns their paths."""
-    out_dir = Path(out_dir)
-    rows, records = load_rows(results)
+def write_cp_report(records: list[dict], paths: Sequence[str], out_dir: Path) -> dict[str, object]:
+    """Every artefact of the CP records into out_dir: cp_report.md, cp_results.csv, plots;
+    returns their paths."""
+    rows = cp_rows(records)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out_dir / "cp_results.csv", COLUMNS)
     eff = efficiency_plots(rows, out_dir)
     scaling = scaling_plots(rows, out_dir)
-    md = write_markdown(rows, records, [str(p) for p in results], out_dir, eff + scaling)
+    md = write_markdown(rows, records, paths, out_dir, eff + scaling)
     return {"markdown": md, "csv": csv_path, "efficiency_plots": eff, "scaling_plots": scaling}
 
 
-def main(argv: list[str]) -> None:
-    """CLI: report on CP benchmark JSON-lines files."""
-    from absl import app, flags
-
-    del argv
-    fv = flags.FLAGS
-    missing = [p for p in fv.results if not Path(p).is_file()]
-    if missing:
-        raise app.UsageError(f"--results: not a file: {', '.join(map(repr, missing))}")
-    out_dir = fv.out_dir or str(Path(fv.results[0]).parent / "cp_report")
-    paths = write_report(fv.results, out_dir)
-    n = len(paths["efficiency_plots"]) + len(paths["scaling_plots"])
-    print(f"Report: {paths['markdown']} ({n} plots)")
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-
-    flags.DEFINE_list("results", None, "CP benchmark JSON-lines files (JAX and/or torch).")
-    flags.mark_flag_as_required("results")
-    flags.DEFINE_string("out_dir", None, "Report folder (default: cp_report/ beside the first).")
-    app.run(main)
+def write_report(results: ResultsPaths, out_dir: str | Path) -> dict[str, object]:
+    """The CP report of results files (a missing one raises, naming it)."""
+    paths = [str(p) for p in results_paths(results)]
+    return write_cp_report(read_results(results), paths, Path(out_dir))

@@ -1,8 +1,12 @@
-"""Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full.
+"""Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full,
+cp_bench (the CP GPU sweep) and tune_pallas (launch configs of the Pallas Triton kernel).
 
 paper = SPEC.md 3 (kernel benchmark) + SPEC.md 5.5 (CP benchmark) with the reference's masks
 (reference_compat); full = the same grids with the corrected masks, plus every static mask under
-every CP strategy with the mask-area-balanced layout.
+every CP strategy with the mask-area-balanced layout. cp_bench = every strategy x layout at 8K
+and 32K tokens per GPU, with the same kernel alone on one GPU at the per-GPU length as the
+baseline of each point's efficiency; tune_pallas = the tuning space of --tune (every candidate
+is checked before it is timed, like any point).
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attn_masks import MASK_NAMES
-from experiments.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, Grid
+from experiments.core import tuning
+from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, Grid
 
-PRESETS = ("smoke", "paper", "full")
+PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas")
 K = 1024
 
 # MASK_NAMES is in SPEC.md 1.1 order: the 12 masks of the kernel benchmark, then the two
@@ -21,16 +26,21 @@ STATIC_MASKS = MASK_NAMES[:-2]
 ALL_MASKS = MASK_NAMES
 CP_PAPER_MASKS = ("full", "causal", "full_document_long", "causal_document_long")
 PAPER_KERNEL_SEQLENS = tuple(n * K for n in (1, 2, 4, 8, 16, 24, 32, 40, 48))
+CP_BENCH_MASKS = ("full", "causal", "causal_document", "share_question")
+CP_BENCH_IMPLS = ("pallas", "flex")  # each framework keeps the one it has
+TUNE_MASKS = ("full", "causal", "causal_document")
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Kernel and CP grids of a preset; `default_cp` says whether a run without --cp does CP."""
+    """Kernel and CP grids of a preset; `default_cp` says whether a run without --cp does CP;
+    `baseline` grids run with the CP grids (single-device rates the CP report compares with)."""
 
     name: str
     kernel: tuple[Grid, ...]
     cp: tuple[Grid, ...]
     default_cp: bool
+    baseline: tuple[Grid, ...] = ()
 
 
 def _paper_kernel(compat: bool) -> Grid:
@@ -113,10 +123,50 @@ def _smoke(on_gpu: bool) -> Preset:
     return Preset("smoke", (kernel,), (cp,), default_cp=False)
 
 
+def _cp_bench() -> Preset:
+    common = dict(
+        impls=CP_BENCH_IMPLS,
+        masks=CP_BENCH_MASKS,
+        seqlens=(8 * K, 32 * K),
+        heads=((64, 8),),
+        head_dim=128,
+        dtype="bf16",
+        modes=("fwd", "fwd_bwd"),
+        warmup=2,
+        iters=8,
+    )
+    cp = Grid(name="cp_bench", cps=CP_STRATEGIES, layouts=LAYOUTS, scaling="weak", **common)
+    single = Grid(name="cp_bench_single_device", cps=("none",), layouts=("none",), **common)
+    return Preset("cp_bench", (), (cp,), default_cp=True, baseline=(single,))
+
+
+def _tune_pallas() -> Preset:
+    kernel = Grid(
+        name="tune_pallas",
+        cps=("none",),
+        layouts=("none",),
+        impls=(tuning.TUNED_IMPL,),
+        masks=TUNE_MASKS,
+        seqlens=(8 * K, 16 * K, 32 * K),
+        heads=((64, 8),),
+        head_dim=128,
+        dtype="bf16",
+        modes=("fwd", "fwd_bwd"),
+        warmup=2,
+        iters=5,
+        tune=tuning.DEFAULT_SPACE,
+    )
+    return Preset("tune_pallas", (kernel,), (), default_cp=False)
+
+
 def get_preset(name: str, *, on_gpu: bool) -> Preset:
     """The grids of a named preset; smoke picks CPU or GPU sizes, the others are fixed."""
     if name == "smoke":
         return _smoke(on_gpu)
+    if name == "cp_bench":
+        return _cp_bench()
+    if name == "tune_pallas":
+        return _tune_pallas()
     if name == "paper":
         return Preset("paper", (_paper_kernel(True),), (_paper_cp(True),), default_cp=True)
     if name == "full":
@@ -133,11 +183,12 @@ def select_grids(preset: Preset, cps: tuple[str, ...] | None) -> list[Grid]:
     """The grids a run uses: --cp=none picks the kernel grids, other --cp values the CP grids
     (with their strategies replaced), a mix both; without --cp the preset decides."""
     if cps is None:
-        return [*preset.kernel, *(preset.cp if preset.default_cp else ())]
+        cp = (*preset.baseline, *preset.cp) if preset.default_cp else ()
+        return [*preset.kernel, *cp]
     grids = list(preset.kernel) if "none" in cps else []
     strategies = tuple(c for c in cps if c != "none")
     if strategies:
-        grids += [g.replace(cps=strategies) for g in preset.cp]
+        grids += [*preset.baseline, *(g.replace(cps=strategies) for g in preset.cp)]
     return grids
 
 
@@ -149,5 +200,7 @@ def apply_overrides(grids: list[Grid], overrides: dict) -> list[Grid]:
         if not g.is_cp:
             changes.pop("layouts", None)
             changes.pop("scaling", None)
+        else:
+            changes.pop("tune", None)
         out.append(g.replace(**changes))
     return out

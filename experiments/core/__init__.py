@@ -1,0 +1,1 @@
+"""The driver core: flags, presets and points, the plan, the point loop, the results store."""

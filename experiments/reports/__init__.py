@@ -1,0 +1,1 @@
+"""Reports read from the driver's results.jsonl: tables, CSV, plots."""

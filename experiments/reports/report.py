@@ -1,0 +1,414 @@
+"""The report of results.jsonl files: CSV, plots per (mode, mask), report.md, mask pictures, a
+JAX-vs-PyTorch table, the best tuning candidates, a grid image of all plots, and (for CP points)
+the CP report beside it.
+
+    python experiments/report.py --results=results/local/x/results.jsonl --out_dir=report/
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from experiments.reports import plots, report_cp, tuning_table
+from experiments.reports.report_parts import (
+    ResultsPaths,
+    failed_points,
+    md_table,
+    point_seqlens,
+    read_results,
+    results_paths,
+    slug,
+    write_csv,
+)
+
+POINT_FIELDS = (
+    "framework",
+    "impl",
+    "cp",
+    "layout",
+    "ulysses_size",
+    "mask",
+    "seqlen_total",
+    "seqlen_per_device",
+    "num_devices",
+    "scaling",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mode",
+    "num_masks",
+    "seed",
+    "window",
+    "reference_compat",
+    "grid",
+    "kernel_config",
+)
+METRIC_FIELDS = (
+    "tflops",
+    "tflops_at_p20_time",
+    "tflops_at_p80_time",
+    "tflops_total",
+    "time_ms",
+    "time_ms_p20",
+    "time_ms_p80",
+    "peak_mem_gib",
+    "mem_source",
+    "density",
+)
+CHECK_FIELDS = ("check_kind", "err_out", "err_dq", "err_dk", "err_dv")
+COLUMNS = (
+    "key",
+    "status",
+    *POINT_FIELDS,
+    *METRIC_FIELDS,
+    *CHECK_FIELDS,
+    "reason",
+    "elapsed_s",
+    "timestamp",
+)
+SEQLEN_COLUMNS = ("seqlen_total", "seqlen_per_device")
+STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
+CUDNN_CONTROL = {"jax": ("cudnn",), "torch": ("sdpa_cudnn", "cudnn")}
+SHARED_KERNEL_IMPLS = ("triton",)
+SAME_KERNEL_TOLERANCE = 0.03
+
+
+def flat_row(rec: dict) -> dict:
+    """One CSV row from a record (metrics empty unless status is ok)."""
+    p = rec["point"]
+    row = {"key": rec["key"], "status": rec["status"], **{f: p.get(f) for f in POINT_FIELDS}}
+    row["seqlen_total"], row["seqlen_per_device"] = point_seqlens(p)
+    m = rec.get("metrics") or {}
+    if m:
+        row.update(
+            tflops=m["tflops"]["median"],
+            tflops_at_p20_time=m["tflops"]["p20"],
+            tflops_at_p80_time=m["tflops"]["p80"],
+            tflops_total=m.get("tflops_total"),
+            time_ms=m["time_ms"]["median"],
+            time_ms_p20=m["time_ms"]["p20"],
+            time_ms_p80=m["time_ms"]["p80"],
+            peak_mem_gib=m.get("peak_mem_gib"),
+            mem_source=m.get("mem_source"),
+            density=m.get("density"),
+        )
+    c = rec.get("check") or {}
+    errors = c.get("max_errors") or c.get("errors") or {}
+    row["check_kind"] = c.get("kind")
+    for n in ("out", "dq", "dk", "dv"):
+        row[f"err_{n}"] = errors.get(n)
+    row.update(
+        reason=rec.get("reason"), elapsed_s=rec.get("elapsed_s"), timestamp=rec.get("timestamp")
+    )
+    return {c: row.get(c) for c in COLUMNS}
+
+
+def load_rows(results: ResultsPaths) -> tuple[list[dict], list[dict]]:
+    """(flat rows, records): the latest record of each point key, in file order."""
+    records = read_results(results, missing_ok=True)
+    return [flat_row(r) for r in records], records
+
+
+def _kind(row: dict) -> str:
+    if row.get("kernel_config"):
+        return "tune"
+    return "kernel" if row["cp"] in (None, "none") else "cp"
+
+
+def _config(row: dict) -> str:
+    cfg = f"b{row['batch']} h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
+    if _kind(row) == "cp":
+        cfg += f" x{row['num_devices']} {row['scaling']}"
+    if row["reference_compat"]:
+        cfg += " ref-compat"
+    return cfg
+
+
+def series_name(row: dict) -> str:
+    """Bar series: framework/impl for kernels, the candidate when tuning,
+    framework/strategy/layout[/impl] under CP."""
+    if _kind(row) == "tune":
+        return row["kernel_config"]
+    if _kind(row) == "kernel":
+        return f"{row['framework']}/{row['impl']}"
+    name = f"{row['framework']}/{row['cp']}/{row['layout']}"
+    return name if row["impl"] == "default" else f"{name}/{row['impl']}"
+
+
+def _cell(row: dict) -> str:
+    if row["status"] == "ok":
+        return f"{row['tflops']:.3g}"
+    return STATUS_LABEL.get(row["status"], row["status"])
+
+
+def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per (kind, mode, mask, config)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(_kind(r), r["mode"], r["mask"], _config(r))].append(r)
+    paths = []
+    for (kind, mode, mask, cfg), members in sorted(groups.items()):
+        plot_rows = [
+            {
+                "series": series_name(r),
+                "seqlen": r["seqlen_total"],
+                "status": r["status"],
+                "tflops": r["tflops"],
+                "tflops_at_p20_time": r["tflops_at_p20_time"],
+                "tflops_at_p80_time": r["tflops_at_p80_time"],
+                "peak_mem_gib": r["peak_mem_gib"],
+            }
+            for r in members
+        ]
+        unit = "per-device " if kind == "cp" else ""
+        title = f"{unit}attn-{mode} with {mask} mask\n{kind}: {cfg}"
+        path = out_dir / "plots" / f"{slug(f'{kind}_{mode}_{mask}_{cfg}')}.png"
+        paths.append(plots.bar_plot(plot_rows, path, title=title, xlabel="total sequence length"))
+    return paths
+
+
+def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], str]:
+    """A picture of each mask used (its smallest length); (paths, note if not possible)."""
+    try:
+        from attn_masks import make_mask, render_mask_png
+    except ImportError as e:
+        return [], f"mask pictures not available: {e}"
+    smallest: dict[tuple, int] = {}
+    for r in rows:
+        k = (r["mask"], r["window"], bool(r["reference_compat"]), r["seed"])
+        smallest[k] = min(smallest.get(k, r["seqlen_total"]), r["seqlen_total"])
+    paths, notes = [], []
+    (out_dir / "masks").mkdir(parents=True, exist_ok=True)
+    for (mask, window, compat, seed), s in sorted(smallest.items()):
+        name = f"{mask}_S{s}_w{window}{'_compat' if compat else ''}.png"
+        try:
+            m = make_mask(mask, s, seed=seed, window=window, reference_compat=compat)
+            paths.append(render_mask_png(m, out_dir / "masks" / name))
+        except Exception as e:
+            notes.append(f"{mask} at {s}: {type(e).__name__}: {e}")
+    return paths, "; ".join(notes)
+
+
+def _point_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows of both frameworks grouped by (cp, mask, total and per-device length, mode,
+    config)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
+        key = (cp, r["mask"], r["seqlen_total"], r["seqlen_per_device"], r["mode"], _config(r))
+        groups[key].append(r)
+    return {k: v for k, v in groups.items() if {r["framework"] for r in v} == {"jax", "torch"}}
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    ok = a is not None and b is not None and a["status"] == b["status"] == "ok"
+    return f"{a['tflops'] / b['tflops']:.2f}x" if ok else "-"
+
+
+def cross_framework(rows: list[dict]) -> list[dict]:
+    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
+    out = []
+    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
+        row = {
+            "cp": cp,
+            "mask": mask,
+            "seqlen_total": total,
+            "seqlen_per_device": per_device,
+            "mode": mode,
+            "config": cfg,
+        }
+        best, control = {}, {}
+        for fw in ("jax", "torch"):
+            ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
+            best[fw] = max(ok, key=lambda r: r["tflops"]) if ok else None
+            b = best[fw]
+            row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
+            found = [r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]]
+            control[fw] = found[0] if found else None
+            row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
+        row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
+        row["cudnn_jax_over_torch"] = _ratio(control["jax"], control["torch"])
+        out.append(row)
+    return out
+
+
+def same_kernel(rows: list[dict]) -> list[dict]:
+    """The one kernel launched from both frameworks: per point, both rates and their gap.
+
+    The kernel source is identical, so a gap above SAME_KERNEL_TOLERANCE is framework overhead
+    (dispatch, layout copies, synchronisation) and is flagged for a profile.
+    """
+    out = []
+    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
+        for impl in SHARED_KERNEL_IMPLS:
+            pair = {r["framework"]: r for r in members if r["impl"] == impl}
+            if set(pair) != {"jax", "torch"}:
+                continue
+            jax_row, torch_row = pair["jax"], pair["torch"]
+            gap = "-"
+            if jax_row["status"] == torch_row["status"] == "ok":
+                rel = jax_row["tflops"] / torch_row["tflops"] - 1.0
+                flag = "" if abs(rel) <= SAME_KERNEL_TOLERANCE else " (over 3%: profile)"
+                gap = f"{rel:+.1%}{flag}"
+            out.append(
+                {
+                    "cp": cp,
+                    "mask": mask,
+                    "seqlen_total": total,
+                    "seqlen_per_device": per_device,
+                    "mode": mode,
+                    "config": cfg,
+                    "impl": impl,
+                    "jax": _cell(jax_row),
+                    "torch": _cell(torch_row),
+                    "jax_vs_torch": gap,
+                }
+            )
+    return out
+
+
+def _provenance_lines(records: list[dict]) -> list[str]:
+    prov = next((r.get("provenance") for r in records if r.get("provenance")), None)
+    if not prov:
+        return []
+    git = prov.get("git") or {}
+    devices = prov.get("devices") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items())
+    lines = [
+        f"- versions: {versions}",
+        f"- git: {git.get('commit')} (dirty: {git.get('dirty')})",
+        f"- host: {prov.get('host')}",
+    ]
+    for fw, d in devices.items():
+        if d:
+            lines.append(
+                f"- {fw} devices: {d.get('device_count')} x "
+                f"{', '.join(d.get('device_kind') or [])} ({d.get('backend')})"
+            )
+    return lines
+
+
+def write_markdown(
+    rows: list[dict],
+    records: list[dict],
+    out_dir: Path,
+    plot_paths: list[Path],
+    mask_paths: list[Path],
+    cross: list[dict],
+    notes: list[str],
+    shared: list[dict] | None = None,
+    cp_report: Path | None = None,
+) -> Path:
+    """report.md: provenance, status counts, TFLOP/s tables, cross-framework table, figures."""
+    lines = ["# Attention benchmark report", ""]
+    lines += _provenance_lines(records)
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[r["status"]] += 1
+    lines += [
+        "",
+        "Statuses: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())),
+        "",
+        "Cells: median TFLOP/s per device (CP: global FLOPs / devices / slowest rank's "
+        "time); OOM, unsup. (unsupported), WRONG (failed the float64 check) and error "
+        "points carry no number. seqlen_total: tokens of the whole sequence; "
+        "seqlen_per_device: tokens each device holds (the same without CP).",
+        "",
+    ]
+    tables: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        tables[(_kind(r), r["mode"], _config(r))].append(r)
+    for (kind, mode, cfg), members in sorted(tables.items()):
+        series = sorted({series_name(r) for r in members})
+        cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for r in members:
+            length = (r["seqlen_total"], r["seqlen_per_device"])
+            cells[(r["mask"], *length)][series_name(r)] = _cell(r)
+        body = [[*k, *(c.get(n, "") for n in series)] for k, c in sorted(cells.items())]
+        lines += [f"## {kind} {mode}: {cfg}", ""]
+        lines += md_table(["mask", *SEQLEN_COLUMNS, *series], body) + [""]
+    if cross:
+        lines += [
+            "## JAX vs PyTorch",
+            "",
+            "Best impl of each framework per point, with cuDNN in both as a control.",
+            "",
+        ]
+        keys = [
+            "cp",
+            "mask",
+            *SEQLEN_COLUMNS,
+            "mode",
+            "config",
+            "best_jax",
+            "best_torch",
+            "jax_over_torch",
+            "cudnn_jax",
+            "cudnn_torch",
+            "cudnn_jax_over_torch",
+        ]
+        lines += md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
+    if shared:
+        lines += [
+            "## Same kernel, two front ends",
+            "",
+            "One kernel source launched from JAX and from PyTorch: a gap is framework overhead.",
+            "",
+        ]
+        keys = list(shared[0])
+        lines += md_table(keys, [[c[k] for k in keys] for c in shared]) + [""]
+    lines += tuning_table.section(rows)
+    if cp_report is not None:
+        lines += [
+            "## Context parallelism",
+            "",
+            f"Efficiency, targets and scaling of the CP points: [{cp_report.name}]"
+            f"({cp_report.relative_to(out_dir)}).",
+            "",
+        ]
+    lines += failed_points(rows, "reason")
+    if plot_paths:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in plot_paths]
+    if mask_paths:
+        lines += ["", "## Masks", ""] + [
+            f"![{p.stem}]({p.relative_to(out_dir)})" for p in mask_paths
+        ]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_report(results: ResultsPaths, out_dir: str | Path) -> dict[str, Path]:
+    """Write every report artefact into out_dir; returns their paths by kind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, records = load_rows(results)
+    csv_path = write_csv(rows, out_dir / "results.csv", COLUMNS)
+    plot_paths = write_plots(rows, out_dir)
+    mask_paths, mask_note = write_mask_pictures(rows, out_dir)
+    cross = cross_framework(rows)
+    cross_path = None
+    if cross:
+        cross_path = write_csv(cross, out_dir / "cross_framework.csv", list(cross[0]))
+    grid = plots.image_grid(plot_paths, out_dir / "all_plots.png")
+    notes = [mask_note] if mask_note else []
+    shared = same_kernel(rows)
+    cp = None
+    if any(report_cp.is_cp(r) for r in records):
+        paths = [str(p) for p in results_paths(results)]
+        cp = report_cp.write_cp_report(records, paths, out_dir)["markdown"]
+    md = write_markdown(rows, records, out_dir, plot_paths, mask_paths, cross, notes, shared, cp)
+    return {
+        "csv": csv_path,
+        "markdown": md,
+        "plots": plot_paths,
+        "masks": mask_paths,
+        "cross_framework": cross_path,
+        "grid": grid,
+        "cp_report": cp,
+    }
