@@ -28,7 +28,7 @@ from experiments import provenance, timing
 from experiments.outcomes import classify, short_traceback
 from experiments.progress import Progress
 from experiments.results import ResultsStore
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, data, lm, masking, placement, records, train
 from .checkpoint import Checkpointer
