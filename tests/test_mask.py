@@ -5,7 +5,6 @@ import time
 import numpy as np
 import pytest
 
-import attn_masks.mask as mask_module
 from attn_masks import (
     BLOCK_EMPTY,
     BLOCK_FULL,
@@ -14,6 +13,7 @@ from attn_masks import (
     MaskType,
     from_slices,
     make_mask,
+    tiles,
     uniform_block_sparse,
     variable_block_sparse,
 )
@@ -115,11 +115,11 @@ def test_block_lists_match_block_map():
     bm = mask.block_map(16, 8)
     bl = mask.block_lists(16, 8)
     for qb in range(bm.shape[0]):
-        idx = bl.kv_index[qb, : bl.kv_count[qb]]
+        idx = bl.kv.index[qb, : bl.kv.count[qb]]
         np.testing.assert_array_equal(idx, np.nonzero(bm[qb])[0])
-        np.testing.assert_array_equal(bl.kv_full[qb, : bl.kv_count[qb]], bm[qb, idx] == BLOCK_FULL)
+        np.testing.assert_array_equal(bl.kv.full[qb, : bl.kv.count[qb]], bm[qb, idx] == BLOCK_FULL)
     for kb in range(bm.shape[1]):
-        idx = bl.q_index[kb, : bl.q_count[kb]]
+        idx = bl.q.index[kb, : bl.q.count[kb]]
         np.testing.assert_array_equal(idx, np.nonzero(bm[:, kb])[0])
 
 
@@ -214,7 +214,7 @@ TILES = [(1, 1), (4, 8), (16, 16), (7, 5), (64, 32), (3, 100)]
 @pytest.mark.parametrize("seed", range(40))
 def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
     if chunk is not None:
-        monkeypatch.setattr(mask_module, "CHUNK_ENTRIES", chunk)
+        monkeypatch.setattr(tiles, "CHUNK_ENTRIES", chunk)
     rng = np.random.default_rng(500 + seed)
     sq, sk = int(rng.integers(1, 90)), int(rng.integers(1, 90))
     qr, kr, ty = random_slices(rng, sq, sk, max_cuts=8)
@@ -222,8 +222,8 @@ def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
     dense = brute_dense(qr, kr, ty, sq, sk)
     for bq, bk in TILES:
         expected = brute_block_map(dense, bq, bk)
-        np.testing.assert_array_equal(mask._block_map_from_slices(bq, bk), expected)
-        np.testing.assert_array_equal(mask._block_map_from_rows(bq, bk), expected)
+        np.testing.assert_array_equal(tiles.block_map_from_slices(mask, bq, bk), expected)
+        np.testing.assert_array_equal(tiles.block_map_from_rows(mask, bq, bk), expected)
 
 
 @pytest.mark.parametrize("compat", [False, True])
@@ -234,7 +234,9 @@ def test_block_map_routes_agree_on_every_mask(name, compat):
         m = make_mask(name, n, seed=n, window=37, reference_compat=compat, **params)
         for bq, bk in [(128, 128), (64, 128), (128, 32), (100, 70)]:
             np.testing.assert_array_equal(
-                m._block_map_from_slices(bq, bk), m._block_map_from_rows(bq, bk), err_msg=name
+                tiles.block_map_from_slices(m, bq, bk),
+                tiles.block_map_from_rows(m, bq, bk),
+                err_msg=name,
             )
 
 
@@ -250,7 +252,7 @@ def test_block_map_routes_agree_on_every_mask(name, compat):
 def test_block_map_routes_agree_on_block_sparse(mask):
     for bq, bk in [(128, 128), (64, 64), (64, 128), (32, 96), (100, 70)]:
         np.testing.assert_array_equal(
-            mask._block_map_from_slices(bq, bk), mask._block_map_from_rows(bq, bk)
+            tiles.block_map_from_slices(mask, bq, bk), tiles.block_map_from_rows(mask, bq, bk)
         )
 
 
@@ -259,8 +261,8 @@ def test_fragmented_mask_never_builds_row_intervals():
     bm = m.block_map(32, 32)
     bl = m.block_lists(32, 32)
     assert "_row_intervals" not in m.__dict__
-    np.testing.assert_array_equal(bm, m._block_map_from_rows(32, 32))
-    assert bl.kv_count.sum() == (bm > 0).sum()
+    np.testing.assert_array_equal(bm, tiles.block_map_from_rows(m, 32, 32))
+    assert bl.kv.count.sum() == (bm > 0).sum()
     doc = make_mask("causal_document", 4096)
     doc.block_map(128, 128)
     assert "_row_intervals" in doc.__dict__

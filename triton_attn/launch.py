@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from attn_masks import Mask
+from attn_masks import Mask, TileList
+from attn_masks.tiles import block_lists, padded_block_map
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 DTYPES = ("bfloat16", "float16", "float32")
@@ -55,27 +56,12 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class TileList:
-    """Per tile, the compacted non-empty tiles of the other axis: index/full (n, width), count (n,).
-
-    full is int32 (1 = unmasked); padding entries beyond count are never read.
-    """
-
-    index: np.ndarray
-    count: np.ndarray
-    full: np.ndarray
-
-    @property
-    def width(self) -> int:
-        return int(self.index.shape[1])
-
-
-@dataclass(frozen=True)
 class MaskTables:
     """Everything the kernels read about a mask for given Configs.
 
     lo/hi (Sq, K) int32 key intervals per row; fwd: k tiles per forward q tile; dq: k tiles per
-    backward q tile; dkdv: q tiles per backward k tile.
+    backward q tile; dkdv: q tiles per backward k tile, each in its kernel's tiles, with tiles
+    over a ragged sequence end partial and int32 full flags (1 = unmasked).
     """
 
     lo: np.ndarray
@@ -139,31 +125,15 @@ def default_configs(head_dim: int, itemsize: int) -> Configs:
     return Configs(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
-def _clear_edges(index: np.ndarray, full: np.ndarray, own_edge: bool, other_edge: int | None):
-    """Mark tiles on a ragged sequence end PARTIAL, so the intervals mask the padding there."""
-    full = full.astype(np.int32)
-    if own_edge:
-        full[-1] = 0
-    if other_edge is not None:
-        full[index == other_edge] = 0
-    return np.ascontiguousarray(full)
+def _kernel_lists(mask: Mask, config: KernelConfig) -> tuple[TileList, TileList]:
+    """(k tiles per q tile, q tiles per k tile) in the config's tiles, as the kernels read them."""
+    kinds = padded_block_map(mask, config.block_m, config.block_n)
+    lists = block_lists(kinds, config.block_m, config.block_n)
 
+    def as_int32(tl: TileList) -> TileList:
+        return TileList(*(np.ascontiguousarray(x, np.int32) for x in (tl.index, tl.count, tl.full)))
 
-def _tile_lists(mask: Mask, block_m: int, block_n: int) -> tuple[TileList, TileList]:
-    """(k tiles per q tile, q tiles per k tile) with ragged edge tiles made PARTIAL."""
-    sq, sk = mask.seqlen_q, mask.seqlen_k
-    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
-    q_ragged, k_ragged = sq % block_m != 0, sk % block_n != 0
-    bl = mask.block_lists(block_m, block_n)
-    kv_full = _clear_edges(bl.kv_index, bl.kv_full, q_ragged, nk - 1 if k_ragged else None)
-    q_full = _clear_edges(bl.q_index, bl.q_full, k_ragged, nq - 1 if q_ragged else None)
-
-    def as_list(index: np.ndarray, count: np.ndarray, full: np.ndarray) -> TileList:
-        return TileList(
-            np.ascontiguousarray(index, np.int32), np.ascontiguousarray(count, np.int32), full
-        )
-
-    return as_list(bl.kv_index, bl.kv_count, kv_full), as_list(bl.q_index, bl.q_count, q_full)
+    return as_int32(lists.kv), as_int32(lists.q)
 
 
 def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
@@ -171,9 +141,9 @@ def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
     lo, hi = mask.row_intervals()
     if lo.shape[1] == 0:
         lo = hi = np.zeros((mask.seqlen_q, 1), np.int32)
-    fwd, _ = _tile_lists(mask, configs.fwd.block_m, configs.fwd.block_n)
-    dq, _ = _tile_lists(mask, configs.dq.block_m, configs.dq.block_n)
-    _, dkdv = _tile_lists(mask, configs.dkdv.block_m, configs.dkdv.block_n)
+    fwd, _ = _kernel_lists(mask, configs.fwd)
+    dq, _ = _kernel_lists(mask, configs.dq)
+    _, dkdv = _kernel_lists(mask, configs.dkdv)
     return MaskTables(
         lo=np.ascontiguousarray(lo, np.int32),
         hi=np.ascontiguousarray(hi, np.int32),
