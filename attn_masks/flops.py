@@ -5,6 +5,7 @@ from __future__ import annotations
 from .mask import Mask
 
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+MODES = tuple(MODE_FACTORS)  # what a call differentiates: forward, backward, or both
 
 
 def attention_flops(

@@ -180,8 +180,8 @@ def test_empty_slices_are_dropped_and_empty_rows_allowed():
     assert not mask.dense()[3:].any()
 
 
-def test_row_structure_reads_rows_not_slices():
-    from attn_masks import row_structure
+def test_classify_reads_rows_not_slices():
+    from attn_masks import classify
 
     s = 40
     # causal cut into a CAUSAL top block and FULL | CAUSAL pieces below
@@ -191,18 +191,18 @@ def test_row_structure_reads_rows_not_slices():
         [MaskType.CAUSAL, MaskType.FULL, MaskType.CAUSAL],
         s,
     )
-    rs = row_structure(pieces)
-    assert rs.single and rs.is_causal and not rs.is_full and rs.band == (-1, 0)
-    assert rs.documents[1] is True and row_structure(pieces) is rs  # one causal document
-    full = row_structure(from_slices([[0, s], [0, s]], [[0, 9], [9, s]], [0, 0], s))
-    assert full.is_full and full.band == (-1, -1) and full.documents[1] is False
-    docs = row_structure(from_slices([[0, 9], [9, s]], [[0, 9], [9, s]], [1, 1], s))
-    assert docs.band is None and docs.documents[1] is True
+    rs = classify(pieces)
+    assert rs.single and rs.is_causal and not rs.is_full and rs.window == (-1, 0)
+    assert rs.documents[1] is True and classify(pieces) is rs  # one causal document
+    full = classify(from_slices([[0, s], [0, s]], [[0, 9], [9, s]], [0, 0], s))
+    assert full.is_full and full.window == (-1, -1) and full.documents[1] is False
+    docs = classify(from_slices([[0, 9], [9, s]], [[0, 9], [9, s]], [1, 1], s))
+    assert docs.window is None and docs.documents[1] is True
     np.testing.assert_array_equal(docs.documents[0], [0, 9, s])
-    tall = row_structure(from_slices([[0, 3]], [[0, 1]], [MaskType.CAUSAL], 3, 1))
-    assert tall.is_causal and tall.empty_rows == 2 and tall.band is None
+    tall = classify(from_slices([[0, 3]], [[0, 1]], [MaskType.CAUSAL], 3, 1))
+    assert tall.is_causal and tall.empty_rows == 2 and tall.window is None
     with pytest.raises(ValueError, match="attn_masks.Mask"):
-        row_structure(np.ones((4, 4), bool))
+        classify(np.ones((4, 4), bool))
 
 
 # --- block map from the slices (fragmented masks) ---------------------------------------------

@@ -19,6 +19,8 @@ import torch
 from attn_masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
 from attn_masks.tiles import padded_block_map
 
+from .mask_utils import interval_tensors
+
 try:
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # torch without FlexAttention: flex reports "not installed"
@@ -80,8 +82,6 @@ def block_mask_from_tables(
 
 def flex_block_mask(mask: Mask, device: torch.device | str, block: int = BLOCK):
     """A ready BlockMask for `mask` on `device`, for direct flex_attention callers."""
-    from .mask_utils import interval_tensors
-
     tables = flex_block_tables(mask, block, block)
     tensors = tuple(torch.as_tensor(tables[n]).to(device) for n in TABLE_NAMES)
     lo, hi = interval_tensors(

@@ -33,7 +33,7 @@ from ..kernel_inputs import (
     softmax_delta,
 )
 from ..mask_arrays import MaskArrays
-from .config import MosaicConfig
+from .config import DTYPES, HEAD_DIMS, MosaicConfig
 
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
@@ -353,10 +353,12 @@ def _launch(
 
 def _check(q: jax.Array, k: jax.Array, arrays: MaskArrays) -> None:
     d = q.shape[-1]
-    if d not in (64, 128):
-        raise ValueError(f"Mosaic GPU backward needs head_dim 64 or 128, got {d}")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"Mosaic GPU backward needs bf16 or fp16 inputs, got {q.dtype}")
+    if d not in HEAD_DIMS:
+        dims = " or ".join(map(str, HEAD_DIMS))
+        raise ValueError(f"Mosaic GPU backward needs head_dim {dims}, got {d}")
+    if jnp.dtype(q.dtype) not in DTYPES:
+        names = " or ".join(t.name for t in DTYPES)
+        raise ValueError(f"Mosaic GPU backward needs {names} inputs, got {q.dtype}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     for tile in (arrays.block_q, arrays.block_k):

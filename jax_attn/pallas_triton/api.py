@@ -21,7 +21,7 @@ from ..kernel_inputs import (
 )
 from ..mask_arrays import MaskArrays
 from .backward import backward_dkv, backward_dq
-from .config import KernelConfig, default_config, padded_head_dim
+from .config import MAX_HEAD_DIM, MIN_HEAD_DIM, KernelConfig, default_config, padded_head_dim
 from .forward import forward
 from .fused import backward_fused
 
@@ -154,8 +154,10 @@ def _backward_jit(
 def _check(q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays) -> None:
     check_attention_shapes(q.shape, k.shape, v.shape, arrays)
     d = q.shape[3]
-    if not 16 <= d <= 256:
-        raise ValueError(f"head dim {d} is outside the supported range [16, 256]")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim {d} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+        )
     if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv.index) != 2:
         raise ValueError("flash_attention takes the MaskArrays of one mask (no stacked axes)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
