@@ -1,4 +1,4 @@
-"""FLOP accounting from the exact mask area (SPEC.md 2): useful work only, no padding credit."""
+"""FLOP accounting from the exact mask area (docs/masks.md): useful work only, no padding credit."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ INF = np.int64(1) << np.int64(60)
 
 
 class MaskType(IntEnum):
-    """Slice types (MagiAttention convention, SPEC.md 1.0)."""
+    """Slice types (MagiAttention convention, docs/masks.md)."""
 
     FULL = 0
     CAUSAL = 1  # bottom-right aligned: c <= r + (lk - lq)
@@ -105,7 +105,7 @@ def bands_to_typed(
 
 
 def typed_area(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) -> np.ndarray:
-    """Closed-form visible pairs per slice (SPEC.md 1.0), as Python-int-safe int64."""
+    """Closed-form visible pairs per slice (docs/masks.md), as Python-int-safe int64."""
     lq = q_ranges[:, 1] - q_ranges[:, 0]
     lk = k_ranges[:, 1] - k_ranges[:, 0]
     h = np.minimum(lq, lk)

@@ -3,7 +3,7 @@
 A block map classifies every tile of a (block_q, block_k) grid as EMPTY, PARTIAL or FULL; tile
 lists compact it into what a block-sparse kernel walks: per outer tile, its non-empty inner tiles.
 Both are computed with interval arithmetic from the slices (never from an Sq x Sk matrix), so they
-stay cheap at a million tokens.
+stay cheap at a million tokens. See docs/architecture.md ("Tile metadata").
 """
 
 from __future__ import annotations

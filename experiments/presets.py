@@ -1,8 +1,8 @@
 """Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full.
 
-paper = SPEC.md 3 (kernel benchmark) + SPEC.md 5.5 (CP benchmark) with the reference's masks
-(reference_compat); full = the same grids with the corrected masks, plus every static mask under
-every CP strategy with the mask-area-balanced layout.
+paper = the published kernel and CP benchmark sweeps with the reference's masks (reference_compat;
+docs/masks.md, docs/context_parallel.md); full = the same grids with the corrected masks, plus
+every static mask under every CP strategy with the mask-area-balanced layout.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from experiments.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, Grid
 PRESETS = ("smoke", "paper", "full")
 K = 1024
 
-# MASK_NAMES is in SPEC.md 1.1 order: the 12 masks of the kernel benchmark, then the two
+# MASK_NAMES is in docs/masks.md order: the 12 masks of the kernel benchmark, then the two
 # *_document_long masks, which the paper uses only in its CP benchmark.
 STATIC_MASKS = MASK_NAMES[:-2]
 ALL_MASKS = MASK_NAMES

@@ -20,7 +20,7 @@ from attn_masks import (
 
 
 def brute_dense(q_ranges, k_ranges, types, sq, sk):
-    """Independent dense construction straight from the SPEC.md 1.0 type table."""
+    """Independent dense construction straight from the type table of docs/masks.md."""
     out = np.zeros((sq, sk), bool)
     for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
         lq, lk = q1 - q0, k1 - k0
