@@ -341,6 +341,7 @@ def test_cpu_sdpa_rejections_are_real(impl):
 def test_flex_backward_on_cpu_is_unsupported_but_no_grad_works():
     mask = band(64, 5, 0)
     assert "backward" in torch_attn.supports("flex", mask, device="cpu", mode="fwd_bwd")
+    assert "backward" in torch_attn.supports("flex", mask, device="cpu", backward=True)
     assert torch_attn.supports("flex", mask, device="cpu") is True
     q, k, v = (torch.randn(1, 64, 2, 32, dtype=F64, requires_grad=True) for _ in range(3))
     with torch.no_grad():
