@@ -1,21 +1,15 @@
-"""Framework-neutral attention masks: slices, the 14 benchmark masks, areas, FLOPs, block maps."""
+"""Framework-neutral attention masks: slices, the 14 benchmark masks, areas, FLOPs, tile metadata,
+classification."""
 
 from .block_sparse import uniform_block_sparse, variable_block_sparse
-from .flops import attention_flops
+from .flops import MODES, attention_flops
 from .generators import MASK_NAMES, make_mask, make_masks
-from .mask import (
-    BLOCK_EMPTY,
-    BLOCK_FULL,
-    BLOCK_PARTIAL,
-    BlockLists,
-    Mask,
-    MaskType,
-    from_slices,
-)
+from .mask import Mask, MaskType, from_slices
 from .reference import ReferenceResult, reference_attention
 from .render import render_mask_png
 from .sampling import TABLE_NAMES, default_distribution, generate_seqlens, load_distribution
-from .structure import RowStructure, row_structure
+from .structure import KINDS, MaskPattern, classify
+from .tiles import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockLists, TileList
 
 __all__ = [
     "MASK_NAMES",
@@ -38,6 +32,9 @@ __all__ = [
     "attention_flops",
     "from_slices",
     "reference_attention",
-    "RowStructure",
-    "row_structure",
+    "KINDS",
+    "MODES",
+    "MaskPattern",
+    "classify",
+    "TileList",
 ]

@@ -1,4 +1,4 @@
-"""Dynamic block-sparse masks (SPEC.md 1.3): top-k key blocks per query block on random scores.
+"""Dynamic block-sparse masks (docs/masks.md): top-k key blocks per query block on random scores.
 
 One pattern is shared by every head and drawn from a seeded numpy Generator, so every kernel at
 a given seed sees the same mask. Kept blocks become FULL slices; horizontally adjacent kept blocks

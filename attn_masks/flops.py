@@ -1,10 +1,11 @@
-"""FLOP accounting from the exact mask area (SPEC.md 2): useful work only, no padding credit."""
+"""FLOP accounting from the exact mask area (docs/masks.md): useful work only, no padding credit."""
 
 from __future__ import annotations
 
 from .mask import Mask
 
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+MODES = tuple(MODE_FACTORS)  # what a call differentiates: forward, backward, or both
 
 
 def attention_flops(

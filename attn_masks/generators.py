@@ -1,4 +1,4 @@
-"""The 14 mask generators of the benchmark (SPEC.md 1.1), built as typed slices in O(#documents).
+"""The 14 mask generators of the benchmark (docs/masks.md), built as typed slices in O(#documents).
 
 `reference_compat=True` reproduces the published generator's slices and random draws exactly;
 the default uses the corrected definitions (two-sided sliding window, one global+band mask).

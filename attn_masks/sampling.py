@@ -1,6 +1,6 @@
 """Document-length tables and the host-side sampler that packs documents into one sequence.
 
-The sampler reproduces the reference benchmark bit for bit (SPEC.md 1.2): Python's
+The sampler reproduces the reference benchmark bit for bit (docs/masks.md): Python's
 `random.Random`, one `choices` draw for the bucket, one `randint` (inclusive of b) for the length.
 """
 

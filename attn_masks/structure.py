@@ -1,50 +1,72 @@
 """What a mask is, read from its per-row key intervals (never its name), for fixed-mask kernels.
 
 Vendor kernels only know a few patterns: no mask, causal, a window band, block-diagonal documents.
-`row_structure(mask)` reads each query row's visible key intervals (`Mask.row_intervals()`,
-themselves derived from the slices) and verifies every candidate pattern row by row, so a mask is
-only called causal or a band when it is exactly that, however its slices happen to be cut. The
-framework packages turn these facts into their own kernel arguments (jax_attn.structure,
-torch_attn.classify).
+`classify(mask)` reads each query row's visible key intervals (`Mask.row_intervals()`, themselves
+derived from the slices) and verifies every candidate pattern row by row, so a mask is only
+called causal or a band when it is exactly that, however its slices happen to be cut. The
+adapters of both frameworks turn the pattern into their kernels' arguments.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import MaskCache
 from .mask import Mask
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+KINDS = ("full", "causal", "window", "full_document", "causal_document", "general")
+_DOCUMENT_KINDS = ("full_document", "causal_document")
+_PATTERNS = MaskCache()
 
 
 @dataclass(frozen=True)
-class RowStructure:
-    """The facts fixed-mask kernels need, all verified row by row.
+class MaskPattern:
+    """What a mask is in the terms fixed-mask kernels understand, every fact verified row by row.
 
-    empty_rows: rows that see no key. single: every row sees at most one key interval.
-    is_full: every row sees every key. is_causal: row i sees exactly j <= i + Sk - Sq
-    (bottom-right aligned; rows with i + Sk - Sq < 0 are empty). band: (left, right) in flash-attn's
-    bottom-right convention, row i sees i + d - left <= j <= i + d + right with d = Sk - Sq and
-    -1 = unbounded side (full = (-1, -1), causal = (-1, 0)), or None. documents: (cu_seqlens,
-    causal) for square masks without empty rows that are block-diagonal all-full or all-causal
-    documents (one document = full or causal; set whatever else the mask also is), or None.
+    kind: the most specific of KINDS that a window or document argument expresses. empty_rows:
+    rows that see no key. single: no row sees more than one key interval. is_full: every row sees
+    every key. is_causal: row i sees exactly j <= i + Sk - Sq (bottom-right aligned; rows with
+    i + Sk - Sq < 0 are empty), also where only the last row sees keys and no window can tell.
+    window: (left, right) for the full, causal and window kinds, in flash-attn's bottom-right
+    convention: row i sees i + d - left <= j <= i + d + right with d = Sk - Sq and -1 = unbounded
+    side (full = (-1, -1), causal = (-1, 0)); None otherwise. documents: (cu_seqlens, causal) for
+    square masks without empty rows that are block-diagonal all-full or all-causal documents (one
+    document is also full or causal), else None.
     """
 
+    kind: str
     seqlen_q: int
     seqlen_k: int
     empty_rows: int
     single: bool
     is_full: bool
     is_causal: bool
-    band: tuple[int, int] | None
+    window: tuple[int, int] | None
     documents: tuple[np.ndarray, bool] | None
 
     @property
     def square(self) -> bool:
         return self.seqlen_q == self.seqlen_k
+
+    @property
+    def square_causal(self) -> bool:
+        """Causal on a square mask, where top-left and bottom-right alignment agree."""
+        return self.is_causal and self.square
+
+    @property
+    def square_window(self) -> tuple[int, int] | None:
+        """(left, right) of a square band, row i seeing i - left <= j <= i + right, with an
+        unbounded side spelled as the widest offset S - 1 (full and causal are bands too)."""
+        if self.window is None or not self.square:
+            return None
+        return tuple(self.seqlen_q - 1 if side < 0 else side for side in self.window)
+
+    @property
+    def cu_seqlens(self) -> np.ndarray | None:
+        """Document boundaries of the two document kinds, else None."""
+        return self.documents[0] if self.kind in _DOCUMENT_KINDS else None
 
 
 def single_intervals(mask: Mask) -> tuple[np.ndarray, np.ndarray] | None:
@@ -109,26 +131,33 @@ def documents(lo: np.ndarray, hi: np.ndarray, s: int) -> tuple[np.ndarray, bool]
     return None
 
 
-def _analyse(mask: Mask) -> RowStructure:
+def _analyse(mask: Mask) -> MaskPattern:
     sq, sk = mask.seqlen_q, mask.seqlen_k
     lo_all, hi_all = mask.row_intervals()
     empty = int((~(hi_all > lo_all).any(axis=1)).sum())
     single = single_intervals(mask)
     if single is None:
-        return RowStructure(sq, sk, empty, False, False, False, None, None)
+        return MaskPattern("general", sq, sk, empty, False, False, False, None, None)
     lo, hi = single
     is_full = empty == 0 and bool((lo == 0).all() and (hi == sk).all())
     is_causal = not is_full and is_causal_rows(lo, hi, sq, sk)
+    window = band(lo, hi, sq, sk)
     docs = documents(lo, hi, sq) if sq == sk and empty == 0 else None
-    return RowStructure(sq, sk, empty, True, is_full, is_causal, band(lo, hi, sq, sk), docs)
+    if window == (-1, -1):
+        kind = "full"
+    elif window == (-1, 0):
+        kind = "causal"
+    elif window is not None:
+        kind = "window"
+    elif docs is not None:
+        kind = "causal_document" if docs[1] else "full_document"
+    else:
+        kind = "general"
+    return MaskPattern(kind, sq, sk, empty, True, is_full, is_causal, window, docs)
 
 
-def row_structure(mask: Mask) -> RowStructure:
-    """The row structure of `mask` (cached per mask object)."""
+def classify(mask: Mask) -> MaskPattern:
+    """The pattern of `mask` (cached per mask object)."""
     if not isinstance(mask, Mask):
         raise ValueError(f"mask classification needs an attn_masks.Mask, got {type(mask).__name__}")
-    found = _CACHE.get(mask)
-    if found is None:
-        found = _analyse(mask)
-        _CACHE[mask] = found
-    return found
+    return _PATTERNS.get(mask, "pattern", lambda: _analyse(mask))

@@ -3,16 +3,13 @@
 from .adapters import Unsupported
 from .api import IMPLS, attention, attention_bwd, has_residual_bwd, mask_arrays_for, supports
 from .mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
-from .structure import MaskStructure, classify
 
 __all__ = [
     "IMPLS",
     "MaskArrays",
-    "MaskStructure",
     "Unsupported",
     "attention",
     "attention_bwd",
-    "classify",
     "has_residual_bwd",
     "mask_arrays_for",
     "prepare_mask",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from attn_masks import Mask
 
 from .adapters import ADAPTERS, Unsupported, make_request
-from .adapters.common import MASK_CACHE
+from .adapters.common import host_arrays
 from .mask_arrays import MaskArrays
 
 IMPLS = ("reference", "pallas", "mosaic", "xla", "cudnn", "pallas_mha", "mosaic_mha", "triton")
@@ -61,7 +61,7 @@ def mask_arrays_for(impl: str, mask: Mask, head_dim: int, dtype: Any) -> MaskArr
     _check_impl(impl)
     if not isinstance(mask, Mask):
         raise ValueError(f"mask must be an attn_masks.Mask, got {type(mask).__name__}")
-    return MASK_CACHE.host(mask, ADAPTERS[impl].tiles(int(head_dim), jnp.dtype(dtype)))
+    return host_arrays(mask, ADAPTERS[impl].tiles(int(head_dim), jnp.dtype(dtype)))
 
 
 def _check_scale(scale: Any, head_dim: int) -> float:

@@ -13,14 +13,16 @@ from functools import partial
 import jax
 import numpy as np
 
-from attn_masks import Mask
+from attn_masks import Mask, TileList
 
 DEFAULT_BLOCK = 64
+
+jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])
 
 
 @partial(
     jax.tree_util.register_dataclass,
-    data_fields=["lo", "hi", "kv_index", "kv_count", "kv_full", "q_index", "q_count", "q_full"],
+    data_fields=["lo", "hi", "kv", "q"],
     meta_fields=["seqlen_q", "seqlen_k", "block_q", "block_k"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -28,19 +30,15 @@ class MaskArrays:
     """Arrays describing one mask (or a stack of masks along leading axes).
 
     lo, hi: (..., Sq, K) int32, row i sees keys j with lo[i, r] <= j < hi[i, r] for some r.
-    kv_index/kv_full: (..., nq, W) non-empty k tiles per q tile (padding repeats the last one),
-    kv_count: (..., nq). q_index/q_full/q_count: the transpose, per k tile. Tiles are
-    block_q x block_k; nq = ceil(Sq / block_q), nk = ceil(Sk / block_k).
+    kv: the k tiles of each q tile, q: the q tiles of each k tile, as attn_masks.TileList
+    (index/full (..., n, W), count (..., n)) on the host or the device; None where an impl reads
+    only the intervals. Tiles are block_q x block_k.
     """
 
     lo: jax.Array | np.ndarray
     hi: jax.Array | np.ndarray
-    kv_index: jax.Array | np.ndarray
-    kv_count: jax.Array | np.ndarray
-    kv_full: jax.Array | np.ndarray
-    q_index: jax.Array | np.ndarray
-    q_count: jax.Array | np.ndarray
-    q_full: jax.Array | np.ndarray
+    kv: TileList | None
+    q: TileList | None
     seqlen_q: int
     seqlen_k: int
     block_q: int
@@ -56,16 +54,12 @@ def prepare_mask(
 ) -> MaskArrays:
     """Host-side: the arrays a kernel needs for `mask` with tiles (block_q, block_k)."""
     lo, hi = mask.row_intervals()
-    bl = mask.block_lists(block_q, block_k)
+    lists = mask.block_lists(block_q, block_k)
     return MaskArrays(
         lo=lo.astype(np.int32),
         hi=hi.astype(np.int32),
-        kv_index=bl.kv_index,
-        kv_count=bl.kv_count,
-        kv_full=bl.kv_full,
-        q_index=bl.q_index,
-        q_count=bl.q_count,
-        q_full=bl.q_full,
+        kv=lists.kv,
+        q=lists.q,
         seqlen_q=mask.seqlen_q,
         seqlen_k=mask.seqlen_k,
         block_q=block_q,
@@ -93,6 +87,16 @@ def _pad_index(index: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
     return np.where(pad, last, out).astype(np.int32)
 
 
+def _stack_lists(lists: Sequence[TileList]) -> TileList:
+    """Host tile lists stacked along a new leading axis, padded to the widest."""
+    width = max(tl.width for tl in lists)
+    return TileList(
+        index=np.stack([_pad_index(tl.index, tl.count, width) for tl in lists]),
+        count=np.stack([tl.count for tl in lists]),
+        full=np.stack([_pad_last(tl.full, width, repeat_last=False) for tl in lists]),
+    )
+
+
 def stack_mask_arrays(items: Sequence[MaskArrays]) -> MaskArrays:
     """Stack host MaskArrays of equal (Sq, Sk, tiles) along a new leading axis, padding widths."""
     first = items[0]
@@ -101,21 +105,24 @@ def stack_mask_arrays(items: Sequence[MaskArrays]) -> MaskArrays:
         if same != (first.seqlen_q, first.seqlen_k, first.block_q, first.block_k):
             raise ValueError(f"cannot stack masks of different geometry: {same} vs first")
     k = max(it.num_intervals for it in items)
-    wkv = max(it.kv_index.shape[-1] for it in items)
-    wq = max(it.q_index.shape[-1] for it in items)
     return MaskArrays(
         lo=np.stack([_pad_last(np.asarray(it.lo), k, repeat_last=False) for it in items]),
         hi=np.stack([_pad_last(np.asarray(it.hi), k, repeat_last=False) for it in items]),
-        kv_index=np.stack([_pad_index(it.kv_index, it.kv_count, wkv) for it in items]),
-        kv_count=np.stack([it.kv_count for it in items]),
-        kv_full=np.stack([_pad_last(it.kv_full, wkv, repeat_last=False) for it in items]),
-        q_index=np.stack([_pad_index(it.q_index, it.q_count, wq) for it in items]),
-        q_count=np.stack([it.q_count for it in items]),
-        q_full=np.stack([_pad_last(it.q_full, wq, repeat_last=False) for it in items]),
+        kv=_stack_lists([it.kv for it in items]),
+        q=_stack_lists([it.q for it in items]),
         seqlen_q=first.seqlen_q,
         seqlen_k=first.seqlen_k,
         block_q=first.block_q,
         block_k=first.block_k,
+    )
+
+
+def _empty_lists(outer: int, inner: int) -> TileList:
+    """Lists of `outer` tiles that see none of their `inner` tiles, at full width."""
+    return TileList(
+        index=np.zeros((outer, inner), np.int32),
+        count=np.zeros(outer, np.int32),
+        full=np.zeros((outer, inner), bool),
     )
 
 
@@ -132,12 +139,8 @@ def empty_mask_arrays(like: MaskArrays, intervals: int) -> MaskArrays:
     return MaskArrays(
         lo=rows,
         hi=rows,
-        kv_index=np.zeros((nq, nk), np.int32),
-        kv_count=np.zeros(nq, np.int32),
-        kv_full=np.zeros((nq, nk), bool),
-        q_index=np.zeros((nk, nq), np.int32),
-        q_count=np.zeros(nk, np.int32),
-        q_full=np.zeros((nk, nq), bool),
+        kv=_empty_lists(nq, nk),
+        q=_empty_lists(nk, nq),
         seqlen_q=like.seqlen_q,
         seqlen_k=like.seqlen_k,
         block_q=like.block_q,

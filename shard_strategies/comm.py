@@ -1,4 +1,5 @@
-"""Communication volume per rank: SPEC.md 5.3's published formulas next to what our executors move.
+"""Communication volume per rank: the published per-device formulas next to what our executors
+move (docs/context_parallel.md, Communication volume).
 
 Formula (t tokens, U x R ranks, heads hq/hkv, head dim d; hkv' = hkv repeated up to U):
 Ulysses part (U-1)/U^2 * (t/R) * d * (2 hq + 2 hkv) per pass, ring part (R-1)/R * t * 2 hkv'/U * d

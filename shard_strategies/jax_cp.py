@@ -10,7 +10,6 @@ mesh axis is made of consecutive devices (the "intra-node" one).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
@@ -22,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attn_masks import Mask, from_slices
+from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
 from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
 
@@ -337,7 +337,7 @@ def build(
     )
 
 
-_EXECUTORS: OrderedDict[tuple, tuple[Mask, CPExecutor]] = OrderedDict()
+_EXECUTORS = MaskCache(size=_CACHE_SIZE)
 
 
 def attention(
@@ -364,7 +364,6 @@ def attention(
     """
     check_attention_shapes(q.shape, k.shape, v.shape, mask)
     key = (
-        id(mask),
         mesh,
         strategy,
         layout,
@@ -380,9 +379,9 @@ def attention(
         q.shape[3],
         jnp.dtype(q.dtype),
     )
-    hit = _EXECUTORS.get(key)
-    if hit is None:
-        ex = build(
+
+    def executor() -> CPExecutor:
+        return build(
             mask,
             mesh=mesh,
             strategy=strategy,
@@ -399,7 +398,5 @@ def attention(
             num_windows=num_windows,
             inner_axis=inner_axis,
         )
-        hit = _EXECUTORS[key] = (mask, ex)
-        while len(_EXECUTORS) > _CACHE_SIZE:
-            _EXECUTORS.popitem(last=False)
-    return hit[1](q, k, v)
+
+    return _EXECUTORS.get(mask, key, executor)(q, k, v)

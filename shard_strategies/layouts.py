@@ -92,7 +92,8 @@ def _zigzag_segment(start: int, n: int, ring_size: int) -> list[np.ndarray]:
 
 
 def zigzag_layout(mask: Mask, ring_size: int, multiple: int = 1) -> Layout:
-    """Head/tail chunks per document (SPEC.md 5.2) given cu_seqlens, else of the whole sequence."""
+    """Head/tail chunks per document (docs/context_parallel.md, Layouts) given cu_seqlens, else of
+    the whole sequence."""
     seqlen = mask.seqlen_q
     cu = mask.params.get("cu_seqlens")
     bounds = np.asarray(cu, np.int64) if cu is not None else np.array([0, seqlen], np.int64)

@@ -172,7 +172,7 @@ class CPPlan:
         itemsize: int = 2,
         batch: int = 1,
     ) -> dict[str, float]:
-        """Per-rank elements/bytes moved, fwd and bwd: SPEC 5.3 formulas and this executor's."""
+        """Per-rank elements/bytes moved, fwd and bwd: published formulas and this executor's."""
         hq = num_heads_q if num_heads_q is not None else self.num_heads_q
         hkv = num_heads_kv if num_heads_kv is not None else self.num_heads_kv
         d = head_dim if head_dim is not None else self.head_dim
@@ -278,7 +278,7 @@ def make_plan(
     """Plan `strategy` for `mask` on `world_size` ranks with token `layout`.
 
     ulysses_size: U for usp/double_ring (default: usp largest divisor <= 8 leaving R >= 2,
-    double_ring 1). num_windows: double_ring windows (default SPEC 5.3 heuristic). inner_axis:
+    double_ring 1). num_windows: double_ring windows (default: LoongTrain's heuristic). inner_axis:
     which axis is made of consecutive ranks ("ulysses" or "ring"). Heads, when given, are checked
     against U. pad_multiple: every ring shard length is a multiple of it (e.g. a kernel tile).
     """

@@ -17,7 +17,7 @@ StepIndex = tuple[int, int]  # (outer, inner)
 
 
 def default_num_windows(ring_size: int) -> int:
-    """LoongTrain's heuristic (SPEC.md 5.3): the largest divisor W of R with W <= R / W."""
+    """LoongTrain's heuristic (docs/context_parallel.md): the largest divisor W of R, W <= R / W."""
     return max(d for d in range(1, ring_size + 1) if ring_size % d == 0 and d * d <= ring_size)
 
 

@@ -12,7 +12,7 @@ from attn_masks.sampling import generate_seqlens
 
 S8K = 8192
 
-# SPEC.md 1.4: seed 42, first mask, S = 8192, reference_compat=True.
+# docs/masks.md, Reference values: seed 42, first mask, S = 8192, reference_compat=True.
 GOLDEN_8K = {
     "full": (1, 67_108_864, {}),
     "causal": (1, 33_558_528, {}),
@@ -141,7 +141,7 @@ def _doc_ids(cu: np.ndarray, n: int) -> np.ndarray:
 
 
 def _expected(m, name: str, n: int, window: int, compat: bool) -> np.ndarray:
-    """The mask straight from its written definition (SPEC.md 1.1 / DESIGN.md 3)."""
+    """The mask straight from its written definition (docs/masks.md, The 14 named masks)."""
     i = np.arange(n)[:, None]
     j = np.arange(n)[None, :]
     diff = i - j
@@ -370,7 +370,7 @@ def test_block_size_error_names_valid_rule():
 
 
 def _reference_seqlens(table: dict, total: int, rng: random.Random) -> list[int]:
-    """SPEC.md 1.2 sampler: normalised weights, one choices() bucket, randint inclusive of b."""
+    """docs/masks.md's sampler: normalised weights, one choices() bucket, randint inclusive of b."""
     buckets = list(table)
     weight_sum = sum(table.values())
     probs = [w / weight_sum for w in table.values()]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jax_attn
-from attn_masks import Mask, MaskType, from_slices
+from attn_masks import Mask, MaskType, from_slices, structure
 from attn_masks import reference_attention as oracle
-from jax_attn import Unsupported, structure
+from jax_attn import Unsupported
 from jax_attn.adapters import jax_pallas
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = (int(t) for t in MaskType)
@@ -431,13 +431,15 @@ def test_structure_reads_slices_not_names():
     )
     assert structure.classify(quads).kind == "full"
     causal_rows = band(s, s, 0, name="full")
-    assert structure.classify(causal_rows).kind == "causal" and structure.is_causal(causal_rows)
-    assert structure.causal_window(causal_rows) == s - 1
-    assert structure.causal_window(band(s, 7, 0)) == 7
-    assert structure.window_sizes(band(s, 5, 3)) == (5, 3)
-    assert structure.causal_window(band(s, 5, 3)) is None
+    assert (
+        structure.classify(causal_rows).kind == "causal"
+        and structure.classify(causal_rows).is_causal
+    )
+    assert structure.classify(causal_rows).square_window == (s - 1, 0)
+    assert structure.classify(band(s, 7, 0)).square_window == (7, 0)
+    assert structure.classify(band(s, 5, 3)).square_window == (5, 3)  # not a left window
     rect = MASKS["causal_rect"]
-    assert structure.is_causal(rect) and structure.window_sizes(rect) is None
+    assert structure.classify(rect).is_causal and structure.classify(rect).square_window is None
     tall = structure.classify(MASKS["causal_tall"])
     assert tall.is_causal and tall.empty_rows == 32
 
@@ -445,7 +447,7 @@ def test_structure_reads_slices_not_names():
 def test_structure_documents():
     cu = [0, 10, 37, 64]
     for typ, causal in ((FULL, False), (CAUSAL, True)):
-        found = structure.documents(documents(cu, typ))
+        found = structure.classify(documents(cu, typ)).documents
         assert found is not None and found[1] is causal
         np.testing.assert_array_equal(found[0], cu)
     mixed = from_slices([(0, 10), (10, 64)], [(0, 10), (10, 64)], [FULL, CAUSAL], 64, 64)
@@ -453,7 +455,7 @@ def test_structure_documents():
     blockwise = from_slices(
         [(0, 10), (10, 37), (37, 64)], [(0, 10), (10, 37), (0, 64)], [CAUSAL] * 3, 64, 64
     )
-    assert structure.documents(blockwise) is None
+    assert structure.classify(blockwise).documents is None
     empty = structure.classify(MASKS["empty_rows"])
     assert empty.kind == "general" and empty.empty_rows == 5
 
@@ -475,8 +477,9 @@ def test_structure_of_named_masks():
     for name in MASK_NAMES:
         mask = make_mask(name, 256, window=9, distribution={(8, 40): 1.0}, block_size=16)
         assert structure.classify(mask).kind == expected.get(name, "general"), name
-    assert structure.causal_window(make_mask("sliding_window_causal", 256, window=9)) == 9
-    assert structure.window_sizes(make_mask("sliding_window", 256, window=9)) == (9, 9)
+    left = make_mask("sliding_window_causal", 256, window=9)
+    assert structure.classify(left).square_window == (9, 0)
+    assert structure.classify(make_mask("sliding_window", 256, window=9)).square_window == (9, 9)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -5,7 +5,6 @@ import time
 import numpy as np
 import pytest
 
-import attn_masks.mask as mask_module
 from attn_masks import (
     BLOCK_EMPTY,
     BLOCK_FULL,
@@ -14,13 +13,14 @@ from attn_masks import (
     MaskType,
     from_slices,
     make_mask,
+    tiles,
     uniform_block_sparse,
     variable_block_sparse,
 )
 
 
 def brute_dense(q_ranges, k_ranges, types, sq, sk):
-    """Independent dense construction straight from the SPEC.md 1.0 type table."""
+    """Independent dense construction straight from the type table of docs/masks.md."""
     out = np.zeros((sq, sk), bool)
     for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
         lq, lk = q1 - q0, k1 - k0
@@ -115,11 +115,11 @@ def test_block_lists_match_block_map():
     bm = mask.block_map(16, 8)
     bl = mask.block_lists(16, 8)
     for qb in range(bm.shape[0]):
-        idx = bl.kv_index[qb, : bl.kv_count[qb]]
+        idx = bl.kv.index[qb, : bl.kv.count[qb]]
         np.testing.assert_array_equal(idx, np.nonzero(bm[qb])[0])
-        np.testing.assert_array_equal(bl.kv_full[qb, : bl.kv_count[qb]], bm[qb, idx] == BLOCK_FULL)
+        np.testing.assert_array_equal(bl.kv.full[qb, : bl.kv.count[qb]], bm[qb, idx] == BLOCK_FULL)
     for kb in range(bm.shape[1]):
-        idx = bl.q_index[kb, : bl.q_count[kb]]
+        idx = bl.q.index[kb, : bl.q.count[kb]]
         np.testing.assert_array_equal(idx, np.nonzero(bm[:, kb])[0])
 
 
@@ -180,8 +180,8 @@ def test_empty_slices_are_dropped_and_empty_rows_allowed():
     assert not mask.dense()[3:].any()
 
 
-def test_row_structure_reads_rows_not_slices():
-    from attn_masks import row_structure
+def test_classify_reads_rows_not_slices():
+    from attn_masks import classify
 
     s = 40
     # causal cut into a CAUSAL top block and FULL | CAUSAL pieces below
@@ -191,18 +191,18 @@ def test_row_structure_reads_rows_not_slices():
         [MaskType.CAUSAL, MaskType.FULL, MaskType.CAUSAL],
         s,
     )
-    rs = row_structure(pieces)
-    assert rs.single and rs.is_causal and not rs.is_full and rs.band == (-1, 0)
-    assert rs.documents[1] is True and row_structure(pieces) is rs  # one causal document
-    full = row_structure(from_slices([[0, s], [0, s]], [[0, 9], [9, s]], [0, 0], s))
-    assert full.is_full and full.band == (-1, -1) and full.documents[1] is False
-    docs = row_structure(from_slices([[0, 9], [9, s]], [[0, 9], [9, s]], [1, 1], s))
-    assert docs.band is None and docs.documents[1] is True
+    rs = classify(pieces)
+    assert rs.single and rs.is_causal and not rs.is_full and rs.window == (-1, 0)
+    assert rs.documents[1] is True and classify(pieces) is rs  # one causal document
+    full = classify(from_slices([[0, s], [0, s]], [[0, 9], [9, s]], [0, 0], s))
+    assert full.is_full and full.window == (-1, -1) and full.documents[1] is False
+    docs = classify(from_slices([[0, 9], [9, s]], [[0, 9], [9, s]], [1, 1], s))
+    assert docs.window is None and docs.documents[1] is True
     np.testing.assert_array_equal(docs.documents[0], [0, 9, s])
-    tall = row_structure(from_slices([[0, 3]], [[0, 1]], [MaskType.CAUSAL], 3, 1))
-    assert tall.is_causal and tall.empty_rows == 2 and tall.band is None
+    tall = classify(from_slices([[0, 3]], [[0, 1]], [MaskType.CAUSAL], 3, 1))
+    assert tall.is_causal and tall.empty_rows == 2 and tall.window is None
     with pytest.raises(ValueError, match="attn_masks.Mask"):
-        row_structure(np.ones((4, 4), bool))
+        classify(np.ones((4, 4), bool))
 
 
 # --- block map from the slices (fragmented masks) ---------------------------------------------
@@ -214,7 +214,7 @@ TILES = [(1, 1), (4, 8), (16, 16), (7, 5), (64, 32), (3, 100)]
 @pytest.mark.parametrize("seed", range(40))
 def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
     if chunk is not None:
-        monkeypatch.setattr(mask_module, "CHUNK_ENTRIES", chunk)
+        monkeypatch.setattr(tiles, "CHUNK_ENTRIES", chunk)
     rng = np.random.default_rng(500 + seed)
     sq, sk = int(rng.integers(1, 90)), int(rng.integers(1, 90))
     qr, kr, ty = random_slices(rng, sq, sk, max_cuts=8)
@@ -222,8 +222,8 @@ def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
     dense = brute_dense(qr, kr, ty, sq, sk)
     for bq, bk in TILES:
         expected = brute_block_map(dense, bq, bk)
-        np.testing.assert_array_equal(mask._block_map_from_slices(bq, bk), expected)
-        np.testing.assert_array_equal(mask._block_map_from_rows(bq, bk), expected)
+        np.testing.assert_array_equal(tiles.block_map_from_slices(mask, bq, bk), expected)
+        np.testing.assert_array_equal(tiles.block_map_from_rows(mask, bq, bk), expected)
 
 
 @pytest.mark.parametrize("compat", [False, True])
@@ -234,7 +234,9 @@ def test_block_map_routes_agree_on_every_mask(name, compat):
         m = make_mask(name, n, seed=n, window=37, reference_compat=compat, **params)
         for bq, bk in [(128, 128), (64, 128), (128, 32), (100, 70)]:
             np.testing.assert_array_equal(
-                m._block_map_from_slices(bq, bk), m._block_map_from_rows(bq, bk), err_msg=name
+                tiles.block_map_from_slices(m, bq, bk),
+                tiles.block_map_from_rows(m, bq, bk),
+                err_msg=name,
             )
 
 
@@ -250,7 +252,7 @@ def test_block_map_routes_agree_on_every_mask(name, compat):
 def test_block_map_routes_agree_on_block_sparse(mask):
     for bq, bk in [(128, 128), (64, 64), (64, 128), (32, 96), (100, 70)]:
         np.testing.assert_array_equal(
-            mask._block_map_from_slices(bq, bk), mask._block_map_from_rows(bq, bk)
+            tiles.block_map_from_slices(mask, bq, bk), tiles.block_map_from_rows(mask, bq, bk)
         )
 
 
@@ -259,8 +261,8 @@ def test_fragmented_mask_never_builds_row_intervals():
     bm = m.block_map(32, 32)
     bl = m.block_lists(32, 32)
     assert "_row_intervals" not in m.__dict__
-    np.testing.assert_array_equal(bm, m._block_map_from_rows(32, 32))
-    assert bl.kv_count.sum() == (bm > 0).sum()
+    np.testing.assert_array_equal(bm, tiles.block_map_from_rows(m, 32, 32))
+    assert bl.kv.count.sum() == (bm > 0).sum()
     doc = make_mask("causal_document", 4096)
     doc.block_map(128, 128)
     assert "_row_intervals" in doc.__dict__

@@ -22,8 +22,8 @@ def test_stack_pads_without_changing_visibility_or_tiles():
         np.testing.assert_array_equal(np.asarray(vis), m.dense())
         bm = m.block_map(16, 16)
         for qb in range(bm.shape[0]):
-            n = stacked.kv_count[i, qb]
-            idx = stacked.kv_index[i, qb]
+            n = stacked.kv.count[i, qb]
+            idx = stacked.kv.index[i, qb]
             np.testing.assert_array_equal(idx[:n], np.nonzero(bm[qb])[0])
             if n:
                 assert (idx[n:] == idx[n - 1]).all()  # padding re-touches the last tile

@@ -94,7 +94,7 @@ def test_flops_rules():
     causal = from_slices([[0, n]], [[0, n]], [MaskType.CAUSAL], n)
     fwd = attention_flops(causal, 64, 128, "fwd")
     assert fwd == 4 * (n * (n + 1) // 2) * 64 * 128
-    assert abs(fwd / 1e12 - 1.0996) < 1e-4  # SPEC.md 1.4 golden value
+    assert abs(fwd / 1e12 - 1.0996) < 1e-4  # docs/masks.md, Reference values
     assert attention_flops(causal, 64, 128, "bwd") == 2.5 * fwd
     assert attention_flops(causal, 64, 128, "fwd_bwd", batch=3) == 3 * 3.5 * fwd
     with pytest.raises(ValueError, match="mode must be one of"):

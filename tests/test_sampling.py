@@ -23,7 +23,8 @@ TABLE_SHA256 = {
 
 
 def _reference_sampler(table: dict, total: int, rng: random.Random) -> list[int]:
-    """SPEC.md 1.2 written out plainly: normalise, choices(weights=...), randint, clip, raise 0."""
+    """docs/masks.md's sampler written out plainly: normalise, choices(weights=...), randint, clip,
+    raise 0."""
     norm = sum(table.values())
     buckets = list(table)
     weights = [w / norm for w in table.values()]

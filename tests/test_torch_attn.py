@@ -12,11 +12,18 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import torch_attn
-from attn_masks import Mask, MaskType, from_slices, reference_attention
+from attn_masks import (
+    KINDS,
+    Mask,
+    MaskPattern,
+    MaskType,
+    classify,
+    from_slices,
+    reference_attention,
+)
 from torch_attn import flex as flex_impl
 from torch_attn import mask_utils
 from torch_attn.blocks import TABLE_NAMES, flex_block_mask, flex_block_tables
-from torch_attn.classify import KINDS
 
 try:
     from attn_masks.generators import MASK_NAMES, make_mask
@@ -186,7 +193,7 @@ def test_matches_reference(impl, case):
         heads_kv=hkv,
         head_dim=32,
         device="cpu",
-        backward=grad,
+        mode="fwd_bwd" if grad else "fwd",
     )
     arrays = make_inputs(mask, hq, hkv, dtype, impl)
     if verdict is not True:
@@ -333,6 +340,7 @@ def test_cpu_sdpa_rejections_are_real(impl):
 
 def test_flex_backward_on_cpu_is_unsupported_but_no_grad_works():
     mask = band(64, 5, 0)
+    assert "backward" in torch_attn.supports("flex", mask, device="cpu", mode="fwd_bwd")
     assert "backward" in torch_attn.supports("flex", mask, device="cpu", backward=True)
     assert torch_attn.supports("flex", mask, device="cpu") is True
     q, k, v = (torch.randn(1, 64, 2, 32, dtype=F64, requires_grad=True) for _ in range(3))
@@ -363,7 +371,7 @@ def test_sdpa_uses_mask_free_paths(monkeypatch):
 # ---------------------------------------------------------------- classification
 
 
-def pattern_dense(p: mask_utils.MaskPattern) -> np.ndarray:
+def pattern_dense(p: MaskPattern) -> np.ndarray:
     """The visible set a fixed-mask kernel computes for this pattern (flash-attn semantics)."""
     i = np.arange(p.seqlen_q)[:, None]
     j = np.arange(p.seqlen_k)[None, :]
@@ -404,7 +412,7 @@ def pattern_dense(p: mask_utils.MaskPattern) -> np.ndarray:
     ],
 )
 def test_classify(mask, kind, window):
-    p = mask_utils.classify(mask)
+    p = classify(mask)
     assert p.kind == kind
     assert p.window == window
     if kind != "general":
@@ -413,18 +421,16 @@ def test_classify(mask, kind, window):
 
 def test_classify_ignores_how_slices_are_cut():
     halves = from_slices([[0, 64], [0, 64]], [[0, 30], [30, 80]], [FULL, FULL], 64, 80)
-    assert mask_utils.classify(halves).kind == "full"
+    assert classify(halves).kind == "full"
     # causal as 4 row blocks: CAUSAL top block + FULL|CAUSAL splits below
     pieces = from_slices(
         [[0, 16], [16, 64], [16, 64]], [[0, 16], [0, 16], [16, 64]], [CAUSAL, FULL, CAUSAL], 64
     )
-    assert mask_utils.classify(pieces).kind == "causal"
+    assert classify(pieces).kind == "causal"
     docs = documents([0, 20, 64], FULL)
     split = from_slices([[0, 20], [0, 20], [20, 64]], [[0, 7], [7, 20], [20, 64]], [0, 0, 0], 64)
-    assert mask_utils.classify(split).kind == "full_document"
-    np.testing.assert_array_equal(
-        mask_utils.classify(split).cu_seqlens, mask_utils.classify(docs).cu_seqlens
-    )
+    assert classify(split).kind == "full_document"
+    np.testing.assert_array_equal(classify(split).cu_seqlens, classify(docs).cu_seqlens)
 
 
 # ---------------------------------------------------------------- mask tensors and BlockMask
@@ -513,7 +519,7 @@ def _generated(name: str, seqlen: int) -> Mask:
 @pytest.mark.parametrize("name", MASK_NAMES)
 def test_generator_masks_classify(name):
     mask = _generated(name, 256)
-    p = mask_utils.classify(mask)
+    p = classify(mask)
     expected = {
         "full": {"full"},
         "causal": {"causal"},
@@ -591,7 +597,7 @@ def _check_on_gpu(impl: str, name: str, mask, dtype: torch.dtype) -> list[str]:
         heads_kv=hkv,
         head_dim=d,
         device="cuda",
-        backward=True,
+        mode="fwd_bwd",
     )
     rng = _rng("gpu", impl, name, str(dtype))
     shapes = [(2, mask.seqlen_q, hq, d), (2, mask.seqlen_k, hkv, d), (2, mask.seqlen_k, hkv, d)]

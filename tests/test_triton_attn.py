@@ -30,7 +30,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 KERNELS_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-SMALL = launch.Configs(launch.KernelConfig(32, 16, 4, 1), launch.KernelConfig(16, 32, 4, 1))
+SMALL = launch.LaunchConfigs(launch.LaunchConfig(32, 16, 4, 1), launch.LaunchConfig(16, 32, 4, 1))
 kernels_here = pytest.mark.skipif(
     not KERNELS_HERE, reason="CPU without TRITON_INTERPRET=1: run by test_cpu_interpreter"
 )
@@ -89,7 +89,7 @@ def _inputs(mask: Mask, hq: int, hkv: int, d: int, dtype: torch.dtype, batch: in
     return [torch.tensor(a).to(dtype).double().numpy() for a in arrays]
 
 
-def _run(mask: Mask, arrays: list, dtype: torch.dtype, configs: launch.Configs | None):
+def _run(mask: Mask, arrays: list, dtype: torch.dtype, configs: launch.LaunchConfigs | None):
     q, k, v = (torch.tensor(a, dtype=dtype, device=DEVICE, requires_grad=True) for a in arrays[:3])
     d = q.shape[-1]
     out, lse = torch_triton.attention(q, k, v, mask, scale=d**-0.5, configs=configs)
@@ -182,7 +182,9 @@ def test_supports_reasons():
 def test_edge_tiles_are_partial():
     """Tiles on a ragged sequence end never run unmasked (their padding must be masked)."""
     mask = make_mask("full", 100)
-    tables = launch.mask_tables(mask, launch.Configs(*(launch.KernelConfig(32, 32, 4, 1),) * 2))
+    tables = launch.mask_tables(
+        mask, launch.LaunchConfigs(*(launch.LaunchConfig(32, 32, 4, 1),) * 2)
+    )
     full = tables.fwd.full[:, :4]
     assert full[:3, :3].all() and not full[3].any() and not full[:, 3].any()
 

@@ -77,14 +77,14 @@ def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
 
 
 @functools.cache
-def compile_kernel(which: str, head_dim: int, dtype: str, cfg: launch.KernelConfig) -> Any:
+def compile_kernel(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> Any:
     """Kernel `which` compiled for sm_90 at `cfg` (GQA group 8, two mask intervals)."""
     fn = KERNELS[which]
     meta = {
         "GROUP": 8,
         "NUM_INTERVALS": 2,
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
+        "BLOCK_M": cfg.block_q,
+        "BLOCK_N": cfg.block_k,
         "BLOCK_D": launch.block_d(head_dim),
         "IEEE": dtype == "float32",
     }
@@ -124,7 +124,7 @@ def ptxas_usage(ptx: str) -> tuple[int, int] | None:
     return int(regs.group(1)), int(spills.group(1))
 
 
-def kernel_config(configs: launch.Configs, which: str) -> launch.KernelConfig:
+def kernel_config(configs: launch.LaunchConfigs, which: str) -> launch.LaunchConfig:
     """The config launch uses for kernel `which`."""
     return {"fwd": configs.fwd, "dkdv": configs.dkdv, "dq": configs.dq}[which]
 
@@ -156,11 +156,11 @@ def test_default_config_does_not_spill_registers(which, head_dim, dtype):
     assert spilled == 0, f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled"
 
 
-def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.KernelConfig) -> str:
+def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> str:
     """One CSV row: kernel, head dim, dtype, config, registers, spill bytes, shared memory."""
     compiled = compile_kernel(which, head_dim, dtype, cfg)
     usage = ptxas_usage(compiled.asm["ptx"]) or (-1, -1)
-    fields = (which, head_dim, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    fields = (which, head_dim, dtype, cfg.block_q, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return ",".join(map(str, (*fields, *usage, compiled.metadata.shared)))
 
 
@@ -168,12 +168,12 @@ def sweep(head_dims: list[int], dtypes: list[str]) -> None:
     """Print registers, spills and shared memory of every candidate config as CSV."""
     tiles, warps, stages = (32, 64, 128), (4, 8), (1, 2, 3, 4)
     jobs = [
-        (which, head_dim, dtype, launch.KernelConfig(bm, bn, w, s))
+        (which, head_dim, dtype, launch.LaunchConfig(bm, bn, w, s))
         for head_dim, dtype, which, bm, bn, w, s in itertools.product(
             head_dims, dtypes, tuple(KERNELS), tiles, tiles, warps, stages
         )
     ]
-    print("kernel,head_dim,dtype,block_m,block_n,num_warps,num_stages,regs,spill_bytes,smem")
+    print("kernel,head_dim,dtype,block_q,block_k,num_warps,num_stages,regs,spill_bytes,smem")
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         for row in pool.map(sweep_one, *zip(*jobs, strict=True)):
             print(row, flush=True)

@@ -20,9 +20,9 @@ from attn_masks import make_mask
 from experiments.core.results import read_records
 from experiments.workloads import data, lm, parity, train_step
 from experiments.workloads.config import TrainConfig
+from experiments.workloads.nnx_attention import Attention, AttentionBackend
 from experiments.workloads.placement import cp_mesh
 from experiments.workloads.train import OptimConfig
-from jax_attn.nnx_attention import Attention, AttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQLEN, BATCH, VOCAB = 128, 4, 64

@@ -18,7 +18,7 @@ Impls (`IMPLS`; `describe(impl)` gives the details of each):
   every mask; compiled once per shape, no recompile when the mask changes.
 - flash2, flash3, flash4: flash-attn when installed; full, causal, sliding windows, documents.
 
-Masks are never trusted by name: `mask_utils.classify` reads what a mask is from its slices.
+Masks are never trusted by name: `attn_masks.classify` reads what a mask is from its slices.
 An impl that cannot compute a mask exactly says why (`supports`) and `attention` raises
 `Unsupported` (a ValueError subclass) before doing any work. Nothing here imports jax.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_masks import Mask
+from attn_masks import MODES, Mask
 
 from . import flash, flex, naive, sdpa
 from . import triton as triton_impl
@@ -91,17 +91,25 @@ def supports(
     heads_kv: int | None = None,
     head_dim: int | None = None,
     device: str | torch.device | None = None,
-    backward: bool = False,
+    mode: str = "fwd",
+    backward: bool | None = None,
 ) -> bool | str:
     """True if `impl` computes exactly `mask` for such inputs, else a non-empty reason string.
 
     Unknown (None) dtype/heads/head_dim skip the checks that need them; device None means CUDA
-    when available, else CPU; backward=True also asks for gradients (flex has none on CPU).
+    when available, else CPU. mode is fwd, bwd or fwd_bwd (attn_masks.MODES): the latter two
+    also ask for gradients (flex has none on CPU); the default asks for the forward only, since
+    attention() itself decides from whether its inputs require grad. backward is the older
+    spelling (True: fwd_bwd, False: fwd), still taken from callers that pass it.
     """
     _check_impl(impl)
     if not isinstance(mask, Mask):
         raise ValueError(f"mask must be an attn_masks.Mask, got {type(mask).__name__}")
-    problem = Problem(dtype, heads_q, heads_kv, head_dim, resolve_device(device), backward)
+    if backward is not None:
+        mode = "fwd_bwd" if backward else "fwd"
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    problem = Problem(dtype, heads_q, heads_kv, head_dim, resolve_device(device), mode != "fwd")
     return _supports(impl, mask, problem)
 
 

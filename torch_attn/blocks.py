@@ -1,10 +1,10 @@
 """FlexAttention BlockMask built straight from the mask's block map, never from S x S points.
 
-Tables come from `Mask.block_map(128, 128)` (interval arithmetic, O(#slices + #blocks)): PARTIAL
-tiles go to kv_num_blocks/kv_indices (the mask_mod runs there), FULL tiles to
-full_kv_num_blocks/full_kv_indices (no mask_mod), and the transposes feed the dK/dV pass. A FULL
-tile on a ragged edge (Sq or Sk not a multiple of 128) is demoted to PARTIAL, as
-`create_block_mask` does, so the kernel never relies on boundary handling inside full tiles.
+Tables come from the padded block map at 128 x 128 (`attn_masks.tiles.padded_block_map`:
+interval arithmetic, O(#slices + #blocks), a FULL tile on a ragged edge made PARTIAL, as
+`create_block_mask` does, so the kernel never relies on boundary handling inside full tiles):
+PARTIAL tiles go to kv_num_blocks/kv_indices (the mask_mod runs there), FULL tiles to
+full_kv_num_blocks/full_kv_indices (no mask_mod), and the transposes feed the dK/dV pass.
 The mask_mod evaluates the in-tile description: visible(q, k) = any_r lo[q, r] <= k < hi[q, r]
 with (lo, hi) from `Mask.row_intervals()` as device tensors (inputs, not constants).
 """
@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 from attn_masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
+from attn_masks.tiles import padded_block_map
+
+from .mask_utils import interval_tensors
 
 try:
     from torch.nn.attention.flex_attention import BlockMask
@@ -48,12 +51,8 @@ def flex_block_tables(
     mask: Mask, block_q: int = BLOCK, block_k: int = BLOCK
 ) -> dict[str, np.ndarray]:
     """The eight BlockMask tables, shaped (1, 1, n, m) (broadcast over batch and heads)."""
-    bm = mask.block_map(block_q, block_k).copy()
-    if mask.seqlen_q % block_q:
-        bm[-1, bm[-1] == BLOCK_FULL] = BLOCK_PARTIAL
-    if mask.seqlen_k % block_k:
-        bm[bm[:, -1] == BLOCK_FULL, -1] = BLOCK_PARTIAL
-    partial, full = bm == BLOCK_PARTIAL, bm == BLOCK_FULL
+    kinds = padded_block_map(mask, block_q, block_k)
+    partial, full = kinds == BLOCK_PARTIAL, kinds == BLOCK_FULL
     arrays = (*_ordered(partial), *_ordered(full), *_ordered(partial.T), *_ordered(full.T))
     return {name: a[None, None] for name, a in zip(TABLE_NAMES, arrays)}
 
@@ -83,8 +82,6 @@ def block_mask_from_tables(
 
 def flex_block_mask(mask: Mask, device: torch.device | str, block: int = BLOCK):
     """A ready BlockMask for `mask` on `device`, for direct flex_attention callers."""
-    from .mask_utils import interval_tensors
-
     tables = flex_block_tables(mask, block, block)
     tensors = tuple(torch.as_tensor(tables[n]).to(device) for n in TABLE_NAMES)
     lo, hi = interval_tensors(

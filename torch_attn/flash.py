@@ -17,9 +17,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from attn_masks import Mask
+from attn_masks import Mask, MaskPattern, classify
 
-from .classify import MaskPattern, classify
 from .common import LOW_PRECISION, Problem, cuda_capability
 from .mask_utils import cached
 

@@ -2,45 +2,26 @@
 
 Everything is built from `Mask.row_intervals()` with vectorised torch ops on the target device
 (never a Python loop over S x S points) and cached per (mask object, device), so repeated calls
-with one mask, as in a benchmark loop, pay for it once. Also re-exports the classification
-(`classify`) and the FlexAttention BlockMask builder (`flex_block_mask`) used by the adapters.
+with one mask, as in a benchmark loop, pay for it once.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from attn_masks import Mask
+from attn_masks import Mask, classify
+from attn_masks.cache import MaskCache
 
-from .blocks import flex_block_mask, flex_block_tables
-from .classify import MaskPattern, classify
-
-__all__ = [
-    "MaskPattern",
-    "classify",
-    "dense_mask",
-    "empty_rows",
-    "flex_block_mask",
-    "flex_block_tables",
-    "interval_tensors",
-    "sdpa_mask",
-    "visible_from_intervals",
-]
-
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TENSORS = MaskCache()
 
 
 def cached(mask: Mask, key: tuple, build: Callable[[], Any]) -> Any:
     """build() once per (mask object, key); entries die with the mask."""
-    per_mask = _CACHE.setdefault(mask, {})
-    if key not in per_mask:
-        per_mask[key] = build()
-    return per_mask[key]
+    return _TENSORS.get(mask, key, build)
 
 
 def _intervals_np(mask: Mask, min_width: int, rows_to: int) -> tuple[np.ndarray, np.ndarray]:

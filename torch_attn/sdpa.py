@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attn_masks import Mask
+from attn_masks import Mask, classify
 
-from .classify import classify
 from .common import LOW_PRECISION, Problem, cuda_capability, group_size
 from .mask_utils import empty_rows, sdpa_mask
 

@@ -48,14 +48,15 @@ def supports(mask: Mask, problem: Problem) -> bool | str:
     if device.type not in ("cpu", "cuda"):
         return f"triton is only wired for CUDA (and the CPU interpreter), got {device.type}"
     cap = cuda_capability(device)
-    if cap is not None and cap < (8, 0):
-        return f"triton kernels need compute capability >= 8.0, got {cap}"
+    if cap is not None and cap < launch.MIN_CAPABILITY:
+        need = ".".join(map(str, launch.MIN_CAPABILITY))
+        return f"triton kernels need compute capability >= {need}, got {cap}"
     dtype = None if problem.dtype is None else str(problem.dtype).removeprefix("torch.")
     reason = launch.check(problem.head_dim, dtype)
     return True if reason is None else reason
 
 
-def _device_tables(mask: Mask, device: torch.device, configs: launch.Configs) -> dict:
+def _device_tables(mask: Mask, device: torch.device, configs: launch.LaunchConfigs) -> dict:
     def build() -> dict:
         host = launch.mask_tables(mask, configs)
         out = {"host": host}
@@ -163,7 +164,7 @@ def attention(
     mask: Mask,
     *,
     scale: float,
-    configs: launch.Configs | None = None,
+    configs: launch.LaunchConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq) fp32), differentiable; configs default by head dim."""
     if configs is None:

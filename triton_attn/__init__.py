@@ -7,12 +7,20 @@ tiles, warps, grids, and the numpy mask tables built from attn_masks. The front 
 torch_attn's and jax_attn's impl "triton"; this package imports neither framework.
 """
 
-from .launch import Call, Configs, KernelConfig, MaskTables, Shape, default_configs, mask_tables
+from .launch import (
+    Call,
+    LaunchConfig,
+    LaunchConfigs,
+    MaskTables,
+    Shape,
+    default_configs,
+    mask_tables,
+)
 
 __all__ = [
     "Call",
-    "Configs",
-    "KernelConfig",
+    "LaunchConfig",
+    "LaunchConfigs",
     "MaskTables",
     "Shape",
     "default_configs",

@@ -2,7 +2,9 @@
 
 Both front ends (torch_attn.triton, jax_attn.adapters.triton) build the same `Call` for a
 kernel (grid, runtime scalars, constexprs, warps, stages) and the same numpy `MaskTables`; they
-differ only in how they hand arrays to the kernel. Imports numpy and attn_masks only.
+differ only in how they hand arrays to the kernel. The kernels' limits (head dims, dtypes,
+compute capability) are stated here, and both front ends ask `check`. Imports numpy and
+attn_masks only.
 """
 
 from __future__ import annotations
@@ -12,29 +14,32 @@ from typing import Any
 
 import numpy as np
 
-from attn_masks import Mask
+from attn_masks import Mask, TileList
+from attn_masks.tiles import block_lists, padded_block_map
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 DTYPES = ("bfloat16", "float16", "float32")
+MIN_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
-class KernelConfig:
-    """Tiles (block_m query rows x block_n keys) and the compiler's warps and pipeline stages."""
+class LaunchConfig:
+    """One kernel's tile (block_q query rows x block_k keys), warps and pipeline stages."""
 
-    block_m: int
-    block_n: int
+    block_q: int
+    block_k: int
     num_warps: int
     num_stages: int
 
 
 @dataclass(frozen=True)
-class Configs:
-    """Per-kernel configs: forward, dK/dV and dQ (dQ takes dK/dV's when not given)."""
+class LaunchConfigs:
+    """The launch configs of the forward, dK/dV and dQ kernels (dQ takes dK/dV's when not
+    given)."""
 
-    fwd: KernelConfig
-    dkdv: KernelConfig
-    dq: KernelConfig | None = None
+    fwd: LaunchConfig
+    dkdv: LaunchConfig
+    dq: LaunchConfig | None = None
 
     def __post_init__(self) -> None:
         """Give dQ the dK/dV config when it has none of its own."""
@@ -55,27 +60,12 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class TileList:
-    """Per tile, the compacted non-empty tiles of the other axis: index/full (n, width), count (n,).
-
-    full is int32 (1 = unmasked); padding entries beyond count are never read.
-    """
-
-    index: np.ndarray
-    count: np.ndarray
-    full: np.ndarray
-
-    @property
-    def width(self) -> int:
-        return int(self.index.shape[1])
-
-
-@dataclass(frozen=True)
 class MaskTables:
-    """Everything the kernels read about a mask for given Configs.
+    """Everything the kernels read about a mask for given LaunchConfigs.
 
     lo/hi (Sq, K) int32 key intervals per row; fwd: k tiles per forward q tile; dq: k tiles per
-    backward q tile; dkdv: q tiles per backward k tile.
+    backward q tile; dkdv: q tiles per backward k tile, each in its kernel's tiles, with tiles
+    over a ragged sequence end partial and int32 full flags (1 = unmasked).
     """
 
     lo: np.ndarray
@@ -83,7 +73,7 @@ class MaskTables:
     fwd: TileList
     dq: TileList
     dkdv: TileList
-    configs: Configs
+    configs: LaunchConfigs
 
     @property
     def num_intervals(self) -> int:
@@ -120,7 +110,7 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
     return None
 
 
-# (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_m, block_n, num_warps, num_stages):
+# (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_q, block_k, num_warps, num_stages):
 # the largest tiles that ptxas compiles for sm_90 without register spills, or the least spilling
 # where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV); data in triton_attn/NOTES.md.
 # Register use depends on the compiler: they were measured with this Triton release.
@@ -135,47 +125,31 @@ _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
 }
 
 
-def default_configs(head_dim: int, itemsize: int) -> Configs:
+def default_configs(head_dim: int, itemsize: int) -> LaunchConfigs:
     """Per-kernel configs by padded head dim (32 counts as 64) and element size (fp32 or half)."""
     fwd, dkdv, dq = _DEFAULTS[max(64, block_d(head_dim)), itemsize >= 4]
-    return Configs(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
+    return LaunchConfigs(LaunchConfig(*fwd), LaunchConfig(*dkdv), LaunchConfig(*dq))
 
 
-def _clear_edges(index: np.ndarray, full: np.ndarray, own_edge: bool, other_edge: int | None):
-    """Mark tiles on a ragged sequence end PARTIAL, so the intervals mask the padding there."""
-    full = full.astype(np.int32)
-    if own_edge:
-        full[-1] = 0
-    if other_edge is not None:
-        full[index == other_edge] = 0
-    return np.ascontiguousarray(full)
+def _kernel_lists(mask: Mask, config: LaunchConfig) -> tuple[TileList, TileList]:
+    """(k tiles per q tile, q tiles per k tile) in the config's tiles, as the kernels read them."""
+    kinds = padded_block_map(mask, config.block_q, config.block_k)
+    lists = block_lists(kinds, config.block_q, config.block_k)
+
+    def as_int32(tl: TileList) -> TileList:
+        return TileList(*(np.ascontiguousarray(x, np.int32) for x in (tl.index, tl.count, tl.full)))
+
+    return as_int32(lists.kv), as_int32(lists.q)
 
 
-def _tile_lists(mask: Mask, block_m: int, block_n: int) -> tuple[TileList, TileList]:
-    """(k tiles per q tile, q tiles per k tile) with ragged edge tiles made PARTIAL."""
-    sq, sk = mask.seqlen_q, mask.seqlen_k
-    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
-    q_ragged, k_ragged = sq % block_m != 0, sk % block_n != 0
-    bl = mask.block_lists(block_m, block_n)
-    kv_full = _clear_edges(bl.kv_index, bl.kv_full, q_ragged, nk - 1 if k_ragged else None)
-    q_full = _clear_edges(bl.q_index, bl.q_full, k_ragged, nq - 1 if q_ragged else None)
-
-    def as_list(index: np.ndarray, count: np.ndarray, full: np.ndarray) -> TileList:
-        return TileList(
-            np.ascontiguousarray(index, np.int32), np.ascontiguousarray(count, np.int32), full
-        )
-
-    return as_list(bl.kv_index, bl.kv_count, kv_full), as_list(bl.q_index, bl.q_count, q_full)
-
-
-def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
+def mask_tables(mask: Mask, configs: LaunchConfigs) -> MaskTables:
     """Host-side numpy tables of `mask` for the tiles of `configs` (interval arithmetic only)."""
     lo, hi = mask.row_intervals()
     if lo.shape[1] == 0:
         lo = hi = np.zeros((mask.seqlen_q, 1), np.int32)
-    fwd, _ = _tile_lists(mask, configs.fwd.block_m, configs.fwd.block_n)
-    dq, _ = _tile_lists(mask, configs.dq.block_m, configs.dq.block_n)
-    _, dkdv = _tile_lists(mask, configs.dkdv.block_m, configs.dkdv.block_n)
+    fwd, _ = _kernel_lists(mask, configs.fwd)
+    dq, _ = _kernel_lists(mask, configs.dq)
+    _, dkdv = _kernel_lists(mask, configs.dkdv)
     return MaskTables(
         lo=np.ascontiguousarray(lo, np.int32),
         hi=np.ascontiguousarray(hi, np.int32),
@@ -186,12 +160,12 @@ def mask_tables(mask: Mask, configs: Configs) -> MaskTables:
     )
 
 
-def _meta(shape: Shape, tables: MaskTables, cfg: KernelConfig, ieee: bool) -> dict[str, Any]:
+def _meta(shape: Shape, tables: MaskTables, cfg: LaunchConfig, ieee: bool) -> dict[str, Any]:
     return {
         "GROUP": shape.heads_q // shape.heads_kv,
         "NUM_INTERVALS": tables.num_intervals,
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
+        "BLOCK_M": cfg.block_q,
+        "BLOCK_N": cfg.block_k,
         "BLOCK_D": block_d(shape.head_dim),
         "IEEE": bool(ieee),
     }
@@ -212,7 +186,7 @@ def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
 def _call(
     shape: Shape,
     tables: MaskTables,
-    cfg: KernelConfig,
+    cfg: LaunchConfig,
     lists: TileList,
     grid: tuple[int, int],
     scale: float,
@@ -231,19 +205,19 @@ def _call(
 def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_fwd_kernel: one program per (q tile, batch x query head)."""
     cfg = tables.configs.fwd
-    grid = (cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
+    grid = (cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q)
     return _call(shape, tables, cfg, tables.fwd, grid, scale, ieee)
 
 
 def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dkdv_kernel: one program per (k tile, batch x KV head)."""
     cfg = tables.configs.dkdv
-    grid = (cdiv(shape.seqlen_k, cfg.block_n), shape.batch * shape.heads_kv)
+    grid = (cdiv(shape.seqlen_k, cfg.block_k), shape.batch * shape.heads_kv)
     return _call(shape, tables, cfg, tables.dkdv, grid, scale, ieee)
 
 
 def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     """attn_bwd_dq_kernel: one program per (q tile, batch x query head)."""
     cfg = tables.configs.dq
-    grid = (cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
+    grid = (cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q)
     return _call(shape, tables, cfg, tables.dq, grid, scale, ieee)

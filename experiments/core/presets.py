@@ -1,12 +1,12 @@
 """Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full,
 cp_bench (the CP GPU sweep) and tune_pallas (launch configs of the Pallas Triton kernel).
 
-paper = SPEC.md 3 (kernel benchmark) + SPEC.md 5.5 (CP benchmark) with the reference's masks
-(reference_compat); full = the same grids with the corrected masks, plus every static mask under
-every CP strategy with the mask-area-balanced layout. cp_bench = every strategy x layout at 8K
-and 32K tokens per GPU, with the same kernel alone on one GPU at the per-GPU length as the
-baseline of each point's efficiency; tune_pallas = the tuning space of --tune (every candidate
-is checked before it is timed, like any point).
+paper = the published kernel and CP benchmark sweeps with the reference's masks (reference_compat;
+docs/masks.md, docs/context_parallel.md); full = the same grids with the corrected masks, plus
+every static mask under every CP strategy with the mask-area-balanced layout. cp_bench = every
+strategy x layout at 8K and 32K tokens per GPU, with the same kernel alone on one GPU at the
+per-GPU length as the baseline of each point's efficiency; tune_pallas = the tuning space of
+--tune (every candidate is checked before it is timed, like any point).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, G
 PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas")
 K = 1024
 
-# MASK_NAMES is in SPEC.md 1.1 order: the 12 masks of the kernel benchmark, then the two
+# MASK_NAMES is in docs/masks.md order: the 12 masks of the kernel benchmark, then the two
 # *_document_long masks, which the paper uses only in its CP benchmark.
 STATIC_MASKS = MASK_NAMES[:-2]
 ALL_MASKS = MASK_NAMES

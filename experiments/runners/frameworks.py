@@ -144,29 +144,18 @@ def framework_dtype(framework: str, name: str):
     return getattr(torch, full)
 
 
-_SUPPORT_KWARGS = {
-    "dtype": lambda p: framework_dtype(p.framework, p.dtype),
-    "head_dim": lambda p: p.head_dim,
-    "heads_q": lambda p: p.heads_q,
-    "heads_kv": lambda p: p.heads_kv,
-    "num_heads_q": lambda p: p.heads_q,
-    "num_heads_kv": lambda p: p.heads_kv,
-    "mode": lambda p: p.mode,
-    "backward": lambda p: p.mode != "fwd",
-    "batch": lambda p: p.batch,
-}
-
-
 def supports(framework: str, impl: str, mask, point: Point) -> bool | str:
-    """True or the reason the impl cannot run this point (keyword arguments passed as far as
-    the framework's `supports` accepts them)."""
-    fn = kernels(framework).supports
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    kw = {n: get(point) for n, get in _SUPPORT_KWARGS.items() if n in params}
-    result = fn(impl, mask, **kw)
+    """True or the reason the impl cannot run this point (both frameworks' `supports` take the
+    same keywords)."""
+    result = kernels(framework).supports(
+        impl,
+        mask,
+        dtype=framework_dtype(point.framework, point.dtype),
+        head_dim=point.head_dim,
+        heads_q=point.heads_q,
+        heads_kv=point.heads_kv,
+        mode=point.mode,
+    )
     return True if result is True else str(result)
 
 

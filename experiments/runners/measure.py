@@ -2,7 +2,7 @@
 
 Per mask: FLOPs = attention_flops(mask, Hq, D, mode, batch); per-device TFLOP/s = FLOPs / N /
 time (N = 1 without CP; under CP the time is the slowest rank's). Over the masks of a point the
-rates are averaged (the reference's mean of rates, SPEC.md 2); `tflops_total` is the ratio of
+rates are averaged (the reference's mean of rates, docs/results.md); `tflops_total` is the ratio of
 summed FLOPs to summed median times.
 """
 

@@ -1,4 +1,4 @@
-"""Per-call timing and peak memory for JAX and PyTorch (SPEC.md 2, with its bugs fixed).
+"""Per-call timing and peak memory for JAX and PyTorch (docs/results.md, Timing).
 
 Every timed call is preceded (on GPU) by an L2 flush that is finished before the clock starts.
 Quantiles are of per-call times: p20 is the *faster* time (higher TFLOP/s), p80 the slower one.

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from experiments.runners import timing
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 from .placement import put_global, token_sharding
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import placement
 from .data import MASK_NAME, DataConfig

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_masks import Mask, attention_flops
-from jax_attn.nnx_attention import Attention, AttentionBackend
+from experiments.workloads.nnx_attention import Attention, AttentionBackend
 
 
 @dataclass(frozen=True)

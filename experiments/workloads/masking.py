@@ -13,8 +13,8 @@ import jax
 
 import jax_attn
 from attn_masks import Mask
+from experiments.workloads.nnx_attention import AttentionBackend
 from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
-from jax_attn.nnx_attention import AttentionBackend
 
 RUNTIME_IMPLS = ("reference", "pallas")
 

@@ -19,8 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_masks import Mask
+from experiments.workloads.nnx_attention import AttentionBackend
 from jax_attn import attention
-from jax_attn.nnx_attention import AttentionBackend
 
 from .parity import BUNDLE_NPZ, META_JSON, ORBAX_DIR, mask_arrays
 

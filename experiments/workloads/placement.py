@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 CP_AXIS = "cp"
 

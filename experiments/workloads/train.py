@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 from .lm import LMConfig, TransformerLM
 

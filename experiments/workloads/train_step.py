@@ -29,7 +29,7 @@ from experiments.core.outcomes import classify, short_traceback
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
 from experiments.runners import timing
-from jax_attn.nnx_attention import AttentionBackend
+from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, data, lm, masking, placement, records, train
 from .checkpoint import Checkpointer

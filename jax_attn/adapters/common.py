@@ -3,8 +3,6 @@ device facts it depends on, and the per-mask cache of MaskArrays (host and devic
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -15,12 +13,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from attn_masks import Mask
+from attn_masks import MODES, Mask, MaskPattern, classify
+from attn_masks.cache import MaskCache
 
 from ..mask_arrays import DEFAULT_BLOCK, MaskArrays, prepare_mask
-from ..structure import MaskStructure, classify
 
-MODES = ("fwd", "bwd", "fwd_bwd")
 HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -61,7 +58,7 @@ class Request:
     backend: str
     return_lse: bool
     mode: str
-    structure: MaskStructure | None = field(default=None)
+    pattern: MaskPattern | None = field(default=None)
 
     @property
     def seqlen_q(self) -> int:
@@ -120,7 +117,7 @@ def make_request(
         backend=backend,
         return_lse=bool(return_lse),
         mode=mode,
-        structure=classify(mask) if isinstance(mask, Mask) else None,
+        pattern=classify(mask) if isinstance(mask, Mask) else None,
     )
 
 
@@ -144,6 +141,12 @@ def needs_cuda(req: Request, impl: str) -> str | None:
     return None
 
 
+def spoken_list(items: Any) -> str:
+    """'a', 'a or b', 'a, b or c': values listed in a reason."""
+    words = [str(getattr(x, "name", x)) for x in items]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def first_reason(*checks: Callable[[], str | None]) -> str | None:
     """The first non-None reason of lazily evaluated checks."""
     for check in checks:
@@ -153,11 +156,16 @@ def first_reason(*checks: Callable[[], str | None]) -> str | None:
     return None
 
 
-def describe(st: MaskStructure) -> str:
+def describe(p: MaskPattern) -> str:
     """Short human name of a classified mask, for reasons."""
-    if st.kind == "window":
-        return f"sliding window (left={st.window[0]}, right={st.window[1]})"
-    return f"{st.kind} mask" if st.kind != "general" else "general (block-sparse) mask"
+    if p.is_full or p.is_causal:
+        return "full mask" if p.is_full else "causal mask"
+    if p.square_window is not None:
+        left, right = p.square_window
+        return f"sliding window (left={left}, right={right})"
+    if p.cu_seqlens is not None:
+        return f"{p.kind} mask"
+    return "general (block-sparse) mask"
 
 
 def intervals_only(mask: Mask) -> MaskArrays:
@@ -167,12 +175,8 @@ def intervals_only(mask: Mask) -> MaskArrays:
     return MaskArrays(
         lo=lo.astype(np.int32),
         hi=hi.astype(np.int32),
-        kv_index=None,
-        kv_count=None,
-        kv_full=None,
-        q_index=None,
-        q_count=None,
-        q_full=None,
+        kv=None,
+        q=None,
         seqlen_q=mask.seqlen_q,
         seqlen_k=mask.seqlen_k,
         block_q=DEFAULT_BLOCK,
@@ -180,45 +184,26 @@ def intervals_only(mask: Mask) -> MaskArrays:
     )
 
 
-class _MaskCache:
-    """Small LRU of MaskArrays per (mask object, tiles), host numpy plus a device copy.
-
-    tiles None means intervals_only(mask).
-    """
-
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _entry(self, mask: Mask, tiles: tuple[int, int] | None) -> dict:
-        key = (id(mask), tiles)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry["mask"] is mask:
-                self._entries.move_to_end(key)
-                return entry
-        host = intervals_only(mask) if tiles is None else prepare_mask(mask, *tiles)
-        entry = {"mask": mask, "host": host, "device": None}
-        with self._lock:
-            self._entries[key] = entry
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        return entry
-
-    def host(self, mask: Mask, tiles: tuple[int, int] | None) -> MaskArrays:
-        return self._entry(mask, tiles)["host"]
-
-    def device(self, mask: Mask, tiles: tuple[int, int] | None) -> MaskArrays:
-        entry = self._entry(mask, tiles)
-        if entry["device"] is None:
-            with jax.ensure_compile_time_eval():  # a concrete copy even when called in a trace
-                entry["device"] = jax.device_put(entry["host"])
-        return entry["device"]
+_ARRAYS = MaskCache(size=32)
 
 
-MASK_CACHE = _MaskCache()
+def host_arrays(mask: Mask, tiles: tuple[int, int] | None) -> MaskArrays:
+    """Host MaskArrays of `mask` with `tiles` (None: intervals_only), cached per mask object."""
+
+    def build() -> MaskArrays:
+        return intervals_only(mask) if tiles is None else prepare_mask(mask, *tiles)
+
+    return _ARRAYS.get(mask, ("host", tiles), build)
+
+
+def device_arrays(mask: Mask, tiles: tuple[int, int] | None) -> MaskArrays:
+    """host_arrays(mask, tiles) put on the default device once, even when called in a trace."""
+
+    def build() -> MaskArrays:
+        with jax.ensure_compile_time_eval():
+            return jax.device_put(host_arrays(mask, tiles))
+
+    return _ARRAYS.get(mask, ("device", tiles), build)
 
 
 def default_tiles(head_dim: int, dtype: Any) -> tuple[int, int]:

@@ -8,22 +8,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_masks import MaskPattern, classify
+
 from ..mask_arrays import dense_from_intervals
 from ..reference import reference_attention
-from ..structure import MaskStructure, classify
 from .common import (
     HALF,
-    MASK_CACHE,
     Adapter,
     Request,
     describe,
+    device_arrays,
     first_reason,
     needs_cuda,
     needs_static_mask,
 )
 
 
-def _xla_plan(st: MaskStructure) -> str:
+def _xla_plan(st: MaskPattern) -> str:
     """How the XLA impl is told the mask: nothing, is_causal, or a dense boolean matrix."""
     if st.is_full:
         return "none"
@@ -65,7 +66,7 @@ def _check_xla(req: Request) -> str | None:
 
 def _run_xla(q, k, v, mask, *, scale: float, return_lse: bool):
     st = classify(mask)
-    arrays = MASK_CACHE.device(mask, None)
+    arrays = device_arrays(mask, None)
     return _xla(
         q,
         k,
@@ -81,14 +82,15 @@ def _run_xla(q, k, v, mask, *, scale: float, return_lse: bool):
 XLA = Adapter("xla", _check_xla, _run_xla)
 
 
-def _cudnn_pattern(st: MaskStructure) -> tuple[bool, tuple[int, int] | None] | str:
+def _cudnn_pattern(st: MaskPattern) -> tuple[bool, tuple[int, int] | None] | str:
     """(is_causal, local_window_size) for cuDNN, or the reason the mask is not expressible."""
     if st.is_full:
         return False, None
     if st.is_causal and st.square:
         return True, None
-    if st.window is not None and st.window[1] == 0:
-        return True, (st.window[0], 0)
+    window = st.square_window
+    if window is not None and window[1] == 0:
+        return True, (window[0], 0)
     if st.is_causal:
         return (
             f"cudnn's causal mask is top-left aligned; a bottom-right causal mask with "
@@ -129,7 +131,7 @@ def _check_cudnn(req: Request) -> str | None:
         return None
 
     def pattern() -> str | None:
-        found = _cudnn_pattern(req.structure)
+        found = _cudnn_pattern(req.pattern)
         return found if isinstance(found, str) else None
 
     return first_reason(

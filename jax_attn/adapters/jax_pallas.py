@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..structure import MaskStructure, classify
+from attn_masks import MaskPattern, classify
+
 from .common import (
     HALF,
     Adapter,
@@ -40,7 +41,7 @@ def _mgpu_module():
     return attention_mgpu
 
 
-def _mha_pattern(st: MaskStructure) -> tuple[bool, np.ndarray | None] | str:
+def _mha_pattern(st: MaskPattern) -> tuple[bool, np.ndarray | None] | str:
     """(causal, cu_seqlens or None) for attention.mha, or why the mask is not expressible."""
     if not st.square:
         return f"pallas_mha needs Sq == Sk (got {st.seqlen_q} x {st.seqlen_k})"
@@ -77,7 +78,7 @@ def _check_mha(req: Request) -> str | None:
         return None
 
     def shape() -> str | None:
-        found = _mha_pattern(req.structure)
+        found = _mha_pattern(req.pattern)
         if isinstance(found, str):
             return found
         if req.seqlen_q % MHA_BLOCK:
@@ -132,7 +133,7 @@ def _run_mha(q, k, v, mask, *, scale: float, return_lse: bool):
 PALLAS_MHA = Adapter("pallas_mha", _check_mha, _run_mha)
 
 
-def _mgpu_causal(st: MaskStructure) -> bool | str:
+def _mgpu_causal(st: MaskPattern) -> bool | str:
     """Whether attention_mgpu runs causal for this mask, or why it cannot."""
     if st.is_full:
         return False
@@ -165,7 +166,7 @@ def _check_mgpu(req: Request) -> str | None:
         return None
 
     def shape() -> str | None:
-        causal = _mgpu_causal(req.structure)
+        causal = _mgpu_causal(req.pattern)
         if isinstance(causal, str):
             return causal
         tile = 2 * MGPU_BLOCK_Q

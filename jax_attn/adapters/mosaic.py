@@ -10,9 +10,7 @@ import numpy as np
 from attn_masks import Mask
 
 from ..mask_arrays import MaskArrays
-from .common import HALF, MASK_CACHE, Adapter, Request, Unsupported, first_reason
-
-HEAD_DIMS = (64, 128)
+from .common import Adapter, Request, Unsupported, device_arrays, first_reason, spoken_list
 
 
 def mosaic_module() -> tuple[Any, str | None]:
@@ -52,13 +50,15 @@ def _check(req: Request) -> str | None:
         return None
 
     def dtype() -> str | None:
-        if req.dtype is not None and req.dtype not in HALF:
-            return f"mosaic takes bfloat16 or float16, got {req.dtype.name}"
+        dtypes = mosaic_module()[0].DTYPES
+        if req.dtype is not None and req.dtype not in dtypes:
+            return f"mosaic takes {spoken_list(dtypes)}, got {req.dtype.name}"
         return None
 
     def head_dim() -> str | None:
-        if req.head_dim is not None and req.head_dim not in HEAD_DIMS:
-            return f"mosaic supports head_dim 64 or 128, got {req.head_dim}"
+        head_dims = mosaic_module()[0].HEAD_DIMS
+        if req.head_dim is not None and req.head_dim not in head_dims:
+            return f"mosaic supports head_dim {spoken_list(head_dims)}, got {req.head_dim}"
         return None
 
     def arrays() -> str | None:
@@ -89,7 +89,7 @@ def _run(q, k, v, mask: Mask | MaskArrays, *, scale: float, return_lse: bool):
     if isinstance(mask, MaskArrays):
         arrays = mask
     else:
-        arrays = MASK_CACHE.device(mask, _tiles(q.shape[-1], np.dtype(q.dtype)))
+        arrays = device_arrays(mask, _tiles(q.shape[-1], np.dtype(q.dtype)))
     res = mod.flash_attention_mosaic(
         q, k, v, arrays, scale=scale, return_lse=return_lse, interpret=False
     )

@@ -6,17 +6,16 @@ import importlib
 from typing import Any
 
 import jax
-import numpy as np
 
 from attn_masks import Mask
 
 from ..mask_arrays import MaskArrays
 from ..reference import reference_attention
-from .common import HALF, MASK_CACHE, Adapter, Request, Unsupported
+from .common import Adapter, Request, Unsupported, device_arrays, spoken_list
 
 
 def _arrays(mask: Mask | MaskArrays, tiles: tuple[int, int] | None) -> MaskArrays:
-    return mask if isinstance(mask, MaskArrays) else MASK_CACHE.device(mask, tiles)
+    return mask if isinstance(mask, MaskArrays) else device_arrays(mask, tiles)
 
 
 def _check_reference(req: Request) -> str | None:
@@ -60,10 +59,11 @@ def _check_pallas(req: Request) -> str | None:
         return why
     if req.backend not in ("gpu", "cpu"):
         return f"pallas runs on a CUDA GPU, or in interpret mode on CPU (backend {req.backend!r})"
-    if req.dtype is not None and req.dtype not in (*HALF, np.dtype(np.float32)):
-        return f"pallas takes bfloat16, float16 or float32, got {req.dtype.name}"
-    if req.head_dim is not None and not 16 <= req.head_dim <= 256:
-        return f"pallas needs 16 <= head_dim <= 256, got {req.head_dim}"
+    if req.dtype is not None and req.dtype not in mod.DTYPES:
+        return f"pallas takes {spoken_list(mod.DTYPES)}, got {req.dtype.name}"
+    low, high = mod.MIN_HEAD_DIM, mod.MAX_HEAD_DIM
+    if req.head_dim is not None and not low <= req.head_dim <= high:
+        return f"pallas needs {low} <= head_dim <= {high}, got {req.head_dim}"
     if isinstance(req.mask, MaskArrays) and req.mask.lo.ndim != 2:
         return (
             f"pallas takes the MaskArrays of one mask (lo of shape (Sq, K)), got lo of shape "

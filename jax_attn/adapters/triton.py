@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import itertools
-import threading
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_masks import Mask
+from attn_masks.cache import MaskCache
 from triton_attn import launch
 
 from .common import Adapter, Request, Unsupported, first_reason, needs_cuda, needs_static_mask
@@ -92,8 +91,9 @@ def _check(req: Request) -> str | None:
 
     def device() -> str | None:
         cap = req.gpu.capability if req.gpu is not None else None
-        if cap is not None and cap < (8, 0):
-            return f"triton kernels need compute capability >= 8.0, got {cap}"
+        if cap is not None and cap < launch.MIN_CAPABILITY:
+            need = ".".join(map(str, launch.MIN_CAPABILITY))
+            return f"triton kernels need compute capability >= {need}, got {cap}"
         return None
 
     def inputs() -> str | None:
@@ -117,35 +117,33 @@ class _Tables:
     arrays: dict
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
+_TABLES = MaskCache()
 
 
-def _tables(mask: Mask, configs: launch.Configs) -> _Tables:
+def _tables(mask: Mask, configs: launch.LaunchConfigs) -> _Tables:
     """Tables of `mask` for `configs`, built and put on the device once per mask object."""
-    with _LOCK:
-        found = _CACHE.get(mask, {}).get(configs)
-    if found is not None:
-        return found
-    host = launch.mask_tables(mask, configs)
-    with jax.ensure_compile_time_eval():  # concrete device arrays even when called in a trace
-        arrays = {"lo": jax.device_put(host.lo), "hi": jax.device_put(host.hi)}
-        for name in _LISTS:
-            lists = getattr(host, name)
-            arrays[name] = tuple(jax.device_put(x) for x in (lists.index, lists.count, lists.full))
-    found = _Tables(host, arrays)
-    with _LOCK:
-        _CACHE.setdefault(mask, {})[configs] = found
-    return found
+
+    def build() -> _Tables:
+        host = launch.mask_tables(mask, configs)
+        with jax.ensure_compile_time_eval():  # concrete device arrays even when called in a trace
+            arrays = {"lo": jax.device_put(host.lo), "hi": jax.device_put(host.hi)}
+            for name in _LISTS:
+                lists = getattr(host, name)
+                arrays[name] = tuple(
+                    jax.device_put(x) for x in (lists.index, lists.count, lists.full)
+                )
+        return _Tables(host, arrays)
+
+    return _TABLES.get(mask, configs, build)
 
 
-def _configs(head_dim: int, dtype: Any) -> launch.Configs:
+def _configs(head_dim: int, dtype: Any) -> launch.LaunchConfigs:
     return launch.default_configs(head_dim, np.dtype(dtype).itemsize)
 
 
 def _tiles(head_dim: int, dtype: Any) -> tuple[int, int]:
     fwd = _configs(head_dim, dtype).fwd
-    return fwd.block_m, fwd.block_n
+    return fwd.block_q, fwd.block_k
 
 
 def _shape(q: jax.Array, k: jax.Array) -> launch.Shape:

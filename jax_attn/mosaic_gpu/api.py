@@ -11,9 +11,8 @@ import jax.numpy as jnp
 
 from attn_masks.shapes import check_attention_shapes
 
+from ..kernel_inputs import TilePadding, pad_axis, padded_intervals, query_tile_walk
 from ..mask_arrays import MaskArrays
-from ..padding import pad_axis
-from ..pallas_triton.tiles import split_partial_full
 from .backward import flash_attention_mosaic_bwd
 from .config import CONSUMER_WARPGROUPS, MosaicConfig, default_config
 from .forward import forward
@@ -31,12 +30,11 @@ class _Static:
     interpret: Any  # False (the GPU) or the InterpretGPUParams to run the CPU interpreter with
 
 
-def _bounds(arrays: MaskArrays, padded_q: int, block_q: int) -> jax.Array:
-    """(padded Sq / block_q, 2K, block_q) int32: per 64-row slice the rows' lo, hi of each
-    interval, interleaved; padded rows see nothing ([0, 0))."""
-    lo = pad_axis(jnp.asarray(arrays.lo, jnp.int32), 0, padded_q)
-    hi = pad_axis(jnp.asarray(arrays.hi, jnp.int32), 0, padded_q)
-    both = jnp.stack([lo, hi], axis=-1).reshape(padded_q // block_q, block_q, -1)
+def _bounds(lo: jax.Array, hi: jax.Array, block_q: int) -> jax.Array:
+    """(padded Sq / block_q, 2K, block_q) int32 of the (K, padded Sq) intervals: per 64-row
+    slice the rows' lo, hi of each interval, interleaved."""
+    padded_q = lo.shape[1]
+    both = jnp.stack([lo.T, hi.T], axis=-1).reshape(padded_q // block_q, block_q, -1)
     return jnp.transpose(both, (0, 2, 1))
 
 
@@ -45,29 +43,21 @@ def _forward_padded(
 ) -> tuple[jax.Array, jax.Array]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq)) of the kernel on inputs padded to whole tiles."""
     cfg = static.config
-    sq, sk = q.shape[1], k.shape[1]
-    padded_q = -(-sq // cfg.mask_block_q) * cfg.mask_block_q
-    padded_k = -(-sk // cfg.block_k) * cfg.block_k
-    lists = split_partial_full(
-        arrays.kv_index,
-        arrays.kv_count,
-        arrays.kv_full,
-        ragged_outer=padded_q != sq,
-        padded_inner=padded_k // cfg.block_k - 1 if padded_k != sk else None,
-    )
+    pad = TilePadding.of(arrays)
+    walk = query_tile_walk(arrays, pad)
     out, lse = forward(
-        pad_axis(q, 1, padded_q),
-        pad_axis(k, 1, padded_k),
-        pad_axis(v, 1, padded_k),
-        _bounds(arrays, padded_q, cfg.block_q),
-        lists.index,
-        lists.n_partial,
-        lists.count,
+        pad_axis(q, 1, pad.padded_q),
+        pad_axis(k, 1, pad.padded_k),
+        pad_axis(v, 1, pad.padded_k),
+        _bounds(*padded_intervals(arrays, pad), cfg.block_q),
+        walk.index,
+        walk.n_partial,
+        walk.count,
         scale=static.scale,
         config=cfg,
         interpret=static.interpret or None,
     )
-    return out[:, :sq], lse[:, :, :sq]
+    return out[:, : pad.seq_q], lse[:, :, : pad.seq_q]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -121,7 +111,7 @@ def check_inputs(
     check_attention_shapes(q.shape, k.shape, v.shape, arrays)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv_index) != 2:
+    if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv.index) != 2:
         raise ValueError("flash_attention_mosaic takes the MaskArrays of one mask (no stacking)")
     config.check(q.shape[3], q.dtype, int(arrays.lo.shape[-1]))
     if (arrays.block_q, arrays.block_k) != config.tiles:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +21,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..kernel_inputs import (
+    LOG2E,
+    TilePadding,
+    TileWalk,
+    backward_lse,
+    key_tile_walk,
+    pad_axis,
+    padded_intervals,
+    query_tile_walk,
+    softmax_delta,
+)
 from ..mask_arrays import MaskArrays
-from ..padding import pad_axis
-from ..pallas_triton.tiles import TileLists, split_partial_full
-from .config import MosaicConfig
+from .config import DTYPES, HEAD_DIMS, MosaicConfig
 
-LOG2E = math.log2(math.e)
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
 
@@ -346,10 +353,12 @@ def _launch(
 
 def _check(q: jax.Array, k: jax.Array, arrays: MaskArrays) -> None:
     d = q.shape[-1]
-    if d not in (64, 128):
-        raise ValueError(f"Mosaic GPU backward needs head_dim 64 or 128, got {d}")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"Mosaic GPU backward needs bf16 or fp16 inputs, got {q.dtype}")
+    if d not in HEAD_DIMS:
+        dims = " or ".join(map(str, HEAD_DIMS))
+        raise ValueError(f"Mosaic GPU backward needs head_dim {dims}, got {d}")
+    if jnp.dtype(q.dtype) not in DTYPES:
+        names = " or ".join(t.name for t in DTYPES)
+        raise ValueError(f"Mosaic GPU backward needs {names} inputs, got {q.dtype}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     for tile in (arrays.block_q, arrays.block_k):
@@ -415,43 +424,21 @@ def flash_attention_mosaic_bwd(
     """
     _check(q, k, arrays)
     kernels = _kernels(q, k, arrays, scale=scale, config=config, interpret=interpret)
-    sq, sk = q.shape[1], k.shape[1]
-    mbq, mbk = arrays.block_q, arrays.block_k
-    pq, pk = -(-sq // mbq) * mbq, -(-sk // mbk) * mbk
-    dtype = q.dtype
-    f32 = jnp.float32
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(f32), do.astype(f32))
-    if dlse is not None:
-        delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(f32))
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(f32) * LOG2E)
-    lse2 = pad_axis(lse2, 2, pq, jnp.inf)
-    delta = pad_axis(delta, 2, pq)
-    qp, dop = pad_axis(q, 1, pq), pad_axis(do.astype(dtype), 1, pq)
+    pad = TilePadding.of(arrays)
+    pq, pk = pad.padded_q, pad.padded_k
+    delta = pad_axis(softmax_delta(out, do, lse, dlse), 2, pq)
+    lse2 = pad_axis(backward_lse(lse.astype(jnp.float32)), 2, pq, jnp.inf)
+    qp, dop = pad_axis(q, 1, pq), pad_axis(do.astype(q.dtype), 1, pq)
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
-    lo = pad_axis(jnp.asarray(arrays.lo, jnp.int32).T, 1, pq)
-    hi = pad_axis(jnp.asarray(arrays.hi, jnp.int32).T, 1, pq)
-    kv_lists = split_partial_full(
-        arrays.kv_index,
-        arrays.kv_count,
-        arrays.kv_full,
-        ragged_outer=pq != sq,
-        padded_inner=pk // mbk - 1 if pk != sk else None,
-    )
-    q_lists = split_partial_full(
-        arrays.q_index,
-        arrays.q_count,
-        arrays.q_full,
-        ragged_outer=pk != sk,
-        padded_inner=pq // mbq - 1 if pq != sq else None,
-    )
+    lo, hi = padded_intervals(arrays, pad)
     operands = (qp, kp, vp, dop, lse2, delta, lo, hi)
-    dk, dv = _dkv_call(operands, q_lists, kernels[0], interpret)
-    dq = _dq_call(operands, kv_lists, kernels[1], interpret)
-    return dq[:, :sq], dk[:, :sk], dv[:, :sk]
+    dk, dv = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+    dq = _dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
+    return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 
 def _dkv_call(
-    operands: tuple, lists: TileLists, kern: _Kernel, interpret: Any
+    operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any
 ) -> tuple[jax.Array, jax.Array]:
     """dK, dV (B, padded Sk, Hkv, D) of padded operands over the per-key-tile q tile lists."""
     q, k = operands[0], operands[1]
@@ -478,7 +465,7 @@ def _dkv_call(
     return dk, dv
 
 
-def _dq_call(operands: tuple, lists: TileLists, kern: _Kernel, interpret: Any) -> jax.Array:
+def _dq_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) -> jax.Array:
     """dQ (B, padded Sq, Hq, D) of padded operands over the per-query-tile key tile lists."""
     q = operands[0]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]

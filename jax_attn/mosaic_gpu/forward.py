@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -22,10 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..kernel_inputs import LN2, LOG2E
 from .config import CONSUMER_WARPGROUPS, MosaicConfig
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 PRODUCER = CONSUMER_WARPGROUPS  # index of the TMA warpgroup
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40

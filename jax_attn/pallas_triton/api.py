@@ -11,13 +11,19 @@ import jax.numpy as jnp
 
 from attn_masks.shapes import check_attention_shapes
 
+from ..kernel_inputs import (
+    TilePadding,
+    key_tile_walk,
+    pad_axis,
+    padded_intervals,
+    query_tile_walk,
+    softmax_delta,
+)
 from ..mask_arrays import MaskArrays
-from ..padding import pad_axis
 from .backward import backward_dkv, backward_dq
-from .config import KernelConfig, default_config, padded_head_dim
+from .config import MAX_HEAD_DIM, MIN_HEAD_DIM, KernelConfig, default_config, padded_head_dim
 from .forward import forward
 from .fused import backward_fused
-from .tiles import TileLists, split_partial_full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,79 +35,31 @@ class _Static:
     interpret: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Padded sizes of one call, derived from the shapes and the mask tiles."""
-
-    seq_q: int
-    seq_k: int
-    padded_q: int
-    padded_k: int
-    head_dim: int
-    padded_dim: int
-    mask_block_q: int
-    mask_block_k: int
-
-    @classmethod
-    def of(cls, q: jax.Array, k: jax.Array, arrays: MaskArrays) -> _Geometry:
-        bq, bk = arrays.block_q, arrays.block_k
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
-        return cls(sq, sk, -(-sq // bq) * bq, -(-sk // bk) * bk, d, padded_head_dim(d), bq, bk)
-
-
 def _pad_seq_dim(x: jax.Array, seq: int, dim: int) -> jax.Array:
     return pad_axis(pad_axis(x, 1, seq), 3, dim)
-
-
-def _intervals(arrays: MaskArrays, geo: _Geometry) -> tuple[jax.Array, jax.Array]:
-    """lo/hi as (K, padded Sq) int32; padded rows get the empty interval [0, 0)."""
-    lo = pad_axis(jnp.asarray(arrays.lo, jnp.int32).T, 1, geo.padded_q)
-    hi = pad_axis(jnp.asarray(arrays.hi, jnp.int32).T, 1, geo.padded_q)
-    return lo, hi
-
-
-def _kv_lists(arrays: MaskArrays, geo: _Geometry) -> TileLists:
-    ragged_k = geo.padded_k != geo.seq_k
-    return split_partial_full(
-        arrays.kv_index,
-        arrays.kv_count,
-        arrays.kv_full,
-        ragged_outer=geo.padded_q != geo.seq_q,
-        padded_inner=geo.padded_k // geo.mask_block_k - 1 if ragged_k else None,
-    )
-
-
-def _q_lists(arrays: MaskArrays, geo: _Geometry) -> TileLists:
-    ragged_q = geo.padded_q != geo.seq_q
-    return split_partial_full(
-        arrays.q_index,
-        arrays.q_count,
-        arrays.q_full,
-        ragged_outer=geo.padded_k != geo.seq_k,
-        padded_inner=geo.padded_q // geo.mask_block_q - 1 if ragged_q else None,
-    )
 
 
 def _forward_padded(
     q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq), padded lse for the backward)."""
-    geo = _Geometry.of(q, k, arrays)
-    lo, hi = _intervals(arrays, geo)
+    pad = TilePadding.of(arrays)
+    dim = padded_head_dim(q.shape[3])
+    lo, hi = padded_intervals(arrays, pad)
     out, lse = forward(
-        _pad_seq_dim(q, geo.padded_q, geo.padded_dim),
-        _pad_seq_dim(k, geo.padded_k, geo.padded_dim),
-        _pad_seq_dim(v, geo.padded_k, geo.padded_dim),
+        _pad_seq_dim(q, pad.padded_q, dim),
+        _pad_seq_dim(k, pad.padded_k, dim),
+        _pad_seq_dim(v, pad.padded_k, dim),
         lo,
         hi,
-        _kv_lists(arrays, geo),
+        query_tile_walk(arrays, pad),
         scale=static.scale,
         config=static.config,
-        mask_block_q=geo.mask_block_q,
-        mask_block_k=geo.mask_block_k,
+        mask_block_q=pad.block_q,
+        mask_block_k=pad.block_k,
         interpret=static.interpret,
     )
-    return out[:, : geo.seq_q, :, : geo.head_dim], lse[:, :, : geo.seq_q], lse
+    return out[:, : pad.seq_q, :, : q.shape[3]], lse[:, :, : pad.seq_q], lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -135,31 +93,30 @@ def _backward(
     Only lse and delta = rowsum(dO * O) - dLSE enter the kernels (dS = P (dP - delta) with
     P = exp(S - lse)), so no forward is recomputed.
     """
-    geo = _Geometry.of(q, k, arrays)
+    pad = TilePadding.of(arrays)
+    sq, sk, d = pad.seq_q, pad.seq_k, q.shape[3]
+    dim = padded_head_dim(d)
     d_out = d_out.astype(q.dtype)
-    delta = jnp.einsum(
-        "bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)
-    ) - d_lse.astype(jnp.float32)
-    delta = pad_axis(delta, 2, geo.padded_q)
-    qp = _pad_seq_dim(q, geo.padded_q, geo.padded_dim)
-    kp = _pad_seq_dim(k, geo.padded_k, geo.padded_dim)
-    vp = _pad_seq_dim(v, geo.padded_k, geo.padded_dim)
-    dop = _pad_seq_dim(d_out, geo.padded_q, geo.padded_dim)
-    lo, hi = _intervals(arrays, geo)
+    delta = pad_axis(softmax_delta(out, d_out, lse[:, :, :sq], d_lse), 2, pad.padded_q)
+    qp = _pad_seq_dim(q, pad.padded_q, dim)
+    kp = _pad_seq_dim(k, pad.padded_k, dim)
+    vp = _pad_seq_dim(v, pad.padded_k, dim)
+    dop = _pad_seq_dim(d_out, pad.padded_q, dim)
+    lo, hi = padded_intervals(arrays, pad)
     common = dict(
         scale=static.scale,
         config=static.config,
-        mask_block_q=geo.mask_block_q,
-        mask_block_k=geo.mask_block_k,
+        mask_block_q=pad.block_q,
+        mask_block_k=pad.block_k,
         interpret=static.interpret,
     )
-    q_lists = _q_lists(arrays, geo)
+    by_key = key_tile_walk(arrays, pad)
     if static.config.fused_bwd:
-        dq, dk, dv = backward_fused(qp, kp, vp, dop, lse, delta, lo, hi, q_lists, **common)
+        dq, dk, dv = backward_fused(qp, kp, vp, dop, lse, delta, lo, hi, by_key, **common)
     else:
-        dq = backward_dq(qp, kp, vp, dop, lse, delta, lo, hi, _kv_lists(arrays, geo), **common)
-        dk, dv = backward_dkv(qp, kp, vp, dop, lse, delta, lo, hi, q_lists, **common)
-    sq, sk, d = geo.seq_q, geo.seq_k, geo.head_dim
+        by_query = query_tile_walk(arrays, pad)
+        dq = backward_dq(qp, kp, vp, dop, lse, delta, lo, hi, by_query, **common)
+        dk, dv = backward_dkv(qp, kp, vp, dop, lse, delta, lo, hi, by_key, **common)
     return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
 
 
@@ -189,7 +146,7 @@ def _backward_jit(
     d_lse: jax.Array,
     static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    padded_q = _Geometry.of(q, k, arrays).padded_q
+    padded_q = TilePadding.of(arrays).padded_q
     lse_padded = pad_axis(lse.astype(jnp.float32), 2, padded_q, value=-jnp.inf)
     return _backward(q, k, v, arrays, out, lse_padded, d_out, d_lse, static)
 
@@ -197,9 +154,11 @@ def _backward_jit(
 def _check(q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays) -> None:
     check_attention_shapes(q.shape, k.shape, v.shape, arrays)
     d = q.shape[3]
-    if not 16 <= d <= 256:
-        raise ValueError(f"head dim {d} is outside the supported range [16, 256]")
-    if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv_index) != 2:
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim {d} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+        )
+    if jnp.ndim(arrays.lo) != 2 or jnp.ndim(arrays.kv.index) != 2:
         raise ValueError("flash_attention takes the MaskArrays of one mask (no stacked axes)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -13,14 +13,15 @@ import functools
 from typing import Any
 
 import jax
-
-from .compat import atomic_add as public_atomic_add
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 
 def atomic_add(ref: Any, idx: tuple, value: jax.Array, *, relaxed: bool) -> None:
     """ref[idx] += value atomically; relaxed: without memory ordering (Triton `red`)."""
     if not relaxed:
-        public_atomic_add(ref, idx, value)
+        public = getattr(pl_triton, "atomic_add", None) or pl.atomic_add  # pl before jax 0.7
+        public(ref, idx, value)
         return
     from jax._src.state import primitives as state_primitives
 

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..kernel_inputs import LOG2E, TileWalk, backward_lse
 from .common import (
-    LOG2E,
     NN,
     NT,
-    backward_lse,
     backward_specs,
     chunk_spec,
     dkv_update,
@@ -31,12 +30,11 @@ from .common import (
     query_tile,
     query_tile_launch,
     scores,
+    triton_params,
     visible,
     walk_tiles,
 )
-from .compat import triton_params
 from .config import KernelConfig
-from .tiles import TileLists
 
 # on_tile(ds_t, k, rows, head, precision): what a dK/dV step also does with its dS^T tile.
 OnTile = Callable[[jax.Array, jax.Array, Any, jax.Array, lax.Precision], None]
@@ -188,7 +186,7 @@ def backward_dq(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileLists,
+    lists: TileWalk,
     *,
     scale: float,
     config: KernelConfig,
@@ -228,7 +226,7 @@ def backward_dkv(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileLists,
+    lists: TileWalk,
     *,
     scale: float,
     config: KernelConfig,

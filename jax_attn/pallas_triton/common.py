@@ -7,7 +7,6 @@ everything they emit is inlined into the one kernel (no calls, nothing changes i
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,14 +14,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
 Specs = tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]
 Launch = tuple[Callable[..., None], tuple[int, int], Specs]  # kernel, grid, specs
+
+
+def triton_params(num_warps: int, num_stages: int) -> Any:
+    """Triton compiler parameters (CompilerParams; TritonCompilerParams before jax 0.7)."""
+    cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+    return cls(num_warps=num_warps, num_stages=num_stages)
 
 
 def precision_for(dtype: Any) -> lax.Precision:
@@ -43,7 +47,7 @@ def whole_spec(x: jax.Array) -> pl.BlockSpec:
 
 
 def mask_specs(lo: jax.Array, hi: jax.Array, lists: Sequence[jax.Array]) -> list[pl.BlockSpec]:
-    """Whole-array specs of the mask operands: lo, hi, then the TileLists (index, n_partial,
+    """Whole-array specs of the mask operands: lo, hi, then the TileWalk (index, n_partial,
     count), passed to the kernel in that order as (lo, hi, *lists)."""
     return [whole_spec(x) for x in (lo, hi, *lists)]
 
@@ -257,11 +261,6 @@ def scores(
     return s
 
 
-def backward_lse(lse: jax.Array) -> jax.Array:
-    """Natural-log LSE in base 2, +inf for empty rows so that exp2(s - lse) is 0 there."""
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-
-
 def dkv_update(
     k: jax.Array,
     v: jax.Array,
@@ -277,7 +276,8 @@ def dkv_update(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dK, dV) plus one query sub-tile, keys first; also dS^T (keys, rows) in q's dtype.
 
-    lse2 is the base-2 LSE of backward_lse; vis (keys, rows) masks a partial tile (None: full).
+    lse2 is the base-2 LSE (kernel_inputs.backward_lse); vis (keys, rows) masks a partial tile
+    (None: full).
     """
     dk, dv = carry
     s_t = matmul(k, q, NT, precision) * qk_scale

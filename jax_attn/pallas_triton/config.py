@@ -6,6 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # padded to a power of two >= 16 for Triton's dot shapes
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..kernel_inputs import LN2, LOG2E, TileWalk
 from .common import (
-    LN2,
-    LOG2E,
     NN,
     load_intervals,
     mask_specs,
@@ -19,11 +18,10 @@ from .common import (
     query_tile,
     query_tile_launch,
     scores,
+    triton_params,
     walk_tiles,
 )
-from .compat import triton_params
 from .config import KernelConfig
-from .tiles import TileLists
 
 
 def _forward_kernel(
@@ -91,7 +89,7 @@ def forward(
     v: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileLists,
+    lists: TileWalk,
     *,
     scale: float,
     config: KernelConfig,

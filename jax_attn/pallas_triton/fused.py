@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..kernel_inputs import TileWalk, backward_lse
 from .atomics import atomic_add
 from .backward import dkv_kernel
-from .common import TN, backward_lse, backward_specs, key_tile_launch, matmul
-from .compat import triton_params
+from .common import TN, backward_specs, key_tile_launch, matmul, triton_params
 from .config import KernelConfig
-from .tiles import TileLists
 
 
 def _fused_kernel(
@@ -77,7 +76,7 @@ def backward_fused(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileLists,
+    lists: TileWalk,
     *,
     scale: float,
     config: KernelConfig,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import torch_attn
 from attn_masks import Mask
+from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
 from shard_strategies import CPPlan, check_heads, make_plan
 
@@ -24,8 +25,7 @@ from ._ring import Mover, Ring, RingAttention
 from ._steps import Piece
 from ._ulysses import HeadsToSeq, SeqToHeads
 
-_PLAN_CACHE_SIZE = 16
-_PLANS: OrderedDict[tuple, tuple[Mask, CPPlan]] = OrderedDict()
+_PLANS = MaskCache(size=16)
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -38,14 +38,10 @@ def get_plan(
     **kwargs,
 ) -> CPPlan:
     """shard_strategies.make_plan, cached per (mask object, settings): host work done once."""
-    key = (id(mask), world_size, strategy, layout, ulysses_size, tuple(sorted(kwargs.items())))
-    hit = _PLANS.get(key)
-    if hit is None or hit[0] is not mask:
-        plan = make_plan(mask, world_size, strategy, layout, ulysses_size, **kwargs)
-        hit = _PLANS[key] = (mask, plan)
-        while len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return hit[1]
+    key = (world_size, strategy, layout, ulysses_size, tuple(sorted(kwargs.items())))
+    return _PLANS.get(
+        mask, key, lambda: make_plan(mask, world_size, strategy, layout, ulysses_size, **kwargs)
+    )
 
 
 def _piece(mask: Mask, trim: bool) -> Piece | None:
@@ -138,7 +134,7 @@ def _check_supported(b: Binding, qkv: tuple[torch.Tensor, ...], heads_q: int, he
             heads_kv=heads_kv,
             head_dim=q.shape[3],
             device=q.device,
-            backward=backward,
+            mode="fwd_bwd" if backward else "fwd",
         )
         if verdict is not True:
             raise torch_attn.Unsupported(f"{b.impl} cannot run CP piece {m}: {verdict}")

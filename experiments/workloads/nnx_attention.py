@@ -1,6 +1,6 @@
 """Flax NNX multi-head GQA self-attention with rotary positions over jax_attn or CP attention.
 
-    from jax_attn.nnx_attention import Attention, AttentionBackend
+    from experiments.workloads.nnx_attention import Attention, AttentionBackend
     layer = Attention(width=512, heads_q=8, heads_kv=2, rngs=nnx.Rngs(0))
     y = layer(x, mask)                                       # jax_attn.attention(impl=...)
     cp = AttentionBackend(mesh=mesh, strategy="ring", layout="zigzag")
@@ -10,7 +10,8 @@
 mask of a shape) or a prepared CP executor (`shard_strategies.jax_cp.build(...)`, also a pytree).
 Rotary positions are global token indices: the CP executors take and return global token order
 and permute to their zigzag/balanced layout internally, so rotations never see the local order.
-Importing this module needs flax; `import jax_attn` does not.
+It sits above both libraries it calls (jax_attn and shard_strategies), with the workloads that
+use it. Importing this module needs flax.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attn_masks import Mask
-
-from .api import attention
-from .mask_arrays import MaskArrays
+from jax_attn import MaskArrays, attention
+from shard_strategies import jax_cp
 
 DEFAULT_ROPE_BASE = 10000.0
 
@@ -70,8 +70,6 @@ class AttentionBackend:
         if not isinstance(mask, (Mask, MaskArrays)):
             return mask(q, k, v)
         if self.is_cp:
-            from shard_strategies import jax_cp
-
             return jax_cp.attention(q, k, v, mask, impl=self.resolved_impl, **self.cp_settings)
         return attention(q, k, v, mask, impl=self.resolved_impl)
 
