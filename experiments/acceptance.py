@@ -30,7 +30,7 @@ if _ROOT not in sys.path:
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from attn_masks import MASK_NAMES, Mask, MaskType, from_slices, make_mask  # noqa: E402
+from attn_masks import MASK_NAMES, Mask, make_mask, random_slices  # noqa: E402
 from attn_masks import reference_attention as oracle  # noqa: E402
 from experiments.runners.checks import GRAD_FACTOR, tolerance  # noqa: E402
 
@@ -80,22 +80,6 @@ class Case:
     @property
     def key(self) -> str:
         return "_".join(str(x) for x in dataclasses.astuple(self))
-
-
-def random_slices(seed: int, sq: int, sk: int) -> Mask:
-    """Random slices: up to two key ranges of random type per query chunk, so rows see zero,
-    one or two intervals and tiles come out empty, partial and full."""
-    rng = np.random.default_rng(seed)
-    cuts = np.unique(np.concatenate([[0, sq], rng.integers(1, sq, 4)]))
-    qs, ks, types = [], [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        c1, c2 = np.sort(rng.integers(0, sk + 1, 2))
-        for k0, k1 in ((0, c1), (c2, sk)):
-            if k1 > k0:
-                qs.append((a, b))
-                ks.append((k0, k1))
-                types.append(int(rng.integers(0, len(MaskType))))
-    return from_slices(qs, ks, types, sq, sk)
 
 
 def build_mask(case: Case) -> Mask:

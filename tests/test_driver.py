@@ -32,6 +32,15 @@ TINY = [
     "--iters=2",
     "--report=false",
 ]
+# A JAX sweep of eight tiny points, long enough to be interrupted part-way.
+EIGHT_POINTS = [
+    "--framework=jax",
+    "--impl=reference",
+    "--mask=full,causal",
+    "--seqlen=32,48,64,80",
+    "--mode=fwd",
+    *TINY[1:],
+]
 
 
 def _run_in_process(args: list[str]) -> int:
@@ -249,15 +258,7 @@ def test_both_frameworks_cross_table(tmp_path):
 
 def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
     """Kill a sweep after its first records, rerun it: every point exactly once."""
-    args = [
-        "--framework=jax",
-        "--impl=reference",
-        "--mask=full,causal",
-        "--seqlen=32,48,64,80",
-        "--mode=fwd",
-        f"--out_dir={tmp_path}",
-        *TINY[1:],
-    ]
+    args = [*EIGHT_POINTS, f"--out_dir={tmp_path}"]
     results = tmp_path / "results.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -366,15 +367,7 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, capsys, monke
 
 def test_sigint_exits_130_with_one_line(tmp_path):
     """A real SIGINT mid-sweep: exit code 130, one line on stderr, no traceback."""
-    args = [
-        "--framework=jax",
-        "--impl=reference",
-        "--mask=full,causal",
-        "--seqlen=32,48,64,80",
-        "--mode=fwd",
-        f"--out_dir={tmp_path}",
-        *TINY[1:],
-    ]
+    args = [*EIGHT_POINTS, f"--out_dir={tmp_path}"]
     # Python's own SIGINT handler even where this process inherited SIGINT ignored.
     start = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "

@@ -281,3 +281,17 @@ def test_block_sparse_131k_block_map_is_fast_and_exact():
     expected = np.where(per_tile == 4, BLOCK_FULL, np.where(per_tile > 0, BLOCK_PARTIAL, 0))
     np.testing.assert_array_equal(bm, expected)
     assert elapsed < 5.0
+
+
+def test_random_slices_are_reproducible_and_varied():
+    """Same seed, same mask; across seeds rows see zero, one and two key intervals."""
+    from attn_masks import random_slices
+
+    a, b = random_slices(3, 200, 170), random_slices(3, 200, 170)
+    assert (a.seqlen_q, a.seqlen_k) == (200, 170)
+    assert np.array_equal(a.dense(), b.dense())
+    seen = set()
+    for seed in range(20):
+        lo, hi = random_slices(seed, 200, 170).row_intervals()
+        seen |= set((hi > lo).sum(axis=1).tolist())
+    assert {0, 1, 2} <= seen

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import random_slices
 
-from attn_masks import MaskType, from_slices, make_mask, reference_attention
+from attn_masks import MaskType, from_slices, make_mask, random_slices, reference_attention
 from jax_attn.adapters.common import make_request
 from jax_attn.adapters.mosaic import MOSAIC
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import random_slices
 
-from attn_masks import MaskType, from_slices, reference_attention
+from attn_masks import MaskType, from_slices, random_slices, reference_attention
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
 from jax_attn.mosaic_gpu import MosaicConfig

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import random_slices
 
-from attn_masks import MaskType, from_slices, reference_attention
+from attn_masks import MaskType, from_slices, random_slices, reference_attention
 from attn_masks.generators import MASK_NAMES, make_mask
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.pallas_triton import (

@@ -208,18 +208,14 @@ def _ratio(a: dict | None, b: dict | None) -> str:
     return f"{a['tflops'] / b['tflops']:.2f}x" if ok else "-"
 
 
+POINT_COLUMNS = ("cp", "mask", "seqlen_total", "seqlen_per_device", "mode", "config")
+
+
 def cross_framework(rows: list[dict]) -> list[dict]:
     """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
     out = []
-    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
-        row = {
-            "cp": cp,
-            "mask": mask,
-            "seqlen_total": total,
-            "seqlen_per_device": per_device,
-            "mode": mode,
-            "config": cfg,
-        }
+    for point, members in sorted(_point_groups(rows).items()):
+        row = dict(zip(POINT_COLUMNS, point))
         best, control = {}, {}
         for fw in ("jax", "torch"):
             ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
@@ -242,7 +238,7 @@ def same_kernel(rows: list[dict]) -> list[dict]:
     (dispatch, layout copies, synchronisation) and is flagged for a profile.
     """
     out = []
-    for (cp, mask, total, per_device, mode, cfg), members in sorted(_point_groups(rows).items()):
+    for point, members in sorted(_point_groups(rows).items()):
         for impl in SHARED_KERNEL_IMPLS:
             pair = {r["framework"]: r for r in members if r["impl"] == impl}
             if set(pair) != {"jax", "torch"}:
@@ -253,20 +249,8 @@ def same_kernel(rows: list[dict]) -> list[dict]:
                 rel = jax_row["tflops"] / torch_row["tflops"] - 1.0
                 flag = "" if abs(rel) <= SAME_KERNEL_TOLERANCE else " (over 3%: profile)"
                 gap = f"{rel:+.1%}{flag}"
-            out.append(
-                {
-                    "cp": cp,
-                    "mask": mask,
-                    "seqlen_total": total,
-                    "seqlen_per_device": per_device,
-                    "mode": mode,
-                    "config": cfg,
-                    "impl": impl,
-                    "jax": _cell(jax_row),
-                    "torch": _cell(torch_row),
-                    "jax_vs_torch": gap,
-                }
-            )
+            cells = {"impl": impl, "jax": _cell(jax_row), "torch": _cell(torch_row)}
+            out.append({**dict(zip(POINT_COLUMNS, point)), **cells, "jax_vs_torch": gap})
     return out
 
 
