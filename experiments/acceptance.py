@@ -52,6 +52,7 @@ def define_flags() -> None:
     flags.DEFINE_list("impl", [], "Only these impls (default: every impl of each framework).")
     flags.DEFINE_integer("jax_workers", 6, "JAX worker processes (cases split among them).", 1)
     flags.DEFINE_integer("torch_workers", 3, "PyTorch worker processes.", lower_bound=1)
+    flags.DEFINE_bool("allow_cpu", False, "Run without a CUDA GPU too (slow; for development).")
     flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
     flags.DEFINE_integer("shard", 0, "Internal: which shard of the cases a worker runs.")
     flags.DEFINE_integer("shards", 1, "Internal: how many shards the cases are split into.")
@@ -367,6 +368,19 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+def has_cuda_gpu() -> bool:
+    """Whether this machine has a CUDA GPU, asked without holding one (no JAX client here)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        code = "import jax; print(jax.default_backend())"
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        return done.stdout.strip().endswith("gpu")
+
+
 def _workers(fw: str) -> int:
     return FLAGS.jax_workers if fw == "jax" else FLAGS.torch_workers
 
@@ -418,6 +432,19 @@ def run_workers(save_dir: str) -> list[str]:
     return failed
 
 
+def _why_not_run() -> str | None:
+    """One line on why the flags or the machine cannot run the command, or None."""
+    unknown = sorted(set(FLAGS.framework) - set(FRAMEWORKS))
+    if unknown:
+        return f"--framework={','.join(unknown)} is unknown: valid values are jax, torch"
+    if not FLAGS.allow_cpu and not has_cuda_gpu():
+        return (
+            "no CUDA GPU here: this command checks the GPU kernels (on the CPU, the interpreted "
+            "kernels are checked by `python -m pytest tests`); --allow_cpu runs it anyway"
+        )
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Run the workers (or be one), then print the failures and a summary."""
     del argv
@@ -425,9 +452,10 @@ def main(argv: list[str]) -> int:
     if FLAGS.worker:
         only = tuple(FLAGS.impl)
         return worker(FLAGS.worker, FLAGS.save_dir, FLAGS.seqlen, only, FLAGS.shard, FLAGS.shards)
-    unknown = sorted(set(FLAGS.framework) - set(FRAMEWORKS))
-    if unknown:
-        raise app.UsageError(f"--framework={','.join(unknown)}: valid values are jax, torch")
+    why = _why_not_run()
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     start = time.time()
     with tempfile.TemporaryDirectory() as save_dir:
         failed = run_workers(save_dir)

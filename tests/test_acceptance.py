@@ -92,3 +92,20 @@ def test_front_end_comparison(tmp_path, ulps, verdict, dtype):
     (line,) = acceptance.compare_front_ends(str(tmp_path))
     assert verdict in line
     assert line.startswith("ok" if ulps <= 1 else "FAIL")
+
+
+def test_refuses_to_run_without_a_gpu_unless_asked():
+    """On a CPU-only machine the command says why it stops, in one line, and exits non-zero."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    script = Path(acceptance.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), "--impl=naive"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    lines = [x for x in (done.stdout + done.stderr).splitlines() if x.strip()]
+    assert len(lines) == 1 and "no CUDA GPU here" in lines[0] and "--allow_cpu" in lines[0]
