@@ -12,6 +12,7 @@ from pathlib import Path
 
 from experiments.reports import plots, report_cp, tuning_table
 from experiments.reports.report_parts import (
+    POINT_FIELDS,
     ResultsPaths,
     failed_points,
     md_table,
@@ -22,30 +23,6 @@ from experiments.reports.report_parts import (
     write_csv,
 )
 
-POINT_FIELDS = (
-    "framework",
-    "impl",
-    "cp",
-    "layout",
-    "ulysses_size",
-    "mask",
-    "seqlen_total",
-    "seqlen_per_device",
-    "num_devices",
-    "scaling",
-    "batch",
-    "heads_q",
-    "heads_kv",
-    "head_dim",
-    "dtype",
-    "mode",
-    "num_masks",
-    "seed",
-    "window",
-    "reference_compat",
-    "grid",
-    "kernel_config",
-)
 METRIC_FIELDS = (
     "tflops",
     "tflops_at_p20_time",

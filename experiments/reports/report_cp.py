@@ -21,6 +21,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from experiments.reports import plots  # noqa: E402
 from experiments.reports.report_parts import (  # noqa: E402
+    PLACEMENT_FIELDS,
+    POINT_FIELDS,
     ResultsPaths,
     failed_points,
     md_table,
@@ -91,22 +93,9 @@ TARGETS: dict[str, tuple[float, str, Callable[[str, str], bool]]] = {
     "share_question": (85.0, "balanced layout", lambda s, lay: lay == "balanced"),
 }
 BYTES_RTOL = 1e-9
-# What a CP point and its single-device baseline (a kernel point at the per-device length) share.
-BASELINE_FIELDS = (
-    "framework",
-    "impl",
-    "mask",
-    "batch",
-    "heads_q",
-    "heads_kv",
-    "head_dim",
-    "dtype",
-    "mode",
-    "num_masks",
-    "seed",
-    "window",
-    "reference_compat",
-)
+# What a CP point and its single-device baseline (a kernel point at the per-device length) share:
+# every point field but those that describe the placement over devices.
+BASELINE_FIELDS = tuple(f for f in POINT_FIELDS if f not in PLACEMENT_FIELDS)
 
 
 def is_cp(rec: dict) -> bool:

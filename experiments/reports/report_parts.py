@@ -12,6 +12,44 @@ from experiments.reports import legacy_tune
 
 ResultsPaths = str | os.PathLike | Sequence[str | os.PathLike]
 
+# The fields of a record's point that the reports show and group by.
+POINT_FIELDS = (
+    "framework",
+    "impl",
+    "cp",
+    "layout",
+    "ulysses_size",
+    "mask",
+    "seqlen_total",
+    "seqlen_per_device",
+    "num_devices",
+    "scaling",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mode",
+    "num_masks",
+    "seed",
+    "window",
+    "reference_compat",
+    "grid",
+    "kernel_config",
+)
+# The point fields that place a run over devices (the rest describe the attention call).
+PLACEMENT_FIELDS = (
+    "cp",
+    "layout",
+    "ulysses_size",
+    "seqlen_total",
+    "seqlen_per_device",
+    "num_devices",
+    "scaling",
+    "grid",
+    "kernel_config",
+)
+
 
 def results_paths(results: ResultsPaths) -> list[Path]:
     """One results path or several, as a list."""
