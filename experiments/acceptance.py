@@ -245,7 +245,7 @@ def _supports(framework: str, impl: str, mask: Mask, case: Case, ask: tuple) -> 
         head_dim=case.head_dim,
         heads_q=case.heads_q,
         heads_kv=case.heads_kv,
-        backward=grads,
+        mode="fwd_bwd" if grads else "fwd",
     )
 
 
