@@ -4,7 +4,7 @@
     python experiments/run.py --framework=both --preset=paper   # the published sweeps
 
 Results go to <out_dir>/results.jsonl (one record per point; a rerun, also after Ctrl-C, resumes),
-plus CSV, plots and report.md. See experiments/flags.py for every flag.
+plus CSV, plots and report.md. See experiments/core/flags.py for every flag.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if _want_virtual_cpu_devices():
 
 from absl import app, flags, logging  # noqa: E402
 
-from experiments.core import driver, workers  # noqa: E402
+from experiments.core import driver, interrupt, workers  # noqa: E402
 from experiments.core import flags as run_flags  # noqa: E402
 from experiments.core.results import ResultsStore  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
@@ -71,10 +71,11 @@ def _sweep() -> int:
     """Run or resume the sweep the flags describe; Ctrl-C ends it with one line."""
     settings = run_flags.settings()
     try:
-        if driver.runs_in_workers(settings):  # each worker reports its own Ctrl-C
-            flags = workers.forwarded_flags(run_flags.FLAGS)
-            return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
-        return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
+        with interrupt.stop_between_points():
+            if driver.runs_in_workers(settings):  # each worker reports its own Ctrl-C
+                flags = workers.forwarded_flags(run_flags.FLAGS)
+                return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
+            return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
     except KeyboardInterrupt:
         return _interrupted(settings.out_dir)
 
@@ -107,5 +108,19 @@ def run_cli(args: list[str]) -> int:
     return main(argv)
 
 
+def _main_process(argv: list[str]) -> int:
+    """main for the command line: an interrupted sweep leaves without interpreter teardown.
+
+    A Ctrl-C that lands inside a JAX compile can leave XLA's threads in a state where Python's
+    teardown crashes (SIGSEGV after the one line); every record is already closed on disk.
+    """
+    code = main(argv)
+    if code == workers.INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(_main_process)

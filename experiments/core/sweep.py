@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 
+from experiments.core import interrupt
 from experiments.core.outcomes import ERROR, OK, PointFailure, classify, short_traceback
 from experiments.core.points import Point
 from experiments.core.progress import Progress
@@ -73,8 +74,10 @@ def run_points(
 ) -> None:
     """Run points in order; the writer (store given) appends each record as soon as it exists."""
     for point in points:
+        interrupt.raise_if_requested()
         record = run_one(point, runner_for, provenance)
         if store is not None:
             store.append(record)
         if progress is not None:
             progress.update(point.label(), record)
+        interrupt.raise_if_requested()

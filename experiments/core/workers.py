@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from experiments.core import interrupt
+
 RUN_PY = str(Path(__file__).resolve().parent.parent / "run.py")
 INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
 _OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl")
@@ -85,6 +87,7 @@ def run_each(
     (INTERRUPTED at once if a worker was interrupted)."""
     status = 0
     for fw in frameworks:
+        interrupt.raise_if_requested()
         cmd = [sys.executable, RUN_PY, *flags, f"--framework={fw}", f"--out_dir={out_dir}"]
         cmd.append("--report=false")
         if impls is not None:

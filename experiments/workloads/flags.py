@@ -2,7 +2,7 @@
 
 Importing this module needs absl only (run.py defines these flags even without jax or flax).
 
-These flags are defined next to run.py's own (experiments/flags.py), whose shared flags keep
+These flags are defined next to run.py's own (experiments/core/flags.py), whose shared flags keep
 their meaning where it applies: --seqlen (one value: the total packed length), --batch, --dtype,
 --seed, --warmup (untimed steps), --iters (timed calls of the attention-share measurement),
 --impl, --cp, --layout (one value each), --num_devices, --ulysses_size, --out_dir, --framework,
