@@ -15,7 +15,11 @@ from experiments.workloads.nnx_attention import Attention, AttentionBackend
 
 @dataclass(frozen=True)
 class LMConfig:
-    """Model shape: depth blocks of width `width`, heads_q:heads_kv heads, vocab, MLP ratio."""
+    """Model shape: depth blocks of width `width`, heads_q:heads_kv heads, vocab, MLP ratio.
+
+    tie_embeddings: the output head is the token embedding (GPT-2, Gemma), so a token the
+    attention brings into the residual stream scores itself from the first step on.
+    """
 
     vocab: int = 64
     width: int = 64
@@ -24,6 +28,7 @@ class LMConfig:
     heads_kv: int = 2
     mlp_ratio: int = 4
     dtype: str = "float32"
+    tie_embeddings: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +67,8 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-    """Token embedding, `depth` blocks, final norm, untied output head -> float32 logits."""
+    """Token embedding, `depth` blocks, final norm, output head (the embedding when tied) ->
+    float32 logits."""
 
     def __init__(self, cfg: LMConfig, backend: AttentionBackend, *, rngs: nnx.Rngs) -> None:
         cfg.validate()
@@ -70,14 +76,18 @@ class TransformerLM(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, backend, rngs=rngs) for _ in range(cfg.depth)])
         self.norm = nnx.RMSNorm(cfg.width, dtype=dtype, rngs=rngs)
-        self.head = nnx.Linear(cfg.width, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
+        self.head = None
+        if not cfg.tie_embeddings:
+            self.head = nnx.Linear(cfg.width, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, mask: Any) -> jax.Array:
         """tokens (B,S) int -> logits (B,S,vocab) float32; `mask` as Attention takes it."""
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, mask)
-        return self.head(self.norm(x)).astype(jnp.float32)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.head is None else self.head(x)
+        return logits.astype(jnp.float32)
 
 
 def matmul_params(cfg: LMConfig) -> int:

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from experiments.core.results import ResultsStore
+from experiments.core.results import ResultsStore, latest_by_key, read_records
 from experiments.runners import timing
 
 STEP_LOG_FILE = "train_log.jsonl"
@@ -54,6 +54,12 @@ def step_record(key: str, s: StepTime, compile_s: float | None) -> dict:
         "compile_s": compile_s,
         "timestamp": now(),
     }
+
+
+def logged_losses(out_dir: str | os.PathLike, key: str) -> dict[int, float]:
+    """Loss by step of run `key` from its step log (a resumed run's later lines supersede)."""
+    lines = latest_by_key(read_records(StepLog(out_dir).path)).values()
+    return {r["step"]: r["loss"] for r in lines if r["key"].startswith(f"{key}/step")}
 
 
 def step_metrics(
@@ -105,15 +111,17 @@ def summary_record(
     status: str = "ok",
     reason: str | None = None,
     traceback: str | None = None,
+    check: dict | None = None,
 ) -> dict:
-    """The results.jsonl record of a run: ok with metrics, or a failure status and reason."""
+    """The results.jsonl record of a run: ok with metrics, or a failure status and reason;
+    `check` is its loss curve's comparison with a baseline kernel's, when there is one."""
     return {
         "key": key,
         "status": status,
         "reason": reason,
         "point": point,
         "metrics": metrics,
-        "check": None,
+        "check": check,
         "masks": None,
         "traceback": traceback,
         "elapsed_s": round(elapsed_s, 3),

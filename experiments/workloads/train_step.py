@@ -14,6 +14,7 @@ continues from the newest one with the same subsequent losses.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -25,15 +26,31 @@ import jax
 import jax.numpy as jnp
 
 from experiments.core import provenance
-from experiments.core.outcomes import classify, short_traceback
+from experiments.core.outcomes import OK, WRONG, classify, short_traceback
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
 from experiments.runners import timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
-from . import attention_time, data, lm, masking, placement, records, train
+from . import attention_time, curves, data, lm, masking, placement, records, train
 from .checkpoint import Checkpointer
-from .config import TrainConfig, device_count, fingerprint, point_fields, run_key
+from .config import (
+    SHORT_DTYPES,
+    TrainConfig,
+    device_count,
+    fingerprint,
+    point_fields,
+    run_key,
+)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The curve a run must follow: another kernel's losses by step, and the relative tolerance."""
+
+    impl: str
+    losses: dict[int, float]
+    rtol: float
 
 
 @dataclass
@@ -84,6 +101,14 @@ def _attention_ms(cfg: TrainConfig, backend: AttentionBackend, mask_arg: Any) ->
         warmup=1,
         iters=cfg.attention_iters,
         seed=d.seed,
+    )
+
+
+def _departure(check: dict) -> str:
+    """The reason of a curve that left its baseline's tolerance band."""
+    return (
+        f"loss curve departs from {check['baseline']}'s at step {check['first_departure']} "
+        f"(max relative difference {check['max_rel_diff']:.3g} > {check['rtol']:g})"
     )
 
 
@@ -168,10 +193,12 @@ def run(
     prov: dict | None = None,
     on_step: Callable[[int, float], None] | None = None,
     stream: TextIO | None = None,
+    baseline: Baseline | None = None,
 ) -> TrainResult:
     """Train up to cfg.steps steps (from the newest checkpoint with cfg.resume), log and record.
 
     on_step(step, loss) is called after every step and its checkpoint (tests interrupt with it).
+    With a baseline, the record is `wrong` when the loss curve departs from it (curves.compare).
     """
     t_start = time.monotonic()
     writer = jax.process_index() == 0
@@ -216,8 +243,20 @@ def run(
     metrics["peak_mem_gib"] = None if peak is None else peak / timing.GIB
     metrics["mem_source"] = None if peak is None else "device_peak_bytes_in_use"
     metrics["start_step"] = start
+    check = None
+    if baseline is not None:
+        check = curves.compare(
+            result.losses, baseline.losses, baseline_name=baseline.impl, tol=baseline.rtol
+        )
     result.record = records.summary_record(
-        key, point_fields(cfg, backend), metrics, time.monotonic() - t_start, prov or {}
+        key,
+        point_fields(cfg, backend),
+        metrics,
+        time.monotonic() - t_start,
+        prov or {},
+        status=OK if check is None or check["passed"] else WRONG,
+        reason=None if check is None or check["passed"] else _departure(check),
+        check=check,
     )
     if cfg.out_dir and writer:
         ResultsStore(cfg.out_dir).append(result.record)
@@ -225,7 +264,8 @@ def run(
 
 
 def run_from_flags(flag_values: Any) -> int:
-    """run.py --workload=train_step: run (or resume) the configured training; exit code."""
+    """run.py --workload=train_step: run (or resume) the configured training once per --impl
+    (the baseline kernel first, every other curve checked against it); exit code."""
     from experiments.runners import cp_launch
 
     from . import flags as workload_flags
@@ -236,13 +276,48 @@ def run_from_flags(flag_values: Any) -> int:
         workload_flags.shared(flag_values, "process_id"),
     )
     on_gpu = jax.default_backend() == "gpu"
-    cfg = workload_flags.train_config(flag_values, on_gpu)
+    cfgs = workload_flags.train_configs(flag_values, on_gpu)
     if not on_gpu and jax.process_index() == 0:
         print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
     prov = provenance.collect(workload_flags.flag_dict(flag_values))
+    by_impl = {cfg.backend().resolved_impl: cfg for cfg in cfgs}
+    first = curves.baseline_impl(list(by_impl)) if len(by_impl) > 1 else None
+    order = sorted(by_impl, key=lambda impl: impl != first)
+    rtol = curves.rtol(SHORT_DTYPES[cfgs[0].model.dtype], on_gpu)
+    code, logged, baseline = 0, {}, None
+    for impl in order:
+        record = _run_recorded(by_impl[impl], prov, baseline)
+        code = code or int(record is None or record["status"] != OK)
+        if record is not None:
+            logged[impl] = records.logged_losses(by_impl[impl].out_dir, record["key"])
+        if impl == first and impl in logged:
+            baseline = Baseline(impl, logged[impl], rtol)
+    if logged and jax.process_index() == 0:
+        out_dir = cfgs[0].out_dir
+        floor = math.log(cfgs[0].data.alphabet)
+        path = curves.plot(
+            logged, f"{out_dir}/loss_curves.png", title=_curve_title(cfgs[0]), floor=floor
+        )
+        print(f"Loss curves: {path}", flush=True)
+    return code
+
+
+def _curve_title(cfg: TrainConfig) -> str:
+    """What the loss-curve figure shows: model, data and CP placement."""
+    m, d = cfg.model, cfg.data
+    where = f", CP {cfg.cp} ({cfg.layout})" if cfg.cp else ""
+    return (
+        f"train_step: {m.depth}x{m.width} LM, vocab {m.vocab}, S={d.seqlen} x {d.batch}, "
+        f"{m.dtype}{where}"
+    )
+
+
+def _run_recorded(cfg: TrainConfig, prov: dict, baseline: Baseline | None) -> dict | None:
+    """Run one configuration; a failure becomes its status record. The record (None when a
+    finished checkpoint left nothing to run)."""
     t0 = time.monotonic()
     try:
-        result = run(cfg, prov=prov)
+        result = run(cfg, prov=prov, baseline=baseline)
     except Exception as e:
         status, reason = classify(e)
         backend = cfg.backend()
@@ -260,22 +335,29 @@ def run_from_flags(flag_values: Any) -> int:
         if jax.process_index() == 0:
             ResultsStore(cfg.out_dir).append(record)
             print(f"train_step: {status}: {reason}", flush=True)
-        return 1
+        return record
     if result.record is not None and jax.process_index() == 0:
         _print_summary(result.record, cfg.out_dir)
-    return 0
+    return result.record
 
 
 def _print_summary(record: dict, out_dir: str | None) -> None:
-    """One paragraph: step time, tokens/s, TFLOP/s, attention shares, losses, files."""
-    m = record["metrics"]
+    """One paragraph: impl, step time, tokens/s, TFLOP/s, attention shares, losses, curve check."""
+    m, check = record["metrics"], record["check"]
     share = m.get("attention_time_share")
     time_share = "" if share is None else f", {100 * share:.1f}% of the step time"
+    verdict = ""
+    if check is not None:
+        verdict = (
+            f" Curve within {check['rtol']:g} of {check['baseline']}'s at every step."
+            if check["passed"]
+            else f" WRONG: {record['reason']}."
+        )
     print(
-        f"train_step: {m['time_ms']['median']:.4g} ms/step, "
+        f"train_step [{record['point']['impl']}]: {m['time_ms']['median']:.4g} ms/step, "
         f"{m['tokens_per_s']['median']:.4g} tokens/s, "
         f"{m['tflops']['median']:.4g} model TFLOP/s per device; attention "
         f"{100 * m['attention_flop_share']:.1f}% of the FLOPs{time_share}; "
-        f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f}. Results: {out_dir}",
+        f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f}.{verdict} Results: {out_dir}",
         flush=True,
     )
