@@ -16,7 +16,7 @@ from attn_masks import Mask
 from experiments.workloads.nnx_attention import AttentionBackend
 from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
 
-RUNTIME_IMPLS = ("reference", "pallas")
+RUNTIME_IMPLS = ("reference", "pallas", "mosaic")
 
 
 def fixed_shape_arrays(mask: Mask, impl: str, head_dim: int, dtype: Any, intervals: int = 1):
