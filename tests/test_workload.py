@@ -159,6 +159,18 @@ def test_kernel_loss_curves_agree_and_a_wrong_dq_departs(monkeypatch):
     assert broken.record["check"]["first_departure"] <= 5, broken.record["check"]
 
 
+def test_compile_time_mask_impl_follows_reference_on_a_fixed_layout():
+    fixed = dataclasses.replace(KERNEL_TINY, data=dataclasses.replace(DATA, fixed_layout=True))
+    layouts = {data.batch_at(fixed.data, s).seqlens for s in range(fixed.steps)}
+    assert len(layouts) == 1 and len({data.batch_at(DATA, s).seqlens for s in range(10)}) > 1
+    reference = run(fixed).losses
+    base = train_step.Baseline("reference", reference, curves.rtol("fp32", False))
+    xla = run(dataclasses.replace(fixed, impl="xla"), baseline=base)
+    assert xla.record["status"] == "ok", xla.record["reason"]
+    with pytest.raises(Exception, match="lm_fixed_layout"):
+        run(dataclasses.replace(KERNEL_TINY, impl="xla", steps=1))
+
+
 def test_cpu_default_learns(tmp_path):
     """The embedded CPU default: the 20-step mean loss ends below 2.0 (floor about ln 4)."""
     from experiments.run import run_cli

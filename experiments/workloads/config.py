@@ -81,7 +81,7 @@ def run_key(cfg: TrainConfig, backend: AttentionBackend) -> str:
             f"b{d.batch}h{m.heads_q}:{m.heads_kv}d{m.head_dim}",
             SHORT_DTYPES.get(m.dtype, m.dtype),
             f"L{m.depth}w{m.width}v{m.vocab}",
-            f"n{cfg.steps}s{d.seed}{d.table()}m{d.doc_multiple}",
+            f"n{cfg.steps}s{d.seed}{d.table()}m{d.doc_multiple}{'f' if d.fixed_layout else ''}",
         )
     )
 

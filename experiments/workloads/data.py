@@ -11,6 +11,7 @@ All rows of a batch share one document layout, hence one causal_document mask pe
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ MASK_NAME = "causal_document"
 @dataclass(frozen=True)
 class DataConfig:
     """Batch shape, vocabulary, seed, length table (None: the CP rule's default for seqlen),
-    per-document alphabet size, and the multiple every document length is rounded to."""
+    per-document alphabet size, the multiple every document length is rounded to, and whether
+    every step keeps step 0's document layout (new tokens, one mask: for compile-time masks)."""
 
     seqlen: int
     batch: int
@@ -33,6 +35,7 @@ class DataConfig:
     distribution: str | None = None
     alphabet: int = 4
     doc_multiple: int = 1
+    fixed_layout: bool = False
 
     def table(self) -> str:
         """The length table used."""
@@ -71,7 +74,7 @@ def round_lengths(seqlens: list[int], multiple: int) -> list[int]:
 
 def document_lengths(cfg: DataConfig, step: int) -> list[int]:
     """The document lengths of a step's packed sequence."""
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+    rng = random.Random(cfg.seed * 1_000_003 + (0 if cfg.fixed_layout else step))
     return round_lengths(generate_seqlens(cfg.table(), cfg.seqlen, rng), cfg.doc_multiple)
 
 
@@ -92,5 +95,12 @@ def batch_at(cfg: DataConfig, step: int) -> PackedBatch:
         targets=targets.astype(np.int32),
         weights=weights,
         seqlens=tuple(lens),
-        mask=make_mask(MASK_NAME, cfg.seqlen, seqlens=lens),
+        mask=packed_mask(cfg.seqlen, tuple(lens)),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def packed_mask(seqlen: int, seqlens: tuple[int, ...]) -> Mask:
+    """The causal_document mask of a layout, one object per layout (masks compare by identity,
+    so steps with the same layout share every table and compiled step derived from it)."""
+    return make_mask(MASK_NAME, seqlen, seqlens=list(seqlens))

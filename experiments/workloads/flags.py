@@ -99,6 +99,13 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         lower_bound=0,
         **fv,
     )
+    flags.DEFINE_bool(
+        "lm_fixed_layout",
+        False,
+        "train_step: every step keeps step 0's document layout (new tokens each step), so impls "
+        "that take masks only at compile time (xla, cudnn, triton) compile once.",
+        **fv,
+    )
     flags.DEFINE_float(
         "learning_rate", None, "train_step: peak AdamW learning rate.", lower_bound=0.0, **fv
     )
@@ -199,6 +206,7 @@ def train_config(
             seed=get("seed") or 0,
             distribution=get("lm_distribution"),
             doc_multiple=get("lm_doc_multiple"),
+            fixed_layout=bool(get("lm_fixed_layout")),
         ),
         optim=OptimConfig(
             learning_rate=get("learning_rate"),

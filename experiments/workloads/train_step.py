@@ -79,6 +79,7 @@ def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
         heads_kv=m.heads_kv,
         head_dim=m.head_dim,
         dtype=jnp.dtype(m.dtype),
+        fixed_layout=cfg.data.fixed_layout,
     )
     sharding = placement.token_sharding(backend, cfg.data.seqlen)
     arrays = tuple(
