@@ -86,6 +86,7 @@ def compile_kernel(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConf
         "BLOCK_M": cfg.block_q,
         "BLOCK_N": cfg.block_k,
         "BLOCK_D": launch.block_d(head_dim),
+        "HEAD_DIM": head_dim,
         "IEEE": dtype == "float32",
     }
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
@@ -154,6 +155,59 @@ def test_default_config_does_not_spill_registers(which, head_dim, dtype):
         pytest.skip("no ptxas shipped with Triton accepts the PTX it generates")
     regs, spilled = usage
     assert spilled == 0, f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled"
+
+
+# An instruction, after its optional predicate (@%p1 or @!%p1).
+MEMORY_OPS = re.compile(r"^\s+(?:@!?%p\d+\s+)?((?:ld|st)\.global[.\w]*|cp\.async[.\w]*)", re.M)
+
+
+def memory_ops(which: str, *, int_hints: bool) -> dict[str, int]:
+    """Global-memory instructions of kernel `which` (D=128 bf16, default tiles) in its PTX,
+    compiled with 16-byte-aligned pointers (both front ends pass aligned arrays) and with
+    (torch's launcher) or without (jax-triton) the divisible-by-16 hint on its int scalars."""
+    fn = KERNELS[which]
+    cfg = kernel_config(launch.default_configs(128, 2), which)
+    meta = {
+        "GROUP": 8,
+        "NUM_INTERVALS": 2,
+        "BLOCK_M": cfg.block_q,
+        "BLOCK_N": cfg.block_k,
+        "BLOCK_D": 128,
+        "HEAD_DIM": 128,
+        "IEEE": False,
+    }
+    sig = _signature(fn, "bfloat16", meta)
+    hinted = ("*", "i32") if int_hints else ("*",)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name].startswith(hinted)
+    }
+    constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    ptx = triton.compile(src, target=HOPPER, options=options).asm["ptx"]
+    counts: dict[str, int] = {}
+    for op in MEMORY_OPS.findall(ptx):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def _wide(ops: dict[str, int]) -> dict[str, int]:
+    """The 16-byte accesses and asynchronous copies: how q/k/v/dout/out tiles move."""
+    return {op: n for op, n in ops.items() if ".v4." in op or op.startswith("cp.async")}
+
+
+@pytest.mark.parametrize("which", list(KERNELS))
+def test_jax_triton_launch_gets_the_same_memory_access_as_torch(which):
+    """jax-triton gives int scalars no divisibility hint; with head_dim a runtime int the rows
+    of q/k/v/out were then not provably aligned and every access went 2 bytes at a time. Only
+    the fp32 LSE/delta loads (offset by seqlen_q) may still differ in width."""
+    jax_style = memory_ops(which, int_hints=False)
+    assert _wide(jax_style) == _wide(memory_ops(which, int_hints=True))
+    scalar = {op: n for op, n in jax_style.items() if op.endswith(("b16", "u16", "s16"))}
+    assert not scalar, scalar
+    assert any(".v4." in op for op in jax_style), jax_style
 
 
 def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> str:

@@ -89,7 +89,6 @@ def attn_fwd_kernel(
     seqlen_k,
     heads_q,
     heads_kv,
-    head_dim,
     list_width,
     scale,
     out_ptr,
@@ -99,6 +98,7 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One (q tile, batch x query head): out tile and its LSE over the listed k tiles."""
@@ -110,15 +110,15 @@ def attn_fwd_kernel(
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen_q
-    dim_ok = dims < head_dim
-    q_row = heads_q * head_dim
-    k_row = heads_kv * head_dim
+    dim_ok = dims < HEAD_DIM
+    q_row = heads_q * HEAD_DIM
+    k_row = heads_kv * HEAD_DIM
     # Batch, head and tile starts go into the scalar pointers in int64 (long sequences stay
     # correct); the offset tensors hold only in-tile offsets, in int32 (fewer registers).
-    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * head_dim
+    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * HEAD_DIM
     q_ptr += q_start
     out_ptr += q_start
-    kv_base = b * seqlen_k * k_row + kvh * head_dim
+    kv_base = b * seqlen_k * k_row + kvh * HEAD_DIM
     k_ptr += kv_base
     v_ptr += kv_base
     lse_ptr += (b * heads_q + h) * seqlen_q
@@ -170,7 +170,6 @@ def attn_bwd_dkdv_kernel(
     seqlen_k,
     heads_q,
     heads_kv,
-    head_dim,
     list_width,
     scale,
     dk_ptr,
@@ -180,6 +179,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One (k tile, batch x KV head): dK and dV over the listed q tiles of every group head."""
@@ -190,11 +190,11 @@ def attn_bwd_dkdv_kernel(
     cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     col_ok = cols < seqlen_k
-    dim_ok = dims < head_dim
-    q_row = heads_q * head_dim
-    k_row = heads_kv * head_dim
+    dim_ok = dims < HEAD_DIM
+    q_row = heads_q * HEAD_DIM
+    k_row = heads_kv * HEAD_DIM
     # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
-    kv_start = (b * seqlen_k + k_tile * BLOCK_N) * k_row + kvh * head_dim
+    kv_start = (b * seqlen_k + k_tile * BLOCK_N) * k_row + kvh * HEAD_DIM
     k_ptr += kv_start
     v_ptr += kv_start
     dk_ptr += kv_start
@@ -210,7 +210,7 @@ def attn_bwd_dkdv_kernel(
     count = tl.load(q_count_ptr + k_tile)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
-        q_head = b * seqlen_q * q_row + h * head_dim
+        q_head = b * seqlen_q * q_row + h * HEAD_DIM
         stat_head = (b * heads_q + h) * seqlen_q
         for n in range(0, count):
             q_tile = tl.load(q_index_ptr + k_tile * list_width + n)
@@ -254,7 +254,6 @@ def attn_bwd_dq_kernel(
     seqlen_k,
     heads_q,
     heads_kv,
-    head_dim,
     list_width,
     scale,
     dq_ptr,
@@ -263,6 +262,7 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One (q tile, batch x query head): dQ over the listed k tiles."""
@@ -274,15 +274,15 @@ def attn_bwd_dq_kernel(
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen_q
-    dim_ok = dims < head_dim
-    q_row = heads_q * head_dim
-    k_row = heads_kv * head_dim
+    dim_ok = dims < HEAD_DIM
+    q_row = heads_q * HEAD_DIM
+    k_row = heads_kv * HEAD_DIM
     # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
-    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * head_dim
+    q_start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * HEAD_DIM
     q_ptr += q_start
     do_ptr += q_start
     dq_ptr += q_start
-    kv_base = b * seqlen_k * k_row + kvh * head_dim
+    kv_base = b * seqlen_k * k_row + kvh * HEAD_DIM
     k_ptr += kv_base
     v_ptr += kv_base
     stat_head = (b * heads_q + h) * seqlen_q

@@ -116,7 +116,7 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
 # Register use depends on the compiler: they were measured with this Triton release.
 TUNED_WITH_TRITON = "3.9"
 _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
-    (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)),
+    (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
     (128, False): ((128, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2)),
     (256, False): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
     (64, True): ((128, 32, 8, 1), (32, 32, 8, 1), (64, 32, 8, 1)),
@@ -167,6 +167,7 @@ def _meta(shape: Shape, tables: MaskTables, cfg: LaunchConfig, ieee: bool) -> di
         "BLOCK_M": cfg.block_q,
         "BLOCK_N": cfg.block_k,
         "BLOCK_D": block_d(shape.head_dim),
+        "HEAD_DIM": shape.head_dim,
         "IEEE": bool(ieee),
     }
 
@@ -177,7 +178,6 @@ def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
         shape.seqlen_k,
         shape.heads_q,
         shape.heads_kv,
-        shape.head_dim,
         width,
         float(scale),
     )
