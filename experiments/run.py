@@ -67,15 +67,30 @@ def _interrupted(out_dir: str) -> int:
     return workers.INTERRUPTED
 
 
+def _budget_spent(out_dir: str, budget_s: float) -> int:
+    """One line on a sweep stopped by its time budget: what is recorded, how to continue."""
+    store = ResultsStore(out_dir)
+    recorded = len(store.done_keys())
+    print(
+        f"Time budget of {budget_s:g} s spent: {recorded} point{'' if recorded == 1 else 's'} "
+        f"recorded in {store.path}; rerun the same command to continue.",
+        flush=True,
+    )
+    return interrupt.BUDGET_SPENT
+
+
 def _sweep() -> int:
-    """Run or resume the sweep the flags describe; Ctrl-C ends it with one line."""
+    """Run or resume the sweep the flags describe; Ctrl-C or the time budget ends it with one
+    line."""
     settings = run_flags.settings()
     try:
-        with interrupt.stop_between_points():
+        with interrupt.stop_between_points(settings.time_budget):
             if driver.runs_in_workers(settings):  # each worker reports its own Ctrl-C
                 flags = workers.forwarded_flags(run_flags.FLAGS)
                 return driver.execute_in_workers(settings, flags, run_flags.grid_overrides())
             return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
+    except interrupt.BudgetSpent:
+        return _budget_spent(settings.out_dir, settings.time_budget)
     except KeyboardInterrupt:
         return _interrupted(settings.out_dir)
 

@@ -173,6 +173,13 @@ def define_flags() -> None:
     flags.DEFINE_bool("retry_errors", False, "Re-run points recorded with status error.")
     flags.DEFINE_bool("report", True, "Write CSV/plots/markdown after the sweep.")
     flags.DEFINE_bool("dry_run", False, "List the planned points and exit without running.")
+    flags.DEFINE_float(
+        "time_budget",
+        0.0,
+        "Seconds after which the sweep stops at the next point boundary (0: no limit); the "
+        "same command continues it. For grids longer than one time slot.",
+        lower_bound=0.0,
+    )
 
     flags.register_validator("cp", lambda v: _choices(v, points.CP_CHOICES, "cp", True))
     flags.register_validator("layout", lambda v: _choices(v, points.LAYOUTS, "layout"))
@@ -228,6 +235,7 @@ class Settings:
     retry_errors: bool
     report: bool
     dry_run: bool
+    time_budget: float
     coordinator_address: str | None
     num_processes: int | None
     process_id: int | None
@@ -302,6 +310,7 @@ def settings() -> Settings:
         retry_errors=FLAGS.retry_errors,
         report=FLAGS.report,
         dry_run=FLAGS.dry_run,
+        time_budget=FLAGS.time_budget,
         coordinator_address=FLAGS.coordinator_address,
         num_processes=FLAGS.num_processes,
         process_id=FLAGS.process_id,

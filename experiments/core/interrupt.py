@@ -1,8 +1,9 @@
-"""Ctrl-C between points: the first one stops the sweep once the running point is recorded.
+"""Stopping a sweep between points: on Ctrl-C, or when its time budget is spent.
 
 A KeyboardInterrupt raised while XLA compiles or runs can surface as a point error or crash the
 interpreter, so during a sweep the first SIGINT only sets a flag the point loop checks; a second
-one interrupts at once.
+one interrupts at once. A time budget (--time_budget) ends the sweep at the first point boundary
+past it, so a long grid runs as resumable pieces that each fit a time slot.
 """
 
 from __future__ import annotations
@@ -10,9 +11,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
+BUDGET_SPENT = 3  # exit status of a sweep stopped by its time budget (rerun to continue)
 _requested = threading.Event()
+_deadline: list[float] = []  # monotonic time past which the point loop stops; empty: none
+
+
+class BudgetSpent(BaseException):
+    """The sweep's time budget ran out at a point boundary (not an error of any point)."""
 
 
 def _on_sigint(signum: int, frame: object) -> None:
@@ -23,10 +31,16 @@ def _on_sigint(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def stop_between_points() -> Iterator[None]:
-    """Within this block the first Ctrl-C ends the sweep after the running point."""
+def stop_between_points(budget_s: float = 0.0) -> Iterator[None]:
+    """Within this block the first Ctrl-C ends the sweep after the running point, and so does
+    the end of `budget_s` seconds (0: no budget)."""
+    if budget_s:
+        _deadline[:] = [time.monotonic() + budget_s]
     if threading.current_thread() is not threading.main_thread():
-        yield
+        try:
+            yield
+        finally:
+            _deadline.clear()
         return
     _requested.clear()
     previous = signal.signal(signal.SIGINT, _on_sigint)
@@ -35,9 +49,19 @@ def stop_between_points() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         _requested.clear()
+        _deadline.clear()
+
+
+def remaining_s() -> float | None:
+    """Seconds left of the time budget (None without one)."""
+    return _deadline[0] - time.monotonic() if _deadline else None
 
 
 def raise_if_requested() -> None:
-    """Turn a pending Ctrl-C into KeyboardInterrupt at a point boundary."""
+    """At a point boundary: KeyboardInterrupt for a pending Ctrl-C, BudgetSpent past the
+    budget."""
     if _requested.is_set():
         raise KeyboardInterrupt
+    left = remaining_s()
+    if left is not None and left <= 0:
+        raise BudgetSpent

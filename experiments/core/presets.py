@@ -1,12 +1,16 @@
 """Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full,
-cp_bench (the CP GPU sweep) and tune_pallas (launch configs of the Pallas Triton kernel).
+cp_bench (the CP GPU sweep), tune_pallas (launch configs of the Pallas Triton kernel) and cross
+(the JAX-vs-PyTorch kernel grid).
 
 paper = the published kernel and CP benchmark sweeps with the reference's masks (reference_compat;
 docs/masks.md, docs/context_parallel.md); full = the same grids with the corrected masks, plus
 every static mask under every CP strategy with the mask-area-balanced layout. cp_bench = every
 strategy x layout at 8K and 32K tokens per GPU, with the same kernel alone on one GPU at the
 per-GPU length as the baseline of each point's efficiency; tune_pallas = the tuning space of
---tune (every candidate is checked before it is timed, like any point).
+--tune (every candidate is checked before it is timed, like any point); cross = every static
+mask x 8K/16K/32K x fwd, fwd_bwd x 64:8 and 64:64 heads with every impl of the framework(s) run
+(`--framework=both` for the comparison; `--time_budget` splits it into resumable pieces), at
+tiny sizes on a CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from attn_masks import MASK_NAMES
 from experiments.core import tuning
 from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, Grid
 
-PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas")
+PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas", "cross")
 K = 1024
 
 # MASK_NAMES is in docs/masks.md order: the 12 masks of the kernel benchmark, then the two
@@ -159,10 +163,33 @@ def _tune_pallas() -> Preset:
     return Preset("tune_pallas", (kernel,), (), default_cp=False)
 
 
+def _cross(on_gpu: bool) -> Preset:
+    if on_gpu:
+        sizes = dict(seqlens=(8 * K, 16 * K, 32 * K), heads=((64, 8), (64, 64)), head_dim=128)
+        sizes.update(dtype="bf16", window=1024, warmup=2, iters=5)
+    else:
+        sizes = dict(seqlens=(128, 256), heads=((4, 2), (4, 4)), head_dim=32, dtype="fp32")
+        sizes.update(window=32, warmup=1, iters=2)
+    kernel = Grid(
+        name="cross",
+        cps=("none",),
+        layouts=("none",),
+        impls=(ALL,),
+        masks=STATIC_MASKS,
+        modes=("fwd", "fwd_bwd"),
+        num_masks=1,
+        **sizes,
+    )
+    return Preset("cross", (kernel,), (), default_cp=False)
+
+
 def get_preset(name: str, *, on_gpu: bool) -> Preset:
-    """The grids of a named preset; smoke picks CPU or GPU sizes, the others are fixed."""
+    """The grids of a named preset; smoke and cross pick CPU or GPU sizes, the others are
+    fixed."""
     if name == "smoke":
         return _smoke(on_gpu)
+    if name == "cross":
+        return _cross(on_gpu)
     if name == "cp_bench":
         return _cp_bench()
     if name == "tune_pallas":

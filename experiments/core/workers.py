@@ -19,7 +19,7 @@ from experiments.core import interrupt
 
 RUN_PY = str(Path(__file__).resolve().parent.parent / "run.py")
 INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
-_OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl")
+_OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl", "time_budget")
 
 
 def forwarded_flags(flag_values) -> list[str]:
@@ -84,12 +84,16 @@ def run_each(
 ) -> int:
     """Run the command once per framework in its own process, all into out_dir, each with the
     requested impls it knows (none known: no worker); the first failing status, or 0
-    (INTERRUPTED at once if a worker was interrupted)."""
+    (INTERRUPTED or BUDGET_SPENT at once if a worker stopped so; the workers share the time
+    budget)."""
     status = 0
     for fw in frameworks:
         interrupt.raise_if_requested()
         cmd = [sys.executable, RUN_PY, *flags, f"--framework={fw}", f"--out_dir={out_dir}"]
         cmd.append("--report=false")
+        left = interrupt.remaining_s()
+        if left is not None:  # the workers share the command's budget
+            cmd.append(f"--time_budget={max(left, 1e-3):.3f}")
         if impls is not None:
             mine = impls_of(fw, impls)
             if not mine:
@@ -105,7 +109,7 @@ def run_each(
         except KeyboardInterrupt:  # the worker got the same Ctrl-C: let it record and stop
             worker.wait()
             return INTERRUPTED
-        if code == INTERRUPTED:
-            return INTERRUPTED
+        if code in (INTERRUPTED, interrupt.BUDGET_SPENT):
+            return code
         status = status or code
     return status

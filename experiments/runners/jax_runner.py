@@ -8,7 +8,7 @@ import numpy as np
 
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
-from experiments.runners import checks, frameworks, inputs, measure, timing
+from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:
@@ -154,6 +154,7 @@ class JaxRunner:
         masks = frameworks.make_masks(point)
         if not point.is_cp:
             frameworks.require_support("jax", point.impl, masks, point)
+            memory.require_fits(point, memory.jax_capacity())
         mesh = self.mesh(point) if point.is_cp else None
         per_mask = [self._run_mask(point, m, i, mesh) for i, m in enumerate(masks)]
         return measure.aggregate(point, per_mask)

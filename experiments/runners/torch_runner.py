@@ -13,7 +13,7 @@ import numpy as np
 
 from experiments.core.outcomes import OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.points import Point
-from experiments.runners import checks, frameworks, inputs, measure, timing
+from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 
 
 class TorchRunner:
@@ -201,5 +201,6 @@ class TorchRunner:
         masks = self._phase(lambda: frameworks.make_masks(point))
         if not point.is_cp:
             frameworks.require_support("torch", point.impl, masks, point)
+            memory.require_fits(point, memory.torch_capacity(self.device))
         per_mask = [self._run_mask(point, m, i) for i, m in enumerate(masks)]
         return measure.aggregate(point, per_mask)
