@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments.core import outcomes, presets
+from experiments.core import interrupt, outcomes, presets
 from experiments.core.flags import parse_seqlen
 from experiments.core.points import CP_STRATEGIES, expand
 from experiments.core.results import read_records
@@ -394,6 +394,19 @@ def test_sigint_exits_130_with_one_line(tmp_path):
         f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in "
         f"{tmp_path / 'results.jsonl'}; rerun the same command to resume."
     ]
+
+
+def test_time_budget_stops_a_sweep_in_resumable_pieces(tmp_path, capsys):
+    many = ",".join(str(16 * i) for i in range(2, 26))  # 48 points: longer than the budget
+    args = [*EIGHT_POINTS, f"--seqlen={many}", f"--out_dir={tmp_path}"]
+    assert _run_in_process([*args, "--time_budget=2"]) == interrupt.BUDGET_SPENT
+    first = read_records(tmp_path / "results.jsonl")
+    assert 1 <= len(first) < 48
+    assert f"Time budget of 2 s spent: {len(first)} point" in capsys.readouterr().out
+    assert _run_in_process(args) == 0  # the same command without a budget finishes the grid
+    keys = [r["key"] for r in read_records(tmp_path / "results.jsonl")]
+    assert len(keys) == len(set(keys)) == 48
+    assert keys[: len(first)] == [r["key"] for r in first]
 
 
 def test_paper_preset_is_the_published_grid():

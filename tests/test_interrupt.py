@@ -72,32 +72,3 @@ def test_point_loop_records_the_running_point_then_stops(tmp_path):
     assert seen == points[:2]
     assert [r["key"] for r in read_records(store.path)] == [p.key for p in points[:2]]
     assert all(r["status"] == "ok" for r in read_records(store.path))
-
-
-def test_time_budget_stops_a_sweep_in_resumable_pieces(tmp_path, capsys):
-    from experiments.run import run_cli
-
-    many = ",".join(str(16 * i) for i in range(2, 26))  # 48 points: longer than the budget
-    args = [
-        "--framework=jax",
-        "--impl=reference",
-        "--mask=full,causal",
-        f"--seqlen={many}",
-        "--mode=fwd",
-        "--heads_q=2",
-        "--heads_kv=1",
-        "--head_dim=16",
-        "--dtype=fp32",
-        "--warmup=0",
-        "--iters=2",
-        "--report=false",
-        f"--out_dir={tmp_path}",
-    ]
-    assert run_cli([*args, "--time_budget=2"]) == interrupt.BUDGET_SPENT
-    first = read_records(tmp_path / "results.jsonl")
-    assert 1 <= len(first) < 48
-    assert f"Time budget of 2 s spent: {len(first)} point" in capsys.readouterr().out
-    assert run_cli(args) == 0  # the same command without a budget finishes the grid
-    keys = [r["key"] for r in read_records(tmp_path / "results.jsonl")]
-    assert len(keys) == len(set(keys)) == 48
-    assert keys[: len(first)] == [r["key"] for r in first]

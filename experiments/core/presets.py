@@ -47,11 +47,14 @@ class Preset:
     baseline: tuple[Grid, ...] = ()
 
 
+def _single_device(name: str, **axes) -> Grid:
+    """A grid of kernel points: no CP strategy, no layout."""
+    return Grid(name=name, cps=("none",), layouts=("none",), **axes)
+
+
 def _paper_kernel(compat: bool) -> Grid:
-    return Grid(
-        name="kernel",
-        cps=("none",),
-        layouts=("none",),
+    return _single_device(
+        "kernel",
         impls=(ALL,),
         masks=STATIC_MASKS,
         seqlens=PAPER_KERNEL_SEQLENS,
@@ -108,14 +111,7 @@ def _smoke(on_gpu: bool) -> Preset:
         num_masks=1,
         **sizes,
     )
-    kernel = Grid(
-        name="kernel",
-        cps=("none",),
-        layouts=("none",),
-        impls=(ALL,),
-        seqlens=kernel_seqlens,
-        **common,
-    )
+    kernel = _single_device("kernel", impls=(ALL,), seqlens=kernel_seqlens, **common)
     cp = Grid(
         name="cp",
         cps=("ring",),
@@ -140,15 +136,13 @@ def _cp_bench() -> Preset:
         iters=8,
     )
     cp = Grid(name="cp_bench", cps=CP_STRATEGIES, layouts=LAYOUTS, scaling="weak", **common)
-    single = Grid(name="cp_bench_single_device", cps=("none",), layouts=("none",), **common)
+    single = _single_device("cp_bench_single_device", **common)
     return Preset("cp_bench", (), (cp,), default_cp=True, baseline=(single,))
 
 
 def _tune_pallas() -> Preset:
-    kernel = Grid(
-        name="tune_pallas",
-        cps=("none",),
-        layouts=("none",),
+    kernel = _single_device(
+        "tune_pallas",
         impls=(tuning.TUNED_IMPL,),
         masks=TUNE_MASKS,
         seqlens=(8 * K, 16 * K, 32 * K),
@@ -170,15 +164,8 @@ def _cross(on_gpu: bool) -> Preset:
     else:
         sizes = dict(seqlens=(128, 256), heads=((4, 2), (4, 4)), head_dim=32, dtype="fp32")
         sizes.update(window=32, warmup=1, iters=2)
-    kernel = Grid(
-        name="cross",
-        cps=("none",),
-        layouts=("none",),
-        impls=(ALL,),
-        masks=STATIC_MASKS,
-        modes=("fwd", "fwd_bwd"),
-        num_masks=1,
-        **sizes,
+    kernel = _single_device(
+        "cross", impls=(ALL,), masks=STATIC_MASKS, modes=("fwd", "fwd_bwd"), num_masks=1, **sizes
     )
     return Preset("cross", (kernel,), (), default_cp=False)
 
