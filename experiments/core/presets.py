@@ -1,5 +1,6 @@
 """Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full,
-cp_bench (the CP GPU sweep) and tune_pallas (launch configs of the Pallas Triton kernel).
+cp_bench (the CP GPU sweep), tune_pallas (launch configs of the Pallas Triton kernel) and
+cp_predict (CP at 8-64 GPUs predicted from one: experiments/runners/cp_simulate.py).
 
 paper = the published kernel and CP benchmark sweeps with the reference's masks (reference_compat;
 docs/masks.md, docs/context_parallel.md); full = the same grids with the corrected masks, plus
@@ -17,7 +18,7 @@ from attn_masks import MASK_NAMES
 from experiments.core import tuning
 from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, Grid
 
-PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas")
+PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas", "cp_predict")
 K = 1024
 
 # MASK_NAMES is in docs/masks.md order: the 12 masks of the kernel benchmark, then the two
@@ -29,6 +30,8 @@ PAPER_KERNEL_SEQLENS = tuple(n * K for n in (1, 2, 4, 8, 16, 24, 32, 40, 48))
 CP_BENCH_MASKS = ("full", "causal", "causal_document", "share_question")
 CP_BENCH_IMPLS = ("pallas", "flex")  # each framework keeps the one it has
 TUNE_MASKS = ("full", "causal", "causal_document")
+CP_PREDICT_MASKS = ("full", "causal", "causal_document", "full_document", "share_question")
+CP_PREDICT_DEVICES = (8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Preset:
     cp: tuple[Grid, ...]
     default_cp: bool
     baseline: tuple[Grid, ...] = ()
+    simulate_devices: tuple[int, ...] = ()  # CP grids predicted for these sizes (cp_simulate)
 
 
 def _paper_kernel(compat: bool) -> Grid:
@@ -159,6 +163,44 @@ def _tune_pallas() -> Preset:
     return Preset("tune_pallas", (kernel,), (), default_cp=False)
 
 
+def _cp_predict(on_gpu: bool) -> Preset:
+    """Every strategy x layout predicted at 8-64 GPUs from one GPU (CPU: 2-8 tiny devices)."""
+    if on_gpu:
+        sizes = dict(
+            masks=CP_PREDICT_MASKS,
+            seqlens=(8 * K, 32 * K),
+            heads=((64, 8),),
+            head_dim=128,
+            dtype="bf16",
+            modes=("fwd", "fwd_bwd"),
+            warmup=1,
+            iters=3,
+        )
+        devices = CP_PREDICT_DEVICES
+    else:
+        sizes = dict(
+            masks=("causal", "causal_document"),
+            seqlens=(32,),
+            heads=((8, 2),),
+            head_dim=16,
+            dtype="fp32",
+            modes=("fwd",),
+            warmup=0,
+            iters=2,
+            window=16,
+        )
+        devices = (2, 4, 8)
+    cp = Grid(
+        name="cp_predict",
+        cps=CP_STRATEGIES,
+        layouts=LAYOUTS,
+        impls=(DEFAULT_IMPL,),
+        scaling="weak",
+        **sizes,
+    )
+    return Preset("cp_predict", (), (cp,), default_cp=True, simulate_devices=devices)
+
+
 def get_preset(name: str, *, on_gpu: bool) -> Preset:
     """The grids of a named preset; smoke picks CPU or GPU sizes, the others are fixed."""
     if name == "smoke":
@@ -167,6 +209,8 @@ def get_preset(name: str, *, on_gpu: bool) -> Preset:
         return _cp_bench()
     if name == "tune_pallas":
         return _tune_pallas()
+    if name == "cp_predict":
+        return _cp_predict(on_gpu)
     if name == "paper":
         return Preset("paper", (_paper_kernel(True),), (_paper_cp(True),), default_cp=True)
     if name == "full":

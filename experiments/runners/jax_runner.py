@@ -30,7 +30,9 @@ INPUT_CACHE_SIZE = 4
 class JaxRunner:
     """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
 
-    def __init__(self, *, rtol_override: float | None = None) -> None:
+    def __init__(
+        self, *, rtol_override: float | None = None, sim_baseline_max_seqlen: int | None = None
+    ) -> None:
         import jax
 
         self.jax = jax
@@ -40,6 +42,8 @@ class JaxRunner:
         self.rtol_override = rtol_override
         self._meshes: dict = {}
         self._input_cache: dict = {}
+        self._sim_baseline_max_seqlen = sim_baseline_max_seqlen
+        self._simulator = None
 
     def mesh(self, point: Point):
         """A 1-D 'cp' mesh over the point's first num_devices devices."""
@@ -59,7 +63,7 @@ class JaxRunner:
         spec = PartitionSpec(None, "cp") if shape[1] % mesh.size == 0 else PartitionSpec()
         return NamedSharding(mesh, spec)
 
-    def _inputs(self, point: Point, index: int, mesh) -> dict:
+    def inputs(self, point: Point, index: int, mesh) -> dict:
         """q, k, v, dout in the point's dtype; each process builds only the shards it holds."""
         import jax
 
@@ -125,7 +129,7 @@ class JaxRunner:
         """Build, check, then time one mask of a point."""
         devices = list(mesh.devices.flat) if mesh is not None else [self.device]
         local = [d for d in devices if d.process_index == self.jax.process_index()]
-        args = self._inputs(point, index, mesh)
+        args = self.inputs(point, index, mesh)
         plan = frameworks.cp_plan_info(point, mask) if point.is_cp else None
         peak_before = timing.jax_peak_bytes(local)
         attn = frameworks.attention_fn("jax", point, mask, mesh=mesh, axis="cp")
@@ -151,6 +155,13 @@ class JaxRunner:
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
+        if point.simulated:
+            if self._simulator is None:
+                from experiments.runners.cp_simulate import CPSimulator
+
+                cap = self._sim_baseline_max_seqlen
+                self._simulator = CPSimulator(self, baseline_max_seqlen=cap)
+            return self._simulator.run(point)
         masks = frameworks.make_masks(point)
         if not point.is_cp:
             frameworks.require_support("jax", point.impl, masks, point)
