@@ -277,11 +277,11 @@ def test_row_check_of_two_ranks(runner, monkeypatch):
     from experiments.runners import checks
 
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
+    point = _point("ring", 2, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
     result = runner.run(point)
     check = result["check"]
     assert check["ok"] and check["kind"] == "rows" and check["unchecked"] == ["dk", "dv"]
-    assert result["masks"][0]["simulation"]["check_ranks"] == [0, 3]
+    assert result["masks"][0]["simulation"]["check_ranks"] == [0, 1]
 
 
 # ------------------------------------------------------------------------------- driver
@@ -305,7 +305,6 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         "--warmup=0",
         "--iters=1",
         "--simulate_devices=2,4",
-        "--report=false",
         f"--out_dir={tmp_path}",
     ]
     assert run.run_cli(args) == 0
@@ -319,6 +318,8 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         assert r["point"]["seqlen_total"] == 16 * n and "-sim-g8-" in r["key"]
         expected = "unsupported" if (cp, n) == ("ulysses", 4) else "ok"
         assert r["status"] == expected, r["reason"]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Predicted context parallelism" in report and "| causal | 4 |" in report
     assert run.run_cli([*args[1:], "--framework=torch"]) != 0
     assert "use --framework=jax (got --framework=torch)" in capsys.readouterr().err
 
@@ -349,3 +350,101 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
     fatal, hint = res.stderr.strip().splitlines()
     assert res.returncode != 0 and "value '129': expected an integer from 2 to 128" in fatal
     assert hint == "Pass --helpshort or --helpfull to see help on flags."
+
+
+# ------------------------------------------------------------------------------- report
+
+
+def _record(strategy: str, n: int, ms: float, *, simulated: bool, status: str = "ok") -> dict:
+    """A driver record of a CP point (simulated or measured) taking `ms` per call."""
+    from experiments.core.points import Grid, expand
+    from experiments.core.sweep import make_record
+
+    grid = Grid(
+        "g",
+        (strategy,),
+        ("zigzag",),
+        ("default",),
+        ("causal",),
+        (64,),
+        ((4, 2),),
+        16,
+        "fp32",
+        ("fwd",),
+    )
+    (p,) = expand(
+        grid, "jax", ("default",), seed=0, num_devices=n, ulysses_size=None, ulysses_intra_node=True
+    )
+    if simulated:
+        p = dataclasses.replace(p, simulated=True, link=sim.LinkModel().spec(), grid="sim")
+    if status != "ok":
+        return make_record(p, status, reason="not applicable")
+    times = {"median": ms, "p20": ms, "p80": ms}
+    detail = {
+        "impl": "reference",
+        "time_ms": {"total": ms, "strategy": ms - 1.0, "dispatch": 1.0},
+        "phases": [
+            {
+                "name": "fwd step 0",
+                "part": "strategy",
+                "ms": ms - 1.0,
+                "compute_ms": [ms - 2.0] * n,
+                "exposed_ms": [1.0] * n,
+            }
+        ],
+        "single_device": {"status": "ok", "tflops": 2.0, "time_ms": 1.0},
+        "calls": {"total": n, "distinct": 1},
+    }
+    result = {
+        "metrics": {
+            "time_ms": times,
+            "tflops": {q: 1.0 / ms for q in times},
+            "efficiency_pct": 50.0 / ms,
+            "load_imbalance": 1.0,
+        },
+        "check": {"ok": True, "kind": "full", "max_errors": {"out": 1e-7}},
+        "masks": [{"simulation": detail, "comm": {"fwd_bytes": 8.0, "bwd_bytes": 16.0}}],
+    }
+    return make_record(p, "ok", result=result)
+
+
+def test_report_predicts_and_compares_with_measured(tmp_path):
+    """The report's predicted section (unsupported labelled), its plot, and predicted vs
+    measured matched by configuration: a measured point of another layout or size is left out."""
+    import json
+
+    from experiments.reports import report
+
+    sims = [
+        _record("ring", 4, 10.0, simulated=True),
+        _record("ring", 8, 12.0, simulated=True),
+        _record("ulysses", 8, 0.0, simulated=True, status="unsupported"),
+    ]
+    measured = [_record("ring", 4, 11.0, simulated=False), _record("ring", 2, 5.0, simulated=False)]
+    measured[1]["point"]["layout"] = "balanced"
+    for name, recs in (("sim.jsonl", sims), ("gpus.jsonl", measured)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = report.write_report(tmp_path / "sim.jsonl", tmp_path / "rep", tmp_path / "gpus.jsonl")
+    (row,) = out["comparison"]
+    assert (row["GPUs"], row["predicted ms"], row["measured ms"]) == (4, "10", "11")
+    assert row["error"] == f"{100 * (10 / 11 - 1):+.1f}%" and row["within 10%"] == "yes"
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Predicted context parallelism" in md and "### Predicted vs measured" in md
+    assert "| causal | 8 | 0.0833 (4%) | unsup. |" in md
+    assert "| causal | 4 | ring/zigzag | 0.1 | 8 / 1 / 1 | 1.00 |" in md
+    assert any("predicted_fwd_causal" in p.name for p in out["plots"])
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "report.py"),
+            f"--results={tmp_path / 'sim.jsonl'}",
+            f"--compare_with={tmp_path / 'gpus.jsonl'}",
+            f"--out_dir={tmp_path / 'rep2'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| 4 | causal | 64 | ring/zigzag | fwd | 10 | 11 | -9.1% | yes |" in res.stdout
