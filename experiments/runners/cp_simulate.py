@@ -23,6 +23,7 @@ from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import checks, frameworks, measure, timing
 from experiments.runners.cp_launch import inner_axis
+from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
@@ -92,7 +93,8 @@ class _Ranks:
         from shard_strategies import jax_cp
 
         self.jax, self.jnp = jax, jnp
-        self.plan, self.mode, self.dtype = plan, mode, dtype
+        self.plan, self.mode, self.dtype, self.impl = plan, mode, dtype, impl
+        self._digests: dict[tuple[int, int], str] = {}
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         pad = ((0, 0), (0, plan.padded_seqlen - plan.seqlen), (0, 0), (0, 0))
@@ -114,10 +116,12 @@ class _Ranks:
 
     def fingerprint(self, r: int, t: int) -> str:
         """Identity of a mask piece: a digest of the arrays the kernel receives."""
-        h = hashlib.sha1()
-        for leaf in self.jax.tree.leaves(self.jax.tree.map(lambda a: a[r, t], self.arrays)):
-            h.update(np.ascontiguousarray(leaf).tobytes())
-        return h.hexdigest()
+        if (r, t) not in self._digests:
+            h = hashlib.sha1()
+            for leaf in self.jax.tree.leaves(self.jax.tree.map(lambda a: a[r, t], self.arrays)):
+                h.update(np.ascontiguousarray(leaf).tobytes())
+            self._digests[r, t] = h.hexdigest()
+        return self._digests[r, t]
 
     def queries(self, name: str, r: int, u: int):
         """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
@@ -303,6 +307,7 @@ class CPSimulator:
         self.runner = runner
         self.baseline_max_seqlen = baseline_max_seqlen
         self._baselines: dict[str, dict] = {}
+        self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result}), run once
@@ -368,28 +373,36 @@ class CPSimulator:
         except ValueError as e:
             raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
 
-    def _time_calls(self, ranks: _Ranks, sched, point: Point) -> tuple[dict, int]:
-        """({quantile: (P, N) compute ms}, distinct calls): each distinct
-        (call, shapes, mask arrays) timed once and used by every (rank, step) making it."""
+    def _time_calls(self, ranks: _Ranks, sched, point: Point) -> tuple[dict, dict]:
+        """({quantile: (P, N) compute ms}, {distinct, timed}): each distinct call (kind, shapes,
+        mask arrays) timed once, here or by an earlier point, and used by every (rank, step)
+        making it."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
-        stats: dict[tuple, dict] = {}
         compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
+        shapes = (point.batch, plan.shard_len, len(ranks.q_heads[0]), len(ranks.kv_heads[0]))
+        common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
+        used, timed = set(), 0
         for p, ph in enumerate(sched.phases):
             if ph.call is None:
                 continue
+            once = ph.call in (ATTEND_ONCE, ATTEND_ONCE_BWD)
             for r in range(plan.ring_size):
-                key = (ph.call, ph.step == 0, ph.group_start, ranks.fingerprint(r, ph.step))
-                if key not in stats:
+                keys = len(plan.key_positions(r, ph.step))
+                call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
+                key = (*common, *call, keys, ranks.fingerprint(r, ph.step))
+                if key not in self._timings:
                     fn, args = ranks.call(ph.call, r, ph.step, ph.group_start)
                     ranks.jax.block_until_ready(fn(*args))  # compiled and run once, untimed
                     times = timing.jax_time_calls(
                         fn, args, warmup=point.warmup, iters=point.iters, flush=self.runner.flush
                     )
-                    stats[key] = timing.time_stats(times)
+                    self._timings[key] = timing.time_stats(times)
+                    timed += 1
+                used.add(key)
                 for q in QUANTILES:
-                    compute[q][p, ring_of == r] = stats[key][q]
-        return compute, len(stats)
+                    compute[q][p, ring_of == r] = self._timings[key][q]
+        return compute, {"distinct": len(used), "timed": timed}
 
     def _run_mask(self, point: Point, mask, index: int, impl: str, base: dict) -> dict:
         from shard_strategies import simulate
@@ -406,14 +419,14 @@ class CPSimulator:
         check, checked = check_ranks(ranks, point, mask, index, args, rtol)
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
-        compute, distinct = self._time_calls(ranks, sched, point)
+        compute, counts = self._time_calls(ranks, sched, point)
         link = simulate.LinkModel.from_spec(point.link)
         preds = {q: simulate.predict(sched, compute[q], link) for q in QUANTILES}
         t = {q: preds[q].total_ms for q in QUANTILES} | {"n": point.iters}
         med = preds["median"]
         comm = plan.comm_volume(itemsize=itemsize, batch=point.batch)
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
-        sim.update(calls={"total": int((compute["median"] > 0).sum()), "distinct": distinct})
+        sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
