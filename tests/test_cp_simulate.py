@@ -236,6 +236,7 @@ def _parts_add_up(runner, monkeypatch) -> None:
     assert s["calls"]["distinct"] <= 2 * steps * n
     assert s["compute_ms"] == pytest.approx(2.0 * 2 * steps * n)
     assert result["metrics"]["time_ms"]["median"] == pytest.approx(2.0 * 2 * steps)
+    assert s["time_ms"]["exposed_comm"] == pytest.approx(0.0, abs=1e-9)
     phases = s["phases"]
     assert sum(sum(p["compute_ms"]) for p in phases) == pytest.approx(s["compute_ms"])
     assert s["bytes"]["strategy_fwd"] == pytest.approx(mask["comm"]["fwd_bytes"])
@@ -261,7 +262,10 @@ def _real_timing(runner) -> None:
             s["compute_ms"], rel=1e-3
         )
         assert sum(p["ms"] for p in s["phases"]) == pytest.approx(s["time_ms"]["total"], rel=1e-3)
-        assert s["time_ms"]["dispatch"] > 0 and s["efficiency_pct"] > 0
+        t = s["time_ms"]
+        assert t["dispatch"] > 0 and t["exposed_comm"] > 0 and s["efficiency_pct"] > 0
+        assert t["slowest_compute"] + t["exposed_comm"] == pytest.approx(t["strategy"])
+        assert t["strategy"] + t["dispatch"] == pytest.approx(t["total"])
         assert s["calls"]["timed"] == s["calls"]["distinct"] > 0
     again = runner.run(_point("usp", 4, "fwd", sim.LinkModel(p2p_gbps=1.0)))
     calls = again["masks"][0]["simulation"]["calls"]
@@ -392,7 +396,13 @@ def _record(strategy: str, n: int, ms: float, *, simulated: bool, status: str = 
     times = {"median": ms, "p20": ms, "p80": ms}
     detail = {
         "impl": "reference",
-        "time_ms": {"total": ms, "strategy": ms - 1.0, "dispatch": 1.0},
+        "time_ms": {
+            "total": ms,
+            "strategy": ms - 1.0,
+            "dispatch": 1.0,
+            "slowest_compute": ms - 2.0,
+            "exposed_comm": 1.0,
+        },
         "phases": [
             {
                 "name": "fwd step 0",

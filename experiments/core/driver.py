@@ -153,9 +153,14 @@ def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Pl
         )
     if settings.preset in ("smoke", "cp_predict") and not all(on_gpu.values()):
         cpu = [fw for fw, g in on_gpu.items() if not g]
+        where = (
+            "simulated CP devices"
+            if simulate
+            else "JAX CP on virtual CPU devices, torch CP on gloo processes on 127.0.0.1"
+        )
         notes.append(
-            f"No GPU for {'/'.join(cpu)}: using the embedded CPU default (smoke preset at CPU "
-            "sizes; JAX CP on virtual CPU devices, torch CP on gloo processes on 127.0.0.1)."
+            f"No GPU for {'/'.join(cpu)}: using the embedded CPU default ({settings.preset} "
+            f"preset at CPU sizes; {where})."
         )
     if settings.preset not in ("smoke", "cp_predict") and not all(on_gpu.values()):
         notes.append(f"The {settings.preset} preset has GPU sizes; without a GPU it is very slow.")

@@ -74,9 +74,7 @@ def flat_row(rec: dict) -> dict:
     p = rec["point"]
     s = _simulation(rec)
     m = rec.get("metrics") or {}
-    phases = s.get("phases") or []
-    strategy = [ph for ph in phases if ph["part"] == "strategy"]
-    slowest = sum(max(ph["compute_ms"]) for ph in strategy)
+    times = s.get("time_ms") or {}
     single = s.get("single_device") or {}
     check = rec.get("check") or {}
     masks = rec.get("masks") or [{}]
@@ -103,9 +101,9 @@ def flat_row(rec: dict) -> dict:
         "single_gpu_tflops": single.get("tflops"),
         "single_gpu_status": single.get("status"),
         "efficiency_pct": m.get("efficiency_pct"),
-        "compute_ms": slowest if phases else None,
-        "exposed_comm_ms": (s["time_ms"]["strategy"] - slowest) if phases else None,
-        "dispatch_ms": (s.get("time_ms") or {}).get("dispatch"),
+        "compute_ms": times.get("slowest_compute"),
+        "exposed_comm_ms": times.get("exposed_comm"),
+        "dispatch_ms": times.get("dispatch"),
         "load_imbalance": m.get("load_imbalance"),
         "comm_bytes": report_cp.comm_bytes(masks[0].get("comm"), p["mode"]),
         "distinct_calls": (s.get("calls") or {}).get("distinct"),

@@ -439,6 +439,8 @@ class CPSimulator:
         flops = attention_flops(mask, point.heads_q, point.head_dim, point.mode, point.batch)
         per_gpu = flops / point.num_devices / (pred.total_ms * 1e-3) / 1e12
         strategy_ms = pred.part_ms(simulate.STRATEGY)
+        own = [ph.part == simulate.STRATEGY for ph in sched.phases]
+        slowest = float(pred.compute_ms[own].max(axis=1).sum())
         single = None
         if base["status"] == "ok":
             m = base["result"]["masks"][index]
@@ -450,6 +452,8 @@ class CPSimulator:
                 "total": pred.total_ms,
                 "strategy": strategy_ms,
                 "dispatch": pred.part_ms(simulate.DISPATCH),
+                "slowest_compute": slowest,
+                "exposed_comm": strategy_ms - slowest,
             },
             "tflops_per_gpu": per_gpu,
             "tflops_per_gpu_strategy": flops / point.num_devices / (strategy_ms * 1e-3) / 1e12,
