@@ -468,3 +468,48 @@ def test_report_predicts_and_compares_with_measured(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| 4 | causal | 64 | ring/zigzag | fwd | 10 | 11 | -9.1% | yes |" in res.stdout
+
+
+def _collectives(hlo: str) -> dict[str, list[int]]:
+    """Bytes of every all-gather / all-reduce / collective-permute result in compiled HLO."""
+    sizes: dict[str, list[int]] = {}
+    pattern = r"= (\(?[^=]*?\)?) (all-gather|all-reduce|collective-permute)(?:-start)?\("
+    for shapes, op in re.findall(pattern, hlo):
+        total = 0
+        for dtype, dims in re.findall(r"(f32|bf16|f16|s32)\[([\d,]*)\]", shapes):
+            count = math.prod(int(x) for x in dims.split(",") if x)
+            total += count * (2 if dtype in ("bf16", "f16") else 4)
+        sizes.setdefault(op, []).append(total)
+    return sizes
+
+
+def test_dispatch_model_matches_the_compiled_executor():
+    """The executor's global entry point, compiled for 8 CPU devices: its collectives are the
+    schedule's (q/k/v all-gathered whole, the output all-reduced whole, one ppermute each of K
+    and V per ring transfer), so the dispatch the simulator charges is what XLA emits."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from shard_strategies import jax_cp
+
+    n, s = 8, 8 * 32
+    mask = named_mask("causal", s)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "cp"))
+    q = jax.device_put(jnp.zeros((1, s, HQ, D), jnp.float32), sharding)
+    k = jax.device_put(jnp.zeros((1, s, HKV, D), jnp.float32), sharding)
+    ex = jax_cp.build(
+        mask, mesh=mesh, strategy="ring", num_heads_q=HQ, num_heads_kv=HKV, head_dim=D
+    )
+    hlo = jax.jit(lambda a, b, c: ex(a, b, c)).lower(q, k, k).compile().as_text()
+    found = _collectives(hlo)
+    whole_q, whole_kv = s * HQ * D * 4, s * HKV * D * 4
+    assert sorted(found["all-gather"]) == sorted([whole_q, whole_kv, whole_kv])
+    assert found["all-reduce"] == [whole_q]
+    sched = sim.schedule(ex.plan, "fwd", itemsize=4)
+    kinds = {t.op for t in sched.transfers if t.part == sim.DISPATCH}
+    assert kinds == {sim.ALL_GATHER, sim.ALL_REDUCE}
+    ring = [t for t in sched.transfers if t.part == sim.STRATEGY]
+    assert len(found["collective-permute"]) == 2 * len(ring)
+    assert sum(found["collective-permute"]) == pytest.approx(sum(t.nbytes for t in ring))
