@@ -83,6 +83,21 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
     )
 
 
+@cache
+def _gather():
+    """Jitted (x, rows, heads) -> x at token positions `rows` (positions past its end are
+    padding: zeros) and `heads`."""
+    import jax
+    import jax.numpy as jnp
+
+    def gather(x, rows, heads):
+        real = rows < x.shape[1]
+        picked = jnp.take(jnp.take(x, jnp.where(real, rows, 0), 1), heads, 2)
+        return jnp.where(real[None, :, None, None], picked, jnp.zeros((), x.dtype))
+
+    return jax.jit(gather)
+
+
 class _Ranks:
     """One plan's ranks on this device: their inputs, the calls they make, end to end runs."""
 
@@ -93,18 +108,17 @@ class _Ranks:
         from shard_strategies import jax_cp
 
         self.jax, self.jnp = jax, jnp
-        self.plan, self.mode, self.dtype, self.impl = plan, mode, dtype, impl
+        self.plan, self.mode, self.impl = plan, mode, impl
         self._digests: dict[tuple[int, int], str] = {}
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
-        pad = ((0, 0), (0, plan.padded_seqlen - plan.seqlen), (0, 0), (0, 0))
-        self.x = {n: jnp.pad(a, pad) for n, a in args.items()}
+        self.x = args
         self.arrays = jax_cp.ring_mask_arrays(plan, impl, d, dtype)
         u, hq, rep = plan.ulysses_size, plan.num_heads_q, plan.kv_replication
         hkv = plan.num_heads_kv * rep
         self.q_heads = [np.arange(j * hq // u, (j + 1) * hq // u) for j in range(u)]
         self.kv_heads = [np.arange(j * hkv // u, (j + 1) * hkv // u) // rep for j in range(u)]
-        self._take = jax.jit(lambda x, rows, heads: jnp.take(jnp.take(x, rows, 1), heads, 2))
+        self._take = _gather()
 
     @property
     def ring_core(self) -> bool:
@@ -166,7 +180,7 @@ class _Ranks:
             return s.bwd, (q, k, v, a, (out, lse, dout, dlse, rowdot), dq, dkv)
         if call == simulate.ATTEND_ONCE:
             return (s.once if self.mode == "fwd" else s.once_vjp), (q, k, v, a)
-        (_, lse), pullback = s.once_vjp(q, k, v, a)
+        _, pullback = s.once_vjp(q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
 
     def emulate(self, r: int, u: int) -> dict:

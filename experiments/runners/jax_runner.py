@@ -25,6 +25,7 @@ def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float
 
 
 INPUT_CACHE_SIZE = 4
+INPUT_CACHE_BYTES = 32 << 30
 
 
 class JaxRunner:
@@ -74,6 +75,7 @@ class JaxRunner:
         key = (tuple(sizes.items()), str(dtype), point.seed, index, id(mesh))
         if key in self._input_cache:
             return self._input_cache[key]
+        self._make_room(sum(int(np.prod(s)) for s in sizes.values()) * dtype.itemsize)
         out = {}
         for name, shape in sizes.items():
 
@@ -82,10 +84,20 @@ class JaxRunner:
                 return x[idx[0], :, idx[2], idx[3]].astype(dtype)
 
             out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
-        if len(self._input_cache) >= INPUT_CACHE_SIZE:  # host generation dominates large points
-            self._input_cache.pop(next(iter(self._input_cache)))
         self._input_cache[key] = out
         return out
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the oldest cached inputs (host generation dominates large points, but device
+        memory bounds what is kept): at most INPUT_CACHE_SIZE entries and INPUT_CACHE_BYTES."""
+
+        def held() -> int:
+            return sum(x.nbytes for e in self._input_cache.values() for x in e.values())
+
+        while self._input_cache and (
+            len(self._input_cache) >= INPUT_CACHE_SIZE or held() + nbytes > INPUT_CACHE_BYTES
+        ):
+            self._input_cache.pop(next(iter(self._input_cache)))
 
     def _fetch(self, x, index: np.ndarray | None) -> np.ndarray:
         """Float32 host copy of x, only the given positions along the sequence axis."""
