@@ -253,25 +253,24 @@ class Mask:
             hit = np.nonzero(a0 < a1)[0]
             if hit.size == 0:
                 continue
-            a0, a1 = a0[hit], a1[hit]
-            for kg, kl, kn in zip(*k_runs):
-                b0 = np.maximum(self.k_ranges[hit, 0], kg)
-                b1 = np.minimum(self.k_ranges[hit, 1], kg + kn)
-                h2 = b0 < b1
-                if not h2.any():
-                    continue
-                s = hit[h2]
-                dq, dk = qg - ql, kg - kl
-                parts.append(
-                    (
-                        a0[h2] - dq,
-                        a1[h2] - dq,
-                        b0[h2] - dk,
-                        b1[h2] - dk,
-                        np.where(lo_off[s] <= -INF, -INF, lo_off[s] - dk + dq),
-                        np.where(hi_off[s] >= INF, INF, hi_off[s] - dk + dq),
-                    )
+            # every (key run, slice) pair at once, in key-run-major order
+            b0 = np.maximum(self.k_ranges[hit, 0][None, :], k_runs[0][:, None])
+            b1 = np.minimum(self.k_ranges[hit, 1][None, :], (k_runs[0] + k_runs[2])[:, None])
+            run, j = np.nonzero(b0 < b1)
+            if run.size == 0:
+                continue
+            s = hit[j]
+            dq, dk = qg - ql, k_runs[0][run] - k_runs[1][run]
+            parts.append(
+                (
+                    a0[hit][j] - dq,
+                    a1[hit][j] - dq,
+                    b0[run, j] - dk,
+                    b1[run, j] - dk,
+                    np.where(lo_off[s] <= -INF, -INF, lo_off[s] - dk + dq),
+                    np.where(hi_off[s] >= INF, INF, hi_off[s] - dk + dq),
                 )
+            )
         if parts:
             cols = [np.concatenate(c) for c in zip(*parts)]
             qr, kr, ty = bands_to_typed(*cols)

@@ -2,6 +2,7 @@
 
     python experiments/report.py --results=results/local/x/results.jsonl --out_dir=report/
     python experiments/report.py --results=cp_jax/results.jsonl,cp_torch/results.jsonl
+    python experiments/report.py --results=sim/results.jsonl --compare_with=gpus/results.jsonl
 
 report.md, results.csv, plots and mask pictures; for CP points also cp_report.md (efficiency
 against the single-GPU rate, JAX vs PyTorch, targets, scaling). See experiments/reports/.
@@ -17,18 +18,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from absl import app, flags  # noqa: E402
 
 from experiments.reports import report  # noqa: E402
+from experiments.reports.report_parts import md_table  # noqa: E402
 
 RESULTS = flags.DEFINE_list("results", None, "results.jsonl files (comma list).", required=True)
 OUT_DIR = flags.DEFINE_string("out_dir", None, "Report folder (default: beside the first file).")
+COMPARE_WITH = flags.DEFINE_list(
+    "compare_with",
+    None,
+    "Results files of measured multi-device CP points: each simulated point of --results is "
+    "printed beside the measured point of the same configuration.",
+)
 
 
 def main(argv: list[str]) -> None:
     """Write the report of existing results files."""
     del argv
-    missing = [p for p in RESULTS.value if not Path(p).is_file()]
-    if missing:
-        raise app.UsageError(f"--results: not a file: {', '.join(map(repr, missing))}")
-    paths = report.write_report(RESULTS.value, OUT_DIR.value or str(Path(RESULTS.value[0]).parent))
+    for flag, files in (("results", RESULTS.value), ("compare_with", COMPARE_WITH.value or [])):
+        missing = [p for p in files if not Path(p).is_file()]
+        if missing:
+            raise app.UsageError(f"--{flag}: not a file: {', '.join(map(repr, missing))}")
+    out_dir = OUT_DIR.value or str(Path(RESULTS.value[0]).parent)
+    paths = report.write_report(RESULTS.value, out_dir, COMPARE_WITH.value or ())
+    if COMPARE_WITH.value:
+        rows = paths["comparison"]
+        table = md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else []
+        print("\n".join(table or ["No measured CP point matches a simulated one."]))
     cp = f"; CP report: {paths['cp_report']}" if paths["cp_report"] else ""
     print(f"Report: {paths['markdown']} ({len(paths['plots'])} plots){cp}")
 

@@ -153,6 +153,17 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
     return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
 
 
+def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
+    """(R, T, ...) host MaskArrays of every ring rank's piece at every kept step, in the shapes
+    the executor passes its kernels (the same for every mask of a length)."""
+    flat = [piece_arrays(p, impl, head_dim, dtype) for row in plan.pieces for p in row]
+    # stacked with an empty widest mask, so every mask of a length has the same shapes
+    widest = empty_mask_arrays(flat[0], MIN_INTERVALS)
+    stacked = jax.tree.map(lambda x: x[:-1], stack_mask_arrays([*flat, widest]))
+    lead = (plan.ring_size, plan.num_steps)
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
+
+
 def _pad_multiple(impl: str, head_dim: int, dtype: Any) -> int:
     """Ring shards padded to whole kernel tiles (so gathered K/V stay tile-aligned too)."""
     if impl == REFERENCE:
@@ -231,17 +242,9 @@ class CPExecutor:
     def _host_arrays(self, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
         """(N, T, ...) host MaskArrays: rank n's pieces for every kept step."""
         plan = self.plan
-        per_ring = [[piece_arrays(p, impl, head_dim, dtype) for p in row] for row in plan.pieces]
-        flat = [
-            per_ring[plan.ring_rank(n)][t]
-            for n in range(plan.world_size)
-            for t in range(plan.num_steps)
-        ]
-        # stacked with an empty widest mask, so every mask of a length has the same shapes
-        widest = empty_mask_arrays(flat[0], MIN_INTERVALS)
-        stacked = jax.tree.map(lambda x: x[:-1], stack_mask_arrays([*flat, widest]))
-        lead = (plan.world_size, plan.num_steps)
-        return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
+        per_ring = ring_mask_arrays(plan, impl, head_dim, dtype)
+        ranks = np.array([plan.ring_rank(n) for n in range(plan.world_size)])
+        return jax.tree.map(lambda x: x[ranks], per_ring)
 
     def _leaves(self, *xs: jax.Array) -> tuple:
         """(arrays, order, inverse): host copies when called inside a foreign trace."""
@@ -281,6 +284,41 @@ def _take_jit(y, inverse, axis: int):
     return jnp.take(y, inverse, axis=axis)
 
 
+def executor_plan(
+    mask: Mask,
+    world_size: int,
+    strategy: str,
+    layout: str = "zigzag",
+    ulysses_size: int | None = None,
+    *,
+    impl: str,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    dtype: Any,
+    num_windows: int | None = None,
+    inner_axis: str = ULYSSES,
+    pad_multiple: int | None = None,
+) -> CPPlan:
+    """The plan an executor of `impl` runs on `world_size` devices: ring shards padded to whole
+    kernel tiles unless pad_multiple says otherwise."""
+    if pad_multiple is None:
+        pad_multiple = _pad_multiple(impl, head_dim, dtype)
+    return make_plan(
+        mask,
+        world_size,
+        strategy,
+        layout,
+        ulysses_size,
+        num_windows=num_windows,
+        inner_axis=inner_axis,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+        pad_multiple=pad_multiple,
+    )
+
+
 def build(
     mask: Mask,
     *,
@@ -311,19 +349,19 @@ def build(
         ulysses_size, inner_axis = mesh_u, mesh_inner
         if strategy in ("ring", "allgather") and mesh_u == 1:
             ulysses_size = None
-    if pad_multiple is None:
-        pad_multiple = _pad_multiple(impl, head_dim, dtype)
-    plan = make_plan(
+    plan = executor_plan(
         mask,
         len(devices),
         strategy,
         layout,
         ulysses_size,
-        num_windows=num_windows,
-        inner_axis=inner_axis,
+        impl=impl,
         num_heads_q=num_heads_q,
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,
+        dtype=dtype,
+        num_windows=num_windows,
+        inner_axis=inner_axis,
         pad_multiple=pad_multiple,
     )
     return CPExecutor(

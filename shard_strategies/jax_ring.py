@@ -75,6 +75,48 @@ def _add(a: Tree | None, b: Tree) -> Tree:
     return b if a is None else jax.tree.map(jnp.add, a, b)
 
 
+def forward_step(
+    q: jax.Array,
+    kb: jax.Array,
+    vb: jax.Array,
+    arrays: MaskArrays,
+    impl: str,
+    scale: float,
+    out: jax.Array | None,
+    lse: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One kept step: this block's attention merged into the running (out, lse), None at first."""
+    out_t, lse_t = local_attention(q, kb, vb, arrays, impl, scale)
+    return merge(out, lse, out_t, lse_t)
+
+
+def backward_start(q: jax.Array, out: jax.Array, dout: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(rowdot = <dout, out> per row, zero fp32 dq): what every backward step shares."""
+    rowdot = jnp.einsum("bshd,bshd->bhs", dout.astype(jnp.float32), out.astype(jnp.float32))
+    return rowdot, jnp.zeros(q.shape, jnp.float32)
+
+
+def backward_step(
+    q: jax.Array,
+    kb: jax.Array,
+    vb: jax.Array,
+    arrays: MaskArrays,
+    impl: str,
+    scale: float,
+    residuals: tuple[jax.Array, ...],
+    dq: jax.Array,
+    dkv: Tree | None,
+) -> tuple[jax.Array, Tree]:
+    """One kept step's gradients: dq accumulated in fp32, this block's dK/dV added to the
+    accumulator travelling with it (None: the step opens an outer step).
+
+    residuals = (out, lse, dout, dlse, rowdot) of the merged forward.
+    """
+    dq_t, dk_t, dv_t = local_attention_vjp(q, kb, vb, arrays, impl, scale, *residuals)
+    acc = jnp.promote_types(kb.dtype, jnp.float32)
+    return dq + dq_t.astype(jnp.float32), _add(dkv, (dk_t.astype(acc), dv_t.astype(acc)))
+
+
 @cache
 def make_ring(
     steps: tuple[StepIndex, ...],
@@ -98,8 +140,7 @@ def make_ring(
     def forward(q, k, v, arrays):
         out = lse = None
         for t, _, _, (kb, vb) in _walk((k, v), steps, mover):
-            out_t, lse_t = local_attention(q, kb, vb, step_arrays(arrays, t), impl, scale)
-            out, lse = merge(out, lse, out_t, lse_t)
+            out, lse = forward_step(q, kb, vb, step_arrays(arrays, t), impl, scale, out, lse)
         return out.astype(q.dtype), lse
 
     @jax.custom_vjp
@@ -113,19 +154,15 @@ def make_ring(
     def ring_bwd(res, cts):
         q, k, v, arrays, out, lse = res
         dout, dlse = cts
-        rowdot = jnp.einsum("bshd,bshd->bhs", dout.astype(jnp.float32), out.astype(jnp.float32))
-        acc = jnp.promote_types(k.dtype, jnp.float32)
-        dq = jnp.zeros(q.shape, jnp.float32)
+        rowdot, dq = backward_start(q, out, dout)
+        residuals = (out, lse, dout, dlse, rowdot)
         dkv = received = total = None
         for t, g, shift, (kb, vb) in _walk((k, v), steps, mover):
             if dkv is None and g > 0:
                 # the previous group's dK/dV crosses windows while this group computes
                 received = mover.outer(total, groups[g][0] - groups[g - 1][0])
-            dq_t, dk_t, dv_t = local_attention_vjp(
-                q, kb, vb, step_arrays(arrays, t), impl, scale, out, lse, dout, dlse, rowdot
-            )
-            dq = dq + dq_t.astype(jnp.float32)
-            dkv = _add(dkv, (dk_t.astype(acc), dv_t.astype(acc)))
+            step = step_arrays(arrays, t)
+            dq, dkv = backward_step(q, kb, vb, step, impl, scale, residuals, dq, dkv)
             if shift is not None:
                 dkv = mover.inner(dkv, shift)
                 continue

@@ -143,25 +143,66 @@ def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Pl
     preset = presets.get_preset(settings.preset, on_gpu=all(on_gpu.values()))
     grids = presets.apply_overrides(presets.select_grids(preset, cps), overrides)
     _check_impl_names(settings, [i for g in grids for i in g.impls])
+    simulate = settings.simulate_devices or preset.simulate_devices
+    _check_simulation(settings, bool(simulate))
     notes = []
-    if settings.preset == "smoke" and not all(on_gpu.values()):
-        cpu = [fw for fw, g in on_gpu.items() if not g]
+    if simulate and any(g.is_cp for g in grids):
         notes.append(
-            f"No GPU for {'/'.join(cpu)}: using the embedded CPU default (smoke preset at CPU "
-            "sizes; JAX CP on virtual CPU devices, torch CP on gloo processes on 127.0.0.1)."
+            f"Simulating CP on {', '.join(map(str, simulate))} devices from this one device's "
+            f"timed local work (link model {settings.link})."
         )
-    if settings.preset != "smoke" and not all(on_gpu.values()):
+    if settings.preset in ("smoke", "cp_predict") and not all(on_gpu.values()):
+        cpu = [fw for fw, g in on_gpu.items() if not g]
+        where = (
+            "simulated CP devices"
+            if simulate
+            else "JAX CP on virtual CPU devices, torch CP on gloo processes on 127.0.0.1"
+        )
+        notes.append(
+            f"No GPU for {'/'.join(cpu)}: using the embedded CPU default ({settings.preset} "
+            f"preset at CPU sizes; {where})."
+        )
+    if settings.preset not in ("smoke", "cp_predict") and not all(on_gpu.values()):
         notes.append(f"The {settings.preset} preset has GPU sizes; without a GPU it is very slow.")
     notes += [why for _, why in detected.values() if why]
     # One CP size for every framework, so --framework=both compares like with like.
     cp_size = 1
-    if any(g.is_cp for g in grids):
+    if any(g.is_cp for g in grids) and not simulate:
         cp_size = min(_cp_devices(fw, settings) for fw in settings.frameworks)
     points: list[Point] = []
     for fw in settings.frameworks:
         for grid in grids:
+            if grid.is_cp and simulate:
+                points += _simulated_points(fw, grid, simulate, settings, notes)
+                continue
             points += _grid_points(fw, grid, cp_size if grid.is_cp else 1, settings, notes)
     return Plan(dedupe(points), on_gpu, notes)
+
+
+def _simulated_points(
+    fw: str, grid: Grid, sizes: tuple[int, ...], settings: Settings, notes: list[str]
+) -> list[Point]:
+    """A CP grid's points at each simulated device count, marked simulated with the link."""
+    out = []
+    for n in sizes:
+        points = _grid_points(fw, grid, n, settings, notes)
+        out += [dataclasses.replace(p, simulated=True, link=settings.link) for p in points]
+    return out
+
+
+def _check_simulation(settings: Settings, simulate: bool) -> None:
+    """Simulated CP runs JAX's kernels on this device, and replaces --num_devices."""
+    if not simulate:
+        return
+    if settings.frameworks != ("jax",):
+        raise app.UsageError(
+            "--simulate_devices times the JAX executor's local work: use --framework=jax "
+            f"(got --framework={'/'.join(settings.frameworks)})"
+        )
+    if settings.num_devices:
+        raise app.UsageError(
+            f"--num_devices={settings.num_devices} and --simulate_devices exclude each other"
+        )
 
 
 def _torch_launched(settings: Settings) -> bool:
@@ -189,10 +230,10 @@ def _lazy_runner(make):
     return runner_for
 
 
-def _jax_runner(rtol: float | None):
+def _jax_runner(rtol: float | None, sim_baseline_max_seqlen: int | None = None):
     from experiments.runners.jax_runner import JaxRunner
 
-    return JaxRunner(rtol_override=rtol)
+    return JaxRunner(rtol_override=rtol, sim_baseline_max_seqlen=sim_baseline_max_seqlen)
 
 
 def _torch_runner(rtol: float | None):
@@ -299,6 +340,8 @@ def runs_in_workers(settings: Settings) -> bool:
 def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) -> int:
     """Run each framework's points in a worker process of its own, then the joint report."""
     _check_launch(settings)
+    preset = presets.get_preset(settings.preset, on_gpu=False)
+    _check_simulation(settings, bool(settings.simulate_devices or preset.simulate_devices))
     check_out_dir(settings.out_dir)
     impls = overrides.get("impls")
     if impls is not None:
@@ -355,7 +398,7 @@ def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) ->
     progress = Progress(total, total - len(todo)) if writer else None
     sweep.run_points(
         [p for p in todo if p.framework == "jax"],
-        _lazy_runner(lambda: _jax_runner(settings.check_rtol)),
+        _lazy_runner(lambda: _jax_runner(settings.check_rtol, settings.sim_baseline_max_seqlen)),
         store=store if writer else None,
         progress=progress,
         provenance=prov,

@@ -76,6 +76,94 @@ def _check_positive_ints(values: list[str] | None, what: str) -> bool:
     return True
 
 
+SIM_DEVICES = (2, 128)  # the --simulate_devices range
+GPUS_PER_NODE = (1, 1024)
+
+
+def _check_simulate_devices(values: list[str] | None) -> bool:
+    lo, hi = SIM_DEVICES
+    for v in values or []:
+        if not v.strip().isdigit() or not lo <= int(v) <= hi:
+            raise flags.ValidationError(
+                f"bad --simulate_devices value {v!r}: expected an integer from {lo} to {hi}"
+            )
+    return True
+
+
+def _check_bandwidth(name: str, value: float) -> bool:
+    if not value > 0:
+        raise flags.ValidationError(f"bad --{name}={value:g}: expected GB/s > 0 (inf allowed)")
+    return True
+
+
+def _check_latency(name: str, value: float) -> bool:
+    if not 0 <= value < float("inf"):
+        raise flags.ValidationError(f"bad --{name}={value:g}: expected microseconds >= 0, finite")
+    return True
+
+
+def _check_gpus_per_node(value: int) -> bool:
+    lo, hi = GPUS_PER_NODE
+    if not lo <= value <= hi:
+        raise flags.ValidationError(
+            f"bad --gpus_per_node={value}: expected an integer from {lo} to {hi}"
+        )
+    return True
+
+
+def _check_max_seqlen(value: str) -> bool:
+    try:
+        parse_seqlen(value)
+    except ValueError as e:
+        raise flags.ValidationError(f"--sim_baseline_max_seqlen: {e}") from None
+    return True
+
+
+def _define_simulation_flags() -> None:
+    """The flags of --simulate_devices: the simulated sizes and the link model."""
+    from shard_strategies.simulate import LinkModel
+
+    h200 = LinkModel()
+    flags.DEFINE_list(
+        "simulate_devices",
+        None,
+        "Predict CP on these device counts (list, 2-128) from this one device: every rank's "
+        "local work of every step is run and timed here, communication is modelled by the "
+        "--link_* flags. JAX only. Default: the preset's (cp_predict: 8,16,32,64), else none.",
+    )
+    flags.DEFINE_integer(
+        "gpus_per_node",
+        h200.gpus_per_node,
+        "Simulated GPUs per node (links between nodes: --link_inter_node_gbps).",
+    )
+    links = {
+        "link_p2p_gbps": (h200.p2p_gbps, "intra-node point-to-point (ppermute) GB/s per GPU"),
+        "link_alltoall_gbps": (h200.alltoall_gbps, "intra-node all-to-all GB/s per GPU"),
+        "link_allgather_gbps": (
+            h200.allgather_gbps,
+            "intra-node ring collective (all-gather, reduce-scatter, all-reduce) bus GB/s",
+        ),
+        "link_inter_node_gbps": (h200.inter_node_gbps, "GB/s per GPU between nodes"),
+    }
+    for name, (default, what) in links.items():
+        flags.DEFINE_float(name, default, f"Simulated link: {what} (H200 default).")
+        flags.register_validator(name, lambda v, n=name: _check_bandwidth(n, v))
+    lat = {"link_latency_us": h200.latency_us, "link_inter_latency_us": h200.inter_latency_us}
+    for name, default in lat.items():
+        where = "between nodes" if "inter" in name else "within a node"
+        flags.DEFINE_float(name, default, f"Simulated per-message latency {where} (us).")
+        flags.register_validator(name, lambda v, n=name: _check_latency(n, v))
+    flags.DEFINE_string(
+        "sim_baseline_max_seqlen",
+        "512K",
+        "Longest whole sequence timed on one device as a simulated point's efficiency baseline "
+        "(longer: efficiency not given).",
+    )
+    flags.register_validator("simulate_devices", _check_simulate_devices)
+    flags.register_validator("gpus_per_node", _check_gpus_per_node)
+    flags.register_validator("sim_baseline_max_seqlen", _check_max_seqlen)
+
+
 def define_flags() -> None:
     """Register every run.py flag on the global absl FLAGS (once)."""
     if "framework" in FLAGS:
@@ -128,7 +216,7 @@ def define_flags() -> None:
         "preset",
         "smoke",
         list(presets.PRESETS),
-        "Sweep preset (smoke|paper|full|cp_bench|tune_pallas).",
+        "Sweep preset (smoke|paper|full|cp_bench|tune_pallas|cp_predict).",
     )
     flags.DEFINE_string(
         "tune",
@@ -180,6 +268,7 @@ def define_flags() -> None:
         "same command continues it. For grids longer than one time slot.",
         lower_bound=0.0,
     )
+    _define_simulation_flags()
 
     flags.register_validator("cp", lambda v: _choices(v, points.CP_CHOICES, "cp", True))
     flags.register_validator("layout", lambda v: _choices(v, points.LAYOUTS, "layout"))
@@ -240,6 +329,9 @@ class Settings:
     num_processes: int | None
     process_id: int | None
     flag_values: dict
+    simulate_devices: tuple[int, ...] = ()
+    link: str = ""
+    sim_baseline_max_seqlen: int | None = None
 
 
 def requested_cps() -> tuple[str, ...] | None:
@@ -290,7 +382,8 @@ def default_out_dir() -> str:
     """A folder named after the run, so the same command resumes into the same folder."""
     cps = requested_cps()
     cp = "-".join(cps) if cps else "default"
-    return f"results/local/{FLAGS.preset}-{FLAGS.framework}-{cp}"
+    sim = "-sim" if FLAGS.simulate_devices else ""
+    return f"results/local/{FLAGS.preset}-{FLAGS.framework}-{cp}{sim}"
 
 
 def settings() -> Settings:
@@ -315,4 +408,22 @@ def settings() -> Settings:
         num_processes=FLAGS.num_processes,
         process_id=FLAGS.process_id,
         flag_values={n: FLAGS[n].value for n in sorted(names)},
+        simulate_devices=tuple(dict.fromkeys(int(n) for n in FLAGS.simulate_devices or ())),
+        link=link_model().spec(),
+        sim_baseline_max_seqlen=parse_seqlen(FLAGS.sim_baseline_max_seqlen),
+    )
+
+
+def link_model():
+    """The simulated link model the --link_* and --gpus_per_node flags describe."""
+    from shard_strategies.simulate import LinkModel
+
+    return LinkModel(
+        p2p_gbps=FLAGS.link_p2p_gbps,
+        alltoall_gbps=FLAGS.link_alltoall_gbps,
+        allgather_gbps=FLAGS.link_allgather_gbps,
+        inter_node_gbps=FLAGS.link_inter_node_gbps,
+        latency_us=FLAGS.link_latency_us,
+        inter_latency_us=FLAGS.link_inter_latency_us,
+        gpus_per_node=FLAGS.gpus_per_node,
     )

@@ -83,6 +83,8 @@ class Point:
     iters: int
     grid: str
     kernel_config: str = ""  # a tuning candidate's name (experiments/core/tuning.py); "" = default
+    simulated: bool = False  # CP predicted from one device's timed local work (cp_simulate.py)
+    link: str = ""  # the link model of a simulated point (shard_strategies.simulate.LinkModel)
 
     @property
     def is_cp(self) -> bool:
@@ -98,6 +100,8 @@ class Point:
                 f"{self.cp}-{self.layout}-u{self.ulysses_size or 0}{placement}"
                 f"-n{self.num_devices}-{self.scaling}"
             )
+            if self.simulated:
+                cp += f"-sim-{self.link}"
         compat = "c" if self.reference_compat else ""
         tuned = (f"tune-{self.kernel_config}",) if self.kernel_config else ()
         return "/".join(
@@ -121,7 +125,8 @@ class Point:
         """Short human-readable description for progress lines."""
         where, per_device = "", ""
         if self.is_cp:
-            where = f" {self.cp}/{self.layout} x{self.num_devices}"
+            sim = " simulated" if self.simulated else ""
+            where = f" {self.cp}/{self.layout} x{self.num_devices}{sim}"
             per_device = f" ({self.seqlen_per_device}/device)"
         return (
             f"{self.framework}/{self.impl}{self._tuned()}{where} {self.mask} "

@@ -1,6 +1,7 @@
 """Named sweep presets: smoke (tiny, CPU or GPU sizes), paper (the published sweeps), full,
-cp_bench (the CP GPU sweep), tune_pallas (launch configs of the Pallas Triton kernel) and cross
-(the JAX-vs-PyTorch kernel grid).
+cp_bench (the CP GPU sweep), tune_pallas (launch configs of the Pallas Triton kernel), cross
+(the JAX-vs-PyTorch kernel grid) and cp_predict (CP at 8-64 GPUs predicted from one:
+experiments/runners/cp_simulate.py).
 
 paper = the published kernel and CP benchmark sweeps with the reference's masks (reference_compat;
 docs/masks.md, docs/context_parallel.md); full = the same grids with the corrected masks, plus
@@ -21,7 +22,7 @@ from attn_masks import MASK_NAMES
 from experiments.core import tuning
 from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, Grid
 
-PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas", "cross")
+PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas", "cross", "cp_predict")
 K = 1024
 
 # MASK_NAMES is in docs/masks.md order: the 12 masks of the kernel benchmark, then the two
@@ -33,6 +34,8 @@ PAPER_KERNEL_SEQLENS = tuple(n * K for n in (1, 2, 4, 8, 16, 24, 32, 40, 48))
 CP_BENCH_MASKS = ("full", "causal", "causal_document", "share_question")
 CP_BENCH_IMPLS = ("pallas", "flex")  # each framework keeps the one it has
 TUNE_MASKS = ("full", "causal", "causal_document")
+CP_PREDICT_MASKS = ("full", "causal", "causal_document", "full_document", "share_question")
+CP_PREDICT_DEVICES = (8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Preset:
     cp: tuple[Grid, ...]
     default_cp: bool
     baseline: tuple[Grid, ...] = ()
+    simulate_devices: tuple[int, ...] = ()  # CP grids predicted for these sizes (cp_simulate)
 
 
 def _single_device(name: str, **axes) -> Grid:
@@ -170,9 +174,47 @@ def _cross(on_gpu: bool) -> Preset:
     return Preset("cross", (kernel,), (), default_cp=False)
 
 
+def _cp_predict(on_gpu: bool) -> Preset:
+    """Every strategy x layout predicted at 8-64 GPUs from one GPU (CPU: 2-8 tiny devices)."""
+    if on_gpu:
+        sizes = dict(
+            masks=CP_PREDICT_MASKS,
+            seqlens=(8 * K, 32 * K),
+            heads=((64, 8),),
+            head_dim=128,
+            dtype="bf16",
+            modes=("fwd", "fwd_bwd"),
+            warmup=0,  # every distinct call runs once untimed before its timing
+            iters=2,
+        )
+        devices = CP_PREDICT_DEVICES
+    else:
+        sizes = dict(
+            masks=("causal", "causal_document"),
+            seqlens=(32,),
+            heads=((8, 2),),
+            head_dim=16,
+            dtype="fp32",
+            modes=("fwd",),
+            warmup=0,
+            iters=2,
+            window=16,
+        )
+        devices = (2, 4, 8)
+    cp = Grid(
+        name="cp_predict",
+        cps=CP_STRATEGIES,
+        layouts=LAYOUTS,
+        impls=(DEFAULT_IMPL,),
+        scaling="weak",
+        **sizes,
+    )
+    return Preset("cp_predict", (), (cp,), default_cp=True, simulate_devices=devices)
+
+
 def get_preset(name: str, *, on_gpu: bool) -> Preset:
-    """The grids of a named preset; smoke and cross pick CPU or GPU sizes, the others are
-    fixed."""
+    """The grids of a named preset; smoke, cross and cp_predict pick CPU or GPU sizes, the
+    others are fixed."""
     if name == "smoke":
         return _smoke(on_gpu)
     if name == "cross":
@@ -181,6 +223,8 @@ def get_preset(name: str, *, on_gpu: bool) -> Preset:
         return _cp_bench()
     if name == "tune_pallas":
         return _tune_pallas()
+    if name == "cp_predict":
+        return _cp_predict(on_gpu)
     if name == "paper":
         return Preset("paper", (_paper_kernel(True),), (_paper_cp(True),), default_cp=True)
     if name == "full":

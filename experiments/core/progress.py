@@ -19,7 +19,8 @@ def outcome_text(record: dict) -> str:
     status = record["status"]
     if status == "ok":
         m = record["metrics"]
-        return f"ok {m['tflops']['median']:.4g} TFLOP/s ({m['time_ms']['median']:.4g} ms)"
+        sim = " predicted" if record.get("simulated") else ""
+        return f"ok{sim} {m['tflops']['median']:.4g} TFLOP/s ({m['time_ms']['median']:.4g} ms)"
     reason = (record.get("reason") or "").splitlines()[0][:160] if record.get("reason") else ""
     return f"{status}: {reason}" if reason else status
 

@@ -30,6 +30,7 @@ def make_record(
         "key": point.key,
         "status": status,
         "reason": reason,
+        "simulated": point.simulated,
         "point": point.as_dict(),
         "metrics": result.get("metrics"),
         "check": result.get("check") or details.get("check"),

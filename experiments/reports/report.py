@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.reports import plots, report_cp, tuning_table
+from experiments.reports import plots, report_cp, report_sim, tuning_table
 from experiments.reports.report_parts import (
     POINT_FIELDS,
     ResultsPaths,
@@ -92,12 +92,14 @@ def load_rows(results: ResultsPaths) -> tuple[list[dict], list[dict]]:
 def _kind(row: dict) -> str:
     if row.get("kernel_config"):
         return "tune"
-    return "kernel" if row["cp"] in (None, "none") else "cp"
+    if row["cp"] in (None, "none"):
+        return "kernel"
+    return "cp_sim" if row.get("simulated") else "cp"
 
 
 def _config(row: dict) -> str:
     cfg = f"b{row['batch']} h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
-    if _kind(row) == "cp":
+    if _kind(row) in ("cp", "cp_sim"):
         cfg += f" x{row['num_devices']} {row['scaling']}"
     if row["reference_compat"]:
         cfg += " ref-compat"
@@ -262,6 +264,7 @@ def write_markdown(
     notes: list[str],
     shared: list[dict] | None = None,
     cp_report: Path | None = None,
+    predicted: list[str] | None = None,
 ) -> Path:
     """report.md: provenance, status counts, TFLOP/s tables, cross-framework table, figures."""
     lines = ["# Attention benchmark report", ""]
@@ -330,6 +333,7 @@ def write_markdown(
             f"({cp_report.relative_to(out_dir)}).",
             "",
         ]
+    lines += predicted or []
     lines += failed_points(rows, "reason")
     if plot_paths:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in plot_paths]
@@ -344,8 +348,11 @@ def write_markdown(
     return path
 
 
-def write_report(results: ResultsPaths, out_dir: str | Path) -> dict[str, Path]:
-    """Write every report artefact into out_dir; returns their paths by kind."""
+def write_report(
+    results: ResultsPaths, out_dir: str | Path, compare_with: ResultsPaths = ()
+) -> dict[str, Path]:
+    """Write every report artefact into out_dir; returns their paths by kind. compare_with:
+    results files of measured CP points to set beside the simulated ones."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, records = load_rows(results)
@@ -363,8 +370,16 @@ def write_report(results: ResultsPaths, out_dir: str | Path) -> dict[str, Path]:
     if any(report_cp.is_cp(r) for r in records):
         paths = [str(p) for p in results_paths(results)]
         cp = report_cp.write_cp_report(records, paths, out_dir)["markdown"]
-    md = write_markdown(rows, records, out_dir, plot_paths, mask_paths, cross, notes, shared, cp)
+    sim = {"lines": [], "plots": [], "comparison": []}
+    if any(report_cp.is_simulated(r) for r in records):
+        measured = [str(p) for p in results_paths(compare_with)] if compare_with else []
+        sim = report_sim.write_sim_report(records, out_dir, measured)
+    plot_paths = plot_paths + sim["plots"]
+    md = write_markdown(
+        rows, records, out_dir, plot_paths, mask_paths, cross, notes, shared, cp, sim["lines"]
+    )
     return {
+        "comparison": sim["comparison"],
         "csv": csv_path,
         "markdown": md,
         "plots": plot_paths,

@@ -99,15 +99,20 @@ BASELINE_FIELDS = tuple(f for f in POINT_FIELDS if f not in PLACEMENT_FIELDS)
 
 
 def is_cp(rec: dict) -> bool:
-    """Whether a driver record is of a CP point."""
-    return rec["point"].get("cp", "none") != "none"
+    """Whether a driver record is of a measured CP point (simulated ones: report_sim.py)."""
+    return rec["point"].get("cp", "none") != "none" and not is_simulated(rec)
+
+
+def is_simulated(rec: dict) -> bool:
+    """Whether a driver record is of a CP point predicted on one device (--simulate_devices)."""
+    return bool(rec["point"].get("simulated"))
 
 
 def _baseline_key(point: dict, seqlen: int) -> tuple:
     return (*(point.get(f) for f in BASELINE_FIELDS), seqlen)
 
 
-def _comm_bytes(comm: dict | None, mode: str | None) -> float | None:
+def comm_bytes(comm: dict | None, mode: str | None) -> float | None:
     """Plan bytes moved per rank for the mode: forward, backward, or both."""
     if not comm:
         return None
@@ -171,7 +176,7 @@ def flat_row(rec: dict, baseline: dict | None) -> dict:
         "peak_gib": metrics.get("peak_mem_gib"),
         "peak_gib_mean": _mean([m.get("peak_mem_gib_mean") for m in masks]),
         "mem_source": metrics.get("mem_source"),
-        "comm_bytes": _mean([_comm_bytes(c, p["mode"]) for c in comms]),
+        "comm_bytes": _mean([comm_bytes(c, p["mode"]) for c in comms]),
         "comm_fwd_bytes": _mean([(c or {}).get("fwd_bytes") for c in comms]),
         "comm_bwd_bytes": _mean([(c or {}).get("bwd_bytes") for c in comms]),
         "err_out": check.get("out"),
@@ -190,7 +195,7 @@ def cp_rows(records: list[dict]) -> list[dict]:
     baselines = {
         _baseline_key(r["point"], point_seqlens(r["point"])[0]): r
         for r in records
-        if not is_cp(r) and not r["point"].get("kernel_config")
+        if not is_cp(r) and not is_simulated(r) and not r["point"].get("kernel_config")
     }
     return [
         flat_row(r, baselines.get(_baseline_key(r["point"], point_seqlens(r["point"])[1])))
@@ -209,7 +214,7 @@ def series(row: dict) -> str:
     return f"{row['strategy']}/{row['layout']}"
 
 
-def _series_order(name: str) -> tuple:
+def series_order(name: str) -> tuple:
     strategy, layout = name.split("/")
     rank = lambda x, xs: (xs.index(x), x) if x in xs else (len(xs), x)  # noqa: E731
     return rank(strategy, STRATEGIES), rank(layout, LAYOUTS)
@@ -261,7 +266,7 @@ def strategy_tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[st
         groups[_table_group(r)].append(r)
     tables = []
     for (fw, n, mode, shp, impl), members in sorted(groups.items(), key=_group_order):
-        cols = sorted({series(r) for r in members}, key=_series_order)
+        cols = sorted({series(r) for r in members}, key=series_order)
         cells: dict[tuple, dict[str, str]] = defaultdict(dict)
         for r in members:
             cells[(r["mask"], r["tokens_per_gpu"])][series(r)] = cell(r)
@@ -448,7 +453,7 @@ def line_plot(
     rows: dicts with series, x, status and y (a number only for ok points; an ok row with y None
     shows as 'no_single'). reference: dashed black lines by name; hline: a dashed level.
     """
-    names = sorted({r["series"] for r in rows}, key=_series_order)
+    names = sorted({r["series"] for r in rows}, key=series_order)
     ys = [r["y"] for r in rows if r["y"] is not None]
     ys += [y for pts in (reference or {}).values() for _, y in pts]
     top = max([*ys, hline or 0.0] or [1.0]) or 1.0
@@ -552,15 +557,6 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     for (fw, mode, shp, impl, mask, tokens), members in sorted(groups.items(), key=_group_order):
         if len({r["num_gpus"] for r in members}) < 2:
             continue
-        pts = [
-            {
-                "series": series(r),
-                "x": r["num_gpus"],
-                "status": r["status"],
-                "y": r["tflops_per_gpu"] if r["status"] == "ok" else None,
-            }
-            for r in members
-        ]
         single: dict[int, list[float]] = defaultdict(list)
         for r in members:
             if r["single_gpu_tflops"]:
@@ -568,18 +564,47 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ref = sorted((n, sorted(v)[len(v) // 2]) for n, v in single.items())
         name = f"scaling_{fw}_{mode}_{mask}_{tokens}_{shp}_{impl}"
         paths.append(
-            line_plot(
-                pts,
+            tflops_vs_gpus(
+                members,
                 out_dir / "plots" / f"{slug(name)}.png",
                 title=f"{fw} attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} tokens/GPU\n"
                 f"{shp}, impl {impl}",
                 xlabel="GPUs",
                 ylabel="per-GPU TFLOP/s (median)",
                 reference={"single GPU, per-GPU problem": ref} if ref else None,
-                xtick_label=lambda x: str(int(x)),
             )
         )
     return paths
+
+
+def tflops_vs_gpus(
+    rows: list[dict],
+    path: Path,
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    reference: dict[str, list[tuple[float, float]]] | None,
+) -> Path:
+    """Per-GPU TFLOP/s vs GPUs, a line per strategy/layout; points without a number labelled."""
+    pts = [
+        {
+            "series": series(r),
+            "x": r["num_gpus"],
+            "status": r["status"],
+            "y": r["tflops_per_gpu"] if r["status"] == "ok" else None,
+        }
+        for r in rows
+    ]
+    return line_plot(
+        pts,
+        path,
+        title=title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        reference=reference,
+        xtick_label=lambda x: str(int(x)),
+    )
 
 
 def write_cp_report(records: list[dict], paths: Sequence[str], out_dir: Path) -> dict[str, object]:

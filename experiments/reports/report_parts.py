@@ -36,6 +36,8 @@ POINT_FIELDS = (
     "reference_compat",
     "grid",
     "kernel_config",
+    "simulated",
+    "link",
 )
 # The point fields that place a run over devices (the rest describe the attention call).
 PLACEMENT_FIELDS = (
@@ -48,6 +50,8 @@ PLACEMENT_FIELDS = (
     "scaling",
     "grid",
     "kernel_config",
+    "simulated",
+    "link",
 )
 
 

@@ -47,10 +47,17 @@ def plan_check(mask, batch: int, heads_q: int, seed: int) -> CheckPlan:
     sq, sk = mask.seqlen_q, mask.seqlen_k
     if batch * heads_q * sq * sk <= FULL_CHECK_ELEMENTS:
         return CheckPlan()
-    n = int(np.clip(ROW_CHECK_BUDGET // max(sk, 1), MIN_ROWS, MAX_ROWS))
+    return sample_rows(mask, np.arange(sq), seed)
+
+
+def sample_rows(mask, candidates: np.ndarray, seed: int) -> CheckPlan:
+    """A row plan over some of `candidates` (query rows; the first and last always) and the keys
+    those rows see."""
+    n = int(np.clip(ROW_CHECK_BUDGET // max(mask.seqlen_k, 1), MIN_ROWS, MAX_ROWS))
     rng = np.random.default_rng(seed + 7919)
-    picked = rng.choice(sq, size=min(n, sq), replace=False)
-    rows = np.unique(np.concatenate([[0, sq - 1], picked])).astype(np.int64)
+    picked = rng.choice(candidates, size=min(n, candidates.size), replace=False)
+    ends = [candidates.min(), candidates.max()]
+    rows = np.unique(np.concatenate([ends, picked])).astype(np.int64)
     cols = np.flatnonzero(_visible(mask, rows).any(axis=0))
     return CheckPlan(rows, cols)
 

@@ -25,12 +25,15 @@ def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float
 
 
 INPUT_CACHE_SIZE = 4
+INPUT_CACHE_BYTES = 32 << 30
 
 
 class JaxRunner:
     """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
 
-    def __init__(self, *, rtol_override: float | None = None) -> None:
+    def __init__(
+        self, *, rtol_override: float | None = None, sim_baseline_max_seqlen: int | None = None
+    ) -> None:
         import jax
 
         self.jax = jax
@@ -40,6 +43,8 @@ class JaxRunner:
         self.rtol_override = rtol_override
         self._meshes: dict = {}
         self._input_cache: dict = {}
+        self._sim_baseline_max_seqlen = sim_baseline_max_seqlen
+        self._simulator = None
 
     def mesh(self, point: Point):
         """A 1-D 'cp' mesh over the point's first num_devices devices."""
@@ -59,7 +64,7 @@ class JaxRunner:
         spec = PartitionSpec(None, "cp") if shape[1] % mesh.size == 0 else PartitionSpec()
         return NamedSharding(mesh, spec)
 
-    def _inputs(self, point: Point, index: int, mesh) -> dict:
+    def inputs(self, point: Point, index: int, mesh) -> dict:
         """q, k, v, dout in the point's dtype; each process builds only the shards it holds."""
         import jax
 
@@ -70,6 +75,7 @@ class JaxRunner:
         key = (tuple(sizes.items()), str(dtype), point.seed, index, id(mesh))
         if key in self._input_cache:
             return self._input_cache[key]
+        self._make_room(sum(int(np.prod(s)) for s in sizes.values()) * dtype.itemsize)
         out = {}
         for name, shape in sizes.items():
 
@@ -78,10 +84,20 @@ class JaxRunner:
                 return x[idx[0], :, idx[2], idx[3]].astype(dtype)
 
             out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
-        if len(self._input_cache) >= INPUT_CACHE_SIZE:  # host generation dominates large points
-            self._input_cache.pop(next(iter(self._input_cache)))
         self._input_cache[key] = out
         return out
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the oldest cached inputs (host generation dominates large points, but device
+        memory bounds what is kept): at most INPUT_CACHE_SIZE entries and INPUT_CACHE_BYTES."""
+
+        def held() -> int:
+            return sum(x.nbytes for e in self._input_cache.values() for x in e.values())
+
+        while self._input_cache and (
+            len(self._input_cache) >= INPUT_CACHE_SIZE or held() + nbytes > INPUT_CACHE_BYTES
+        ):
+            self._input_cache.pop(next(iter(self._input_cache)))
 
     def _fetch(self, x, index: np.ndarray | None) -> np.ndarray:
         """Float32 host copy of x, only the given positions along the sequence axis."""
@@ -125,7 +141,7 @@ class JaxRunner:
         """Build, check, then time one mask of a point."""
         devices = list(mesh.devices.flat) if mesh is not None else [self.device]
         local = [d for d in devices if d.process_index == self.jax.process_index()]
-        args = self._inputs(point, index, mesh)
+        args = self.inputs(point, index, mesh)
         plan = frameworks.cp_plan_info(point, mask) if point.is_cp else None
         peak_before = timing.jax_peak_bytes(local)
         attn = frameworks.attention_fn("jax", point, mask, mesh=mesh, axis="cp")
@@ -151,6 +167,13 @@ class JaxRunner:
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
+        if point.simulated:
+            if self._simulator is None:
+                from experiments.runners.cp_simulate import CPSimulator
+
+                cap = self._sim_baseline_max_seqlen
+                self._simulator = CPSimulator(self, baseline_max_seqlen=cap)
+            return self._simulator.run(point)
         masks = frameworks.make_masks(point)
         if not point.is_cp:
             frameworks.require_support("jax", point.impl, masks, point)

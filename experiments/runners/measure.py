@@ -27,10 +27,24 @@ def mask_result(
     extra: dict | None = None,
 ) -> dict:
     """Metrics of one mask of a point."""
+    t = timing.time_stats(times_ms)
+    return mask_metrics(point, mask, index, t, peak_gib, mem_source, check, extra)
+
+
+def mask_metrics(
+    point: Point,
+    mask,
+    index: int,
+    t: dict[str, float],
+    peak_gib: float | None,
+    mem_source: str | None,
+    check: dict,
+    extra: dict | None = None,
+) -> dict:
+    """Metrics of one mask from its time statistics (timing.time_stats keys)."""
     from attn_masks import attention_flops
 
     flops = attention_flops(mask, point.heads_q, point.head_dim, point.mode, point.batch)
-    t = timing.time_stats(times_ms)
     return {
         "index": index,
         "seed": point.seed,

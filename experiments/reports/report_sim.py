@@ -1,0 +1,260 @@
+"""The predicted-CP section of the report (--simulate_devices records): per-GPU TFLOP/s and
+efficiency against the whole mask on one device, the best strategy/layout per mask and device
+count, where the time goes, per-GPU TFLOP/s vs devices plots, and predicted vs measured.
+
+    python experiments/report.py --results=sim/results.jsonl --compare_with=gpus/results.jsonl
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from experiments.reports import plots, report_cp
+from experiments.reports.report_parts import (
+    POINT_FIELDS,
+    md_table,
+    point_seqlens,
+    read_results,
+    slug,
+    write_csv,
+)
+
+COLUMNS = (
+    "key",
+    "framework",
+    "num_gpus",
+    "impl",
+    "kernel",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "mask",
+    "tokens_per_gpu",
+    "strategy",
+    "layout",
+    "mode",
+    "link",
+    "status",
+    "time_ms",
+    "tflops_per_gpu",
+    "tflops_per_gpu_strategy",
+    "single_gpu_tflops",
+    "single_gpu_status",
+    "efficiency_pct",
+    "compute_ms",
+    "exposed_comm_ms",
+    "dispatch_ms",
+    "load_imbalance",
+    "comm_bytes",
+    "distinct_calls",
+    "calls",
+    "check_kind",
+    "err_out",
+    "error",
+)
+# What a simulated and a measured CP point share to be compared: the point's fields but those
+# naming the simulation and the sweep, plus the Ulysses placement.
+MATCH_FIELDS = (
+    *(f for f in POINT_FIELDS if f not in ("simulated", "link", "grid")),
+    "ulysses_intra_node",
+)
+TOLERANCE_PCT = 10.0
+
+
+def _simulation(rec: dict) -> dict:
+    masks = rec.get("masks") or []
+    return (masks[0].get("simulation") if masks else None) or {}
+
+
+def flat_row(rec: dict) -> dict:
+    """One CSV row of a simulated record (numbers of the first mask where per mask)."""
+    p = rec["point"]
+    s = _simulation(rec)
+    m = rec.get("metrics") or {}
+    times = s.get("time_ms") or {}
+    single = s.get("single_device") or {}
+    check = rec.get("check") or {}
+    masks = rec.get("masks") or [{}]
+    row = {
+        "key": rec["key"],
+        "framework": p["framework"],
+        "num_gpus": p["num_devices"],
+        "impl": p["impl"],
+        "kernel": s.get("impl"),
+        "heads_q": p["heads_q"],
+        "heads_kv": p["heads_kv"],
+        "head_dim": p["head_dim"],
+        "dtype": p["dtype"],
+        "mask": p["mask"],
+        "tokens_per_gpu": point_seqlens(p)[1],
+        "strategy": p["cp"],
+        "layout": p["layout"],
+        "mode": p["mode"],
+        "link": p.get("link"),
+        "status": rec["status"],
+        "time_ms": (m.get("time_ms") or {}).get("median"),
+        "tflops_per_gpu": (m.get("tflops") or {}).get("median"),
+        "tflops_per_gpu_strategy": s.get("tflops_per_gpu_strategy"),
+        "single_gpu_tflops": single.get("tflops"),
+        "single_gpu_status": single.get("status"),
+        "efficiency_pct": m.get("efficiency_pct"),
+        "compute_ms": times.get("slowest_compute"),
+        "exposed_comm_ms": times.get("exposed_comm"),
+        "dispatch_ms": times.get("dispatch"),
+        "load_imbalance": m.get("load_imbalance"),
+        "comm_bytes": report_cp.comm_bytes(masks[0].get("comm"), p["mode"]),
+        "distinct_calls": (s.get("calls") or {}).get("distinct"),
+        "calls": (s.get("calls") or {}).get("total"),
+        "check_kind": check.get("kind"),
+        "err_out": (check.get("max_errors") or {}).get("out"),
+        "error": rec.get("reason"),
+    }
+    return {c: row.get(c) for c in COLUMNS}
+
+
+def _group(row: dict) -> tuple:
+    shape = report_cp.shape(row)
+    return row["mode"], shape, row["impl"], row["tokens_per_gpu"], row["link"]
+
+
+def _cell(row: dict) -> str:
+    if row["status"] != "ok":
+        return report_cp.label(row)
+    eff = row["efficiency_pct"]
+    return f"{row['tflops_per_gpu']:.3g} ({f'{eff:.0f}%' if eff is not None else 'eff. n/a'})"
+
+
+def tables(rows: list[dict]) -> list[str]:
+    """Markdown: per (mode, shape, impl, tokens/GPU, link) a table of masks x GPUs by
+    strategy/layout, and the best strategy/layout of each (mask, GPUs)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[_group(r)].append(r)
+    lines: list[str] = []
+    for (mode, shape, impl, tokens, link), members in sorted(groups.items()):
+        cols = sorted({report_cp.series(r) for r in members}, key=report_cp.series_order)
+        cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+        best: dict[tuple, dict] = {}
+        for r in members:
+            at = (r["mask"], r["num_gpus"])
+            cells[at][report_cp.series(r)] = _cell(r)
+            if r["status"] == "ok" and (
+                at not in best or r["tflops_per_gpu"] > best[at]["tflops_per_gpu"]
+            ):
+                best[at] = r
+        title = f"{mode}, {shape}, impl {impl}, {plots.seqlen_label(tokens)} tokens/GPU"
+        lines += [f"### Predicted: {title}", "", f"Link model {link}.", ""]
+        body = [[m, n, *(c.get(s, "") for s in cols)] for (m, n), c in sorted(cells.items())]
+        lines += md_table(["mask", "GPUs", *cols], body) + [""]
+        body = [
+            [
+                m,
+                n,
+                report_cp.series(b),
+                f"{b['tflops_per_gpu']:.3g}",
+                f"{b['compute_ms']:.3g} / {b['exposed_comm_ms']:.3g} / {b['dispatch_ms']:.3g}",
+                f"{b['load_imbalance']:.2f}",
+            ]
+            for (m, n), b in sorted(best.items())
+        ]
+        header = ["mask", "GPUs", "best", "TFLOP/s/GPU", "compute / exposed comm / dispatch ms"]
+        lines += md_table([*header, "imbalance"], body) + [""]
+    return lines
+
+
+def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per (mode, shape, impl, tokens/GPU, link, mask): predicted per-GPU TFLOP/s vs GPUs, one
+    line per strategy/layout, the whole mask on one GPU dashed; points without a number are
+    labelled markers."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(*_group(r), r["mask"])].append(r)
+    paths = []
+    for (mode, shape, impl, tokens, link, mask), members in sorted(groups.items()):
+        single = {(r["num_gpus"], r["single_gpu_tflops"]) for r in members}
+        ref = sorted((n, t) for n, t in single if t)
+        name = f"predicted_{mode}_{mask}_{tokens}_{shape}_{impl}_{link}"
+        paths.append(
+            report_cp.tflops_vs_gpus(
+                members,
+                out_dir / "plots" / f"{slug(name)}.png",
+                title=f"predicted attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} "
+                f"tokens/GPU\n{shape}, impl {impl}",
+                xlabel="GPUs (simulated)",
+                ylabel="predicted per-GPU TFLOP/s",
+                reference={"one GPU, whole mask": ref} if ref else None,
+            )
+        )
+    return paths
+
+
+def _match_key(point: dict) -> tuple:
+    return tuple(point.get(f) for f in MATCH_FIELDS)
+
+
+def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
+    """Predicted vs measured time per simulated point that has a measured CP record of the
+    same configuration (every point field but the simulation's and the sweep's)."""
+    real = {
+        _match_key(r["point"]): r for r in measured if report_cp.is_cp(r) and r["status"] == "ok"
+    }
+    out = []
+    for rec in simulated:
+        hit = real.get(_match_key(rec["point"]))
+        if hit is None or rec["status"] != "ok":
+            continue
+        p = rec["point"]
+        predicted = rec["metrics"]["time_ms"]["median"]
+        got = hit["metrics"]["time_ms"]["median"]
+        err = 100.0 * (predicted / got - 1.0)
+        out.append(
+            {
+                "GPUs": p["num_devices"],
+                "mask": p["mask"],
+                "tokens/GPU": point_seqlens(p)[1],
+                "strategy/layout": f"{p['cp']}/{p['layout']}",
+                "mode": p["mode"],
+                "predicted ms": f"{predicted:.4g}",
+                "measured ms": f"{got:.4g}",
+                "error": f"{err:+.1f}%",
+                f"within {TOLERANCE_PCT:.0f}%": "yes" if abs(err) <= TOLERANCE_PCT else "NO",
+            }
+        )
+    return out
+
+
+def write_sim_report(
+    records: list[dict], out_dir: Path, compare_with: Sequence[str] = ()
+) -> dict[str, object]:
+    """sim_results.csv, the plots and the markdown lines of the simulated records (and of the
+    comparison with measured results files)."""
+    sims = [r for r in records if report_cp.is_simulated(r)]
+    rows = [flat_row(r) for r in sims]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = write_csv(rows, out_dir / "sim_results.csv", COLUMNS)
+    figs = scaling_plots(rows, out_dir)
+    lines = [
+        "## Predicted context parallelism",
+        "",
+        "Simulated points (--simulate_devices): every rank's local work of every step run and "
+        "timed on one device, communication from the plan's bytes and a link model, ranks in "
+        "lock step (docs/context_parallel.md). Cells: predicted per-GPU TFLOP/s of the whole "
+        "call (with the executor's dispatch of global arrays) and, in brackets, efficiency "
+        "against the whole mask on one device; unsup. = the strategy cannot run the point. "
+        "Best tables: the slowest rank's compute, the communication it does not hide, and the "
+        "dispatch, summed over steps.",
+        "",
+        *tables(rows),
+    ]
+    comparison = compare(sims, read_results(list(compare_with))) if compare_with else []
+    if compare_with:
+        lines += ["### Predicted vs measured", "", f"Measured: {', '.join(compare_with)}.", ""]
+        if comparison:
+            lines += md_table(list(comparison[0]), [list(c.values()) for c in comparison])
+        else:
+            lines += ["No measured CP point matches a simulated one."]
+        lines += [""]
+    return {"lines": lines, "csv": csv_path, "plots": figs, "comparison": comparison}
