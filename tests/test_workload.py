@@ -154,7 +154,7 @@ def test_kernel_loss_curves_agree_and_a_wrong_dq_departs(monkeypatch):
     assert pallas.record["status"] == "ok", pallas.record["reason"]
     assert pallas.record["check"]["steps"] == KERNEL_TINY.steps
     _roll_dq(monkeypatch)
-    broken = run(KERNEL_TINY, baseline=base)
+    broken = run(dataclasses.replace(KERNEL_TINY, steps=6), baseline=base)
     assert broken.record["status"] == "wrong"
     assert broken.record["check"]["first_departure"] <= 5, broken.record["check"]
 
