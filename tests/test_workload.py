@@ -19,7 +19,8 @@ from flax import nnx
 import shard_strategies as ss
 from attn_masks import make_mask
 from experiments.core.results import read_records
-from experiments.workloads import curves, data, lm, parity, train_step
+from experiments.runners import checks
+from experiments.workloads import data, lm, parity, train_step
 from experiments.workloads import flags as flags_module
 from experiments.workloads.config import TrainConfig
 from experiments.workloads.nnx_attention import Attention, AttentionBackend
@@ -33,6 +34,7 @@ MODEL = lm.LMConfig(vocab=VOCAB, width=64, depth=2, heads_q=4, heads_kv=2)
 DATA = data.DataConfig(seqlen=SEQLEN, batch=BATCH, vocab=VOCAB, seed=0, alphabet=2, doc_multiple=16)
 TINY = TrainConfig(model=MODEL, data=DATA, optim=OptimConfig(learning_rate=3e-3), steps=40)
 QUIET = io.StringIO()
+FP32_CPU_RTOL = checks.tolerance("fp32", on_gpu=False)  # the loss-curve tolerance here
 
 
 class Interrupted(Exception):
@@ -94,7 +96,7 @@ CP_TINY = dataclasses.replace(TINY, model=CP_MODEL, steps=3)
 @pytest.fixture(scope="module")
 def cp_baseline() -> train_step.Baseline:
     """The single-device curve every CP strategy must follow (fp32 CPU tolerance)."""
-    return train_step.Baseline("one device", run(CP_TINY).losses, curves.rtol("fp32", False))
+    return train_step.Baseline("one device", run(CP_TINY).losses, FP32_CPU_RTOL)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +151,7 @@ def _roll_dq(monkeypatch) -> None:
 
 def test_kernel_loss_curves_agree_and_a_wrong_dq_departs(monkeypatch):
     reference = run(KERNEL_TINY).losses
-    base = train_step.Baseline("reference", reference, curves.rtol("fp32", False))
+    base = train_step.Baseline("reference", reference, FP32_CPU_RTOL)
     pallas = run(dataclasses.replace(KERNEL_TINY, impl="pallas"), baseline=base)
     assert pallas.record["status"] == "ok", pallas.record["reason"]
     assert pallas.record["check"]["steps"] == KERNEL_TINY.steps
@@ -164,7 +166,7 @@ def test_compile_time_mask_impl_follows_reference_on_a_fixed_layout():
     layouts = {data.batch_at(fixed.data, s).seqlens for s in range(fixed.steps)}
     assert len(layouts) == 1 and len({data.batch_at(DATA, s).seqlens for s in range(10)}) > 1
     reference = run(fixed).losses
-    base = train_step.Baseline("reference", reference, curves.rtol("fp32", False))
+    base = train_step.Baseline("reference", reference, FP32_CPU_RTOL)
     xla = run(dataclasses.replace(fixed, impl="xla"), baseline=base)
     assert xla.record["status"] == "ok", xla.record["reason"]
     with pytest.raises(Exception, match="lm_fixed_layout"):

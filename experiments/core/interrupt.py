@@ -36,19 +36,16 @@ def stop_between_points(budget_s: float = 0.0) -> Iterator[None]:
     the end of `budget_s` seconds (0: no budget)."""
     if budget_s:
         _deadline[:] = [time.monotonic() + budget_s]
-    if threading.current_thread() is not threading.main_thread():
-        try:
-            yield
-        finally:
-            _deadline.clear()
-        return
-    _requested.clear()
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+    on_main = threading.current_thread() is threading.main_thread()  # signals: main thread only
+    if on_main:
+        _requested.clear()
+        previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        _requested.clear()
+        if on_main:
+            signal.signal(signal.SIGINT, previous)
+            _requested.clear()
         _deadline.clear()
 
 

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.runners.checks import RTOL, RTOL_FP32_GPU
-
 MOVING_AVERAGE = 20
 BASELINE_IMPLS = ("xla", "reference")  # exact softmax, no tiling: the curve others must follow
 
@@ -27,11 +25,6 @@ def baseline_impl(impls: list[str]) -> str:
         if name in impls:
             return name
     return impls[0]
-
-
-def rtol(dtype: str, on_gpu: bool) -> float:
-    """Relative loss tolerance of a training run in `dtype` (bf16, fp16, fp32)."""
-    return RTOL_FP32_GPU if dtype == "fp32" and on_gpu else RTOL[dtype]
 
 
 def compare(

@@ -29,7 +29,7 @@ from experiments.core import provenance
 from experiments.core.outcomes import OK, WRONG, classify, short_traceback
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
-from experiments.runners import timing
+from experiments.runners import checks, timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, curves, data, lm, masking, placement, records, train
@@ -284,7 +284,7 @@ def run_from_flags(flag_values: Any) -> int:
     by_impl = {cfg.backend().resolved_impl: cfg for cfg in cfgs}
     first = curves.baseline_impl(list(by_impl)) if len(by_impl) > 1 else None
     order = sorted(by_impl, key=lambda impl: impl != first)
-    rtol = curves.rtol(SHORT_DTYPES[cfgs[0].model.dtype], on_gpu)
+    rtol = checks.tolerance(SHORT_DTYPES[cfgs[0].model.dtype], on_gpu=on_gpu)
     code, logged, baseline = 0, {}, None
     for impl in order:
         record = _run_recorded(by_impl[impl], prov, baseline)
