@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -608,6 +610,35 @@ def test_gpu_mosaic_causal_backward_is_unsupported():
     q, k, v = (jnp.asarray(x, jnp.float16) for x in (q, k, v))
     with pytest.raises(Unsupported, match="no backward"):
         jax.grad(lambda q: jax_attn.attention(q, k, v, mask, impl="mosaic_mha").sum())(q)
+
+
+@pytest.mark.parametrize("cache_dir", [None, "triton-cache"])
+def test_importing_jax_triton_leaves_the_triton_environment_as_it_was(
+    monkeypatch, tmp_path, cache_dir
+):
+    """jax-triton 0.3.x sets TRITON_CACHE_DIR to "" when imported, which breaks every later
+    Triton compilation in the process (torch's flex and triton too); our import undoes that."""
+    from jax_attn.adapters import triton as adapter
+
+    package = tmp_path / "jax_triton"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        'import os\nos.environ["TRITON_CACHE_DIR"] = ""\n__version__ = "0.3.1"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    if cache_dir is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / cache_dir))
+    try:
+        jt, _, why = adapter.modules()
+        assert why is None and jt is sys.modules["jax_triton"]
+        assert os.environ.get("TRITON_CACHE_DIR") == (
+            None if cache_dir is None else str(tmp_path / cache_dir)
+        )
+    finally:
+        sys.modules.pop("jax_triton", None)
 
 
 def test_triton_names_a_jax_triton_that_cannot_drive_the_installed_triton(monkeypatch):

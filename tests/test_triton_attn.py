@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import zlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +201,99 @@ def test_jax_supports_says_why_on_cpu():
         pytest.skip("a GPU backend is present")
     reason = jax_attn.supports("triton", causal(64, 64), head_dim=64)
     assert isinstance(reason, str) and ("jax-triton" in reason or "CUDA" in reason), reason
+
+
+def _launch_record(kernel, grid, args, num_warps, num_stages, meta) -> tuple:
+    """What decides the compiled kernel and its launch: name, grid, the runtime scalars (type
+    and value; arrays by dtype and shape), warps, stages and constexprs."""
+
+    def describe(x):
+        if hasattr(x, "shape") and not isinstance(x, np.generic):
+            return ("array", str(x.dtype).removeprefix("torch."), tuple(x.shape))
+        if isinstance(x, (float, np.floating)):  # both launchers pass floats to Triton as fp32
+            return ("fp32", float(np.float32(x)))
+        return ("int", int(x))
+
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    return name, tuple(grid), tuple(map(describe, args)), num_warps, num_stages, meta
+
+
+def _interpreted_triton_call(record, *args, kernel, out_shape, grid, num_warps, num_stages, **meta):
+    """jax_triton.triton_call's contract (arrays and scalars, then outputs, then constexprs),
+    run by Triton's interpreter on CPU: the JAX front end's launches through the same kernels."""
+    import jax
+
+    def host(x):
+        if isinstance(x, jax.Array):
+            return torch.from_numpy(np.array(x))
+        return x.item() if isinstance(x, np.generic) else x
+
+    outs = [torch.empty(o.shape, dtype=getattr(torch, np.dtype(o.dtype).name)) for o in out_shape]
+    record.append(_launch_record(kernel, grid, (*args, *outs), num_warps, num_stages, meta))
+    kernel[grid](*map(host, args), *outs, num_warps=num_warps, num_stages=num_stages, **meta)
+    return tuple(jax.numpy.asarray(o.numpy()) for o in outs)
+
+
+@pytest.mark.skipif(CUDA or not KERNELS_HERE, reason="the kernels run interpreted on CPU only")
+@pytest.mark.parametrize(
+    "dtype_name,head_dim,heads", [("float16", 64, (2, 2)), ("float32", 128, (4, 2))]
+)
+def test_both_front_ends_compute_the_same_bits(monkeypatch, dtype_name, head_dim, heads):
+    """The JAX front end (its launches run by the interpreter) and the torch front end give
+    bitwise-equal out, LSE and gradients at their default tiles: every value of the backward,
+    delta = rowsum(out * dout) - dlse included, comes from the shared kernels, none from a
+    framework's own reduction (which sums in another order)."""
+    jax = pytest.importorskip("jax")
+    import types
+
+    from jax_attn.adapters import triton as jax_front
+
+    mod, _ = torch_triton.kernels()
+    launches = {"jax": [], "torch": []}
+    fake = types.SimpleNamespace(triton_call=partial(_interpreted_triton_call, launches["jax"]))
+    monkeypatch.setattr(jax_front, "modules", lambda: (fake, mod, None))
+    torch_launch = torch_triton._launch
+
+    def recorded_torch_launch(kernel, call, arrays, outputs):
+        args = (*arrays, *call.scalars, *outputs)
+        record = _launch_record(kernel, call.grid, args, call.num_warps, call.num_stages, call.meta)
+        launches["torch"].append(record)
+        torch_launch(kernel, call, arrays, outputs)
+
+    monkeypatch.setattr(torch_triton, "_launch", recorded_torch_launch)
+    mask = make_mask("causal_document", 150, seed=4)
+    rng = np.random.default_rng(zlib.crc32(dtype_name.encode()))
+    (hq, hkv), s, d = heads, mask.seqlen_q, head_dim
+    shapes = {"q": (1, s, hq, d), "k": (1, s, hkv, d), "v": (1, s, hkv, d), "dout": (1, s, hq, d)}
+    x = {n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()}
+    dlse = rng.standard_normal((1, hq, s)).astype(np.float32)
+    dtype = getattr(torch, dtype_name)
+    scale = d**-0.5
+
+    t = {n: torch.tensor(a).to(dtype).requires_grad_(n != "dout") for n, a in x.items()}
+    out, lse = torch_triton.attention(t["q"], t["k"], t["v"], mask, scale=scale)
+    ((out.float() * t["dout"].float()).sum() + (lse * torch.tensor(dlse)).sum()).backward()
+    want = [out, lse, t["q"].grad, t["k"].grad, t["v"].grad]
+
+    j = {n: jax.numpy.asarray(a).astype(dtype_name) for n, a in x.items()}
+    (out_j, lse_j), pullback = jax.vjp(
+        lambda q, k, v: jax_front._run(q, k, v, mask, scale=scale, return_lse=True),
+        j["q"],
+        j["k"],
+        j["v"],
+    )
+    got = [out_j, lse_j, *pullback((j["dout"], jax.numpy.asarray(dlse)))]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        a, b = np.asarray(a.astype(np.float32)), b.detach().float().numpy()
+        differ = int((a != b).sum())
+        assert differ == 0, f"{name}: {differ} of {a.size} elements differ between front ends"
+    assert [r[0] for r in launches["jax"]] == [
+        "attn_fwd_kernel",
+        "attn_bwd_delta_kernel",
+        "attn_bwd_dkdv_kernel",
+        "attn_bwd_dq_kernel",
+    ]
+    assert launches["jax"] == launches["torch"]
 
 
 @pytest.mark.gpu

@@ -210,6 +210,33 @@ def test_jax_triton_launch_gets_the_same_memory_access_as_torch(which):
     assert any(".v4." in op for op in jax_style), jax_style
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", list(TRITON_DTYPE))
+def test_delta_kernel_compiles_with_wide_loads(dtype, head_dim):
+    """The backward's delta kernel compiles for sm_90 and, with 16-byte-aligned arrays and no
+    hints on its int scalars (jax-triton's launch), reads out and dout 16 bytes at a time."""
+    fn = kernels.attn_bwd_delta_kernel
+    call = launch.delta_call(launch.Shape(1, 4096, 4096, 8, 8, head_dim))
+    sig = {
+        name: "constexpr"
+        if name in call.meta
+        else {"out_ptr": "*" + TRITON_DTYPE[dtype], "do_ptr": "*" + TRITON_DTYPE[dtype]}.get(
+            name, "*fp32" if name.endswith("_ptr") else "i32"
+        )
+        for name in fn.arg_names
+    }
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")
+    }
+    constexprs = {(fn.arg_names.index(k),): v for k, v in call.meta.items()}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
+    compiled = triton.compile(src, target=HOPPER, options=options)
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= SMEM_LIMIT
+    loads = [op for op in MEMORY_OPS.findall(compiled.asm["ptx"]) if op.startswith("ld.global")]
+    assert any(".v4." in op for op in loads), loads
+
+
 def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> str:
     """One CSV row: kernel, head dim, dtype, config, registers, spill bytes, shared memory."""
     compiled = compile_kernel(which, head_dim, dtype, cfg)

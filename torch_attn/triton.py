@@ -1,10 +1,10 @@
 """Impl "triton": triton_attn's block-sparse flash kernels launched on torch tensors.
 
 The same @triton.jit kernels as jax_attn's impl "triton" (triton_attn.kernels), launched with
-`kernel[grid](...)`; the backward is a torch.autograd.Function running the dK/dV and dQ kernels
-from the saved LSE and delta = rowsum(out * dout) - dlse (so a returned LSE is differentiable
-too). The mask tables (tiles from triton_attn.launch) are built on the host once per
-(mask, device, configs). CUDA GPUs (compute capability >= 8.0); on CPU only when the kernels
+`kernel[grid](...)`; the backward is a torch.autograd.Function running the delta
+(rowsum(out * dout) - dlse), dK/dV and dQ kernels from the saved LSE (so a returned LSE is
+differentiable too). The mask tables (tiles from triton_attn.launch) are built on the host once
+per (mask, device, configs). CUDA GPUs (compute capability >= 8.0); on CPU only when the kernels
 were imported under TRITON_INTERPRET=1 (Triton's interpreter, for tests).
 """
 
@@ -118,19 +118,19 @@ def backward(
     dlse: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward's residuals: the dK/dV kernel, then the dQ kernel."""
+    """(dq, dk, dv) from the forward's residuals: the delta, dK/dV and dQ kernels."""
     mod, _ = kernels()
     shape = _shape(q, k)
     ieee = q.dtype == torch.float32
-    dout = dout.contiguous()
-    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    dout = dout.contiguous().to(q.dtype)
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
+    delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     host = tables["host"]
     common = (q, k, v, dout, lse, delta, tables["lo"], tables["hi"])
     with _device_guard(q.device):
+        rows = (out.contiguous(), dout, dlse)
+        _launch(mod.attn_bwd_delta_kernel, launch.delta_call(shape), rows, (delta,))
         call = launch.dkdv_call(shape, host, scale, ieee)
         _launch(mod.attn_bwd_dkdv_kernel, call, (*common, *tables["dkdv"]), (dk, dv))
         call = launch.dq_call(shape, host, scale, ieee)

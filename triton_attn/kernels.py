@@ -14,7 +14,9 @@ are always PARTIAL (launch.py clears their full flag), which masks keys beyond S
 
 Softmax runs in base 2 (exp2) in fp32; the stored LSE is natural log, -inf on rows that see no
 key (their output is 0). The backward takes delta = rowsum(out * dout) - dlse precomputed, so
-it needs only the LSE and delta of the forward (a ring can pass merged statistics).
+it needs only the LSE and delta of the forward (a ring can pass merged statistics). delta has its
+own kernel here, so both front ends sum each row in the same order: a framework's own reduction
+(XLA's or torch's) sums in another order, and the dK and dQ kernels then see other bits.
 
 The kernel signatures put arrays and runtime scalars first, then the outputs, then constexprs,
 which is the order jax_triton.triton_call passes them; the torch front end uses the same order.
@@ -312,6 +314,37 @@ def attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(
+    out_ptr,
+    do_ptr,
+    dlse_ptr,
+    seqlen_q,
+    heads_q,
+    delta_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One (q tile, batch x query head): delta = rowsum(out * dout) - dlse in fp32."""
+    q_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads_q).to(tl.int64)
+    h = bh % heads_q
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen_q
+    q_row = heads_q * HEAD_DIM
+    start = (b * seqlen_q + q_tile * BLOCK_M) * q_row + h * HEAD_DIM
+    off = tl.arange(0, BLOCK_M)[:, None] * q_row + dims[None, :]
+    tile_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    out = tl.load((out_ptr + start) + off, mask=tile_mask, other=0.0).to(tl.float32)
+    do = tl.load((do_ptr + start) + off, mask=tile_mask, other=0.0).to(tl.float32)
+    stat = (b * heads_q + h) * seqlen_q
+    dlse = tl.load((dlse_ptr + stat) + rows, mask=row_ok, other=0.0)
+    tl.store((delta_ptr + stat) + rows, tl.sum(out * do, 1) - dlse, mask=row_ok)
 
 
 def interpreted() -> bool:

@@ -221,3 +221,21 @@ def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
     cfg = tables.configs.dq
     grid = (cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q)
     return _call(shape, tables, cfg, tables.dq, grid, scale, ieee)
+
+
+DELTA_ROWS, DELTA_WARPS = 64, 4  # attn_bwd_delta_kernel streams out and dout once
+
+
+def delta_call(shape: Shape) -> Call:
+    """attn_bwd_delta_kernel: one program per (DELTA_ROWS query rows, batch x query head)."""
+    return Call(
+        grid=(cdiv(shape.seqlen_q, DELTA_ROWS), shape.batch * shape.heads_q),
+        scalars=(shape.seqlen_q, shape.heads_q),
+        meta={
+            "BLOCK_M": DELTA_ROWS,
+            "BLOCK_D": block_d(shape.head_dim),
+            "HEAD_DIM": shape.head_dim,
+        },
+        num_warps=DELTA_WARPS,
+        num_stages=1,
+    )

@@ -1,8 +1,8 @@
 """Impl "triton": triton_attn's block-sparse flash kernels launched from JAX by jax_triton.
 
 The same @triton.jit kernels as torch_attn's impl "triton" (triton_attn.kernels), called with
-`jax_triton.triton_call`; jax.custom_vjp runs the dK/dV and dQ kernels from the saved LSE and
-delta = rowsum(out * dout) - dlse, which is also the residual backward (attention_bwd). Mask
+`jax_triton.triton_call`; jax.custom_vjp runs the delta (rowsum(out * dout) - dlse), dK/dV and
+dQ kernels from the saved LSE, which is also the residual backward (attention_bwd). Mask
 tables (tiles from triton_attn.launch) are built on the host once per (mask, configs) and passed
 as arrays. CUDA GPUs only (jax_triton has no CPU path); import-guarded, so without jax-triton
 supports() says so.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import itertools
+import os
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -31,10 +32,29 @@ from .common import Adapter, Request, Unsupported, first_reason, needs_cuda, nee
 _LISTS = ("fwd", "dq", "dkdv")
 
 
+# Process-wide Triton settings that importing jax_triton overwrites (0.3.x sets
+# TRITON_CACHE_DIR to "" at import, which leaves every later Triton compilation in the process,
+# torch's included, without a cache directory); _import_jax_triton puts them back.
+_TRITON_ENV = ("TRITON_CACHE_DIR",)
+
+
+def _import_jax_triton() -> ModuleType:
+    """import jax_triton, leaving the process's Triton environment exactly as it was."""
+    before = {name: os.environ.get(name) for name in _TRITON_ENV}
+    try:
+        return importlib.import_module("jax_triton")
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def modules() -> tuple[ModuleType | None, ModuleType | None, str | None]:
     """(jax_triton, triton_attn.kernels, None), or (None, None, why they cannot be imported)."""
     try:
-        jt = importlib.import_module("jax_triton")
+        jt = _import_jax_triton()
     except ModuleNotFoundError as err:
         if err.name not in ("jax_triton", "triton"):
             return None, None, f"jax-triton cannot be imported ({err})"
@@ -187,9 +207,15 @@ def _backward(tables: _Tables, scale: float, q, k, v, arrays: dict, out, lse, do
     _, kernels, _ = modules()
     shape = _shape(q, k)
     ieee = q.dtype == jnp.float32
-    delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
-    delta = jnp.swapaxes(delta, 1, 2) - dlse.astype(jnp.float32)
-    common = (q, k, v, dout.astype(q.dtype), lse, delta, arrays["lo"], arrays["hi"])
+    dout = dout.astype(q.dtype)
+    stat_shape = jax.ShapeDtypeStruct(lse.shape, jnp.float32)
+    (delta,) = _call(
+        kernels.attn_bwd_delta_kernel,
+        launch.delta_call(shape),
+        (out.astype(q.dtype), dout, dlse.astype(jnp.float32)),
+        (stat_shape,),
+    )
+    common = (q, k, v, dout, lse, delta, arrays["lo"], arrays["hi"])
     kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
     call = launch.dkdv_call(shape, tables.host, scale, ieee)
     dk, dv = _call(

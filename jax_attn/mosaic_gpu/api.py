@@ -21,6 +21,14 @@ from .interpret import interpret_params
 INTERPRET_MIN_CPU_DEVICES = 4  # the CPU client's thread pool grows with the device count
 
 
+def cpu_device_count() -> int:
+    """JAX's CPU devices, 0 where the CPU backend is not loaded (JAX_PLATFORMS=cuda, say)."""
+    try:
+        return len(jax.devices("cpu"))
+    except RuntimeError:
+        return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """The compile-time part of a call (hashable: a jit static argument)."""
@@ -149,12 +157,13 @@ def flash_attention_mosaic(
     check_inputs(q, k, v, arrays, config)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if interpret and len(jax.devices("cpu")) < INTERPRET_MIN_CPU_DEVICES:
+    if interpret and cpu_device_count() < INTERPRET_MIN_CPU_DEVICES:
         raise ValueError(
             f"the Mosaic GPU interpreter runs the kernel's {CONSUMER_WARPGROUPS + 1} warpgroups "
             "as concurrent CPU executions that block on each other, which deadlocks with fewer "
-            f"than {INTERPRET_MIN_CPU_DEVICES} CPU devices (got {len(jax.devices('cpu'))}); set "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
+            f"than {INTERPRET_MIN_CPU_DEVICES} CPU devices (got {cpu_device_count()}); set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax (and keep "
+            "cpu in JAX_PLATFORMS)"
         )
     if interpret is True:
         interpret = interpret_params()
