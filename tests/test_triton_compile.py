@@ -3,11 +3,11 @@
 Triton's interpreter (the CPU correctness tests) accepts code that the compiler rejects, so each
 kernel is also compiled to a cubin here at its default tiles, and must fit the H100/H200
 shared-memory budget per block; at the benchmark shapes (half precision, D 64 and 128) ptxas must
-also report no register spills. Register use depends on the compiler, so the spill check runs
-only under the Triton release the defaults were tuned with (launch.TUNED_WITH_TRITON) and is
-skipped, naming both releases, under another. `python tests/test_triton_compile.py` sweeps
-candidate tiles and prints registers, spills and shared memory per config (the data behind
-launch.default_configs).
+also report no register spills beyond the few bytes a GPU-timed default is allowed. Register use
+depends on the compiler, so the spill check runs only under the Triton release the defaults were
+tuned with (launch.TUNED_WITH_TRITON) and is skipped, naming both releases, under another.
+`python tests/test_triton_compile.py` sweeps candidate tiles and prints registers, spills and
+shared memory per config (compile-time data; experiments/triton_tiles.py times them on a GPU).
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ CASES = [
     (256, "bfloat16"),
     (256, "float32"),
 ]
-SPILL_FREE = {(64, "bfloat16"), (64, "float16"), (128, "bfloat16"), (128, "float16")}
+SPILL_CHECKED = {(64, "bfloat16"), (64, "float16"), (128, "bfloat16"), (128, "float16")}
+# Spill bytes a default may have: the D=128 dK/dV default (64x128 w8 s3) was chosen by H200
+# timing (1.5-2.1x the spill-free 64x64 w8 s1 it replaced; triton_attn/NOTES.md) and spills
+# 440 B under the tuned release; every other checked default spills nothing.
+SPILL_ALLOWED = {("dkdv", 128): 512}
 TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])  # "3.9.0" -> "3.9"
 
 
@@ -146,15 +150,18 @@ def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype)
     f"{launch.TUNED_WITH_TRITON}; Triton {triton.__version__} is installed "
     "(.ci/constraints.txt pins the tuned release)",
 )
-@pytest.mark.parametrize("head_dim,dtype", sorted(SPILL_FREE))
+@pytest.mark.parametrize("head_dim,dtype", sorted(SPILL_CHECKED))
 @pytest.mark.parametrize("which", list(KERNELS))
-def test_default_config_does_not_spill_registers(which, head_dim, dtype):
+def test_default_config_spills_no_more_than_allowed(which, head_dim, dtype):
     cfg = kernel_config(launch.default_configs(head_dim, 2), which)
     usage = ptxas_usage(compile_kernel(which, head_dim, dtype, cfg).asm["ptx"])
     if usage is None:
         pytest.skip("no ptxas shipped with Triton accepts the PTX it generates")
     regs, spilled = usage
-    assert spilled == 0, f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled"
+    allowed = SPILL_ALLOWED.get((which, head_dim), 0)
+    assert spilled <= allowed, (
+        f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled (allowed {allowed})"
+    )
 
 
 # An instruction, after its optional predicate (@%p1 or @!%p1).

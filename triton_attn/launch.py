@@ -110,14 +110,16 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
     return None
 
 
-# (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_q, block_k, num_warps, num_stages):
-# the largest tiles that ptxas compiles for sm_90 without register spills, or the least spilling
-# where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV); data in triton_attn/NOTES.md.
-# Register use depends on the compiler: they were measured with this Triton release.
+# (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_q, block_k, num_warps, num_stages).
+# Half precision D=128: the fastest of each kernel timed on an H200 (experiments/triton_tiles.py;
+# its dK/dV spills a few hundred bytes and still runs 2.1-2.6x the spill-free 64x64 w8 s1).
+# Elsewhere: the largest tiles that ptxas compiles for sm_90 without register spills, or the
+# least spilling where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV). Data in
+# triton_attn/NOTES.md. Register use depends on the compiler: measured with this Triton release.
 TUNED_WITH_TRITON = "3.9"
 _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
     (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
-    (128, False): ((128, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2)),
+    (128, False): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
     (256, False): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
     (64, True): ((128, 32, 8, 1), (32, 32, 8, 1), (64, 32, 8, 1)),
     (128, True): ((64, 32, 8, 1), (32, 64, 8, 1), (32, 64, 8, 1)),
