@@ -174,10 +174,11 @@ class JaxRunner:
                 cap = self._sim_baseline_max_seqlen
                 self._simulator = CPSimulator(self, baseline_max_seqlen=cap)
             return self._simulator.run(point)
+        capacity, host = memory.jax_capacity()
+        memory.require_fits(point, capacity, host=host)
         masks = frameworks.make_masks(point)
         if not point.is_cp:
             frameworks.require_support("jax", point.impl, masks, point)
-            memory.require_fits(point, memory.jax_capacity())
         mesh = self.mesh(point) if point.is_cp else None
         per_mask = [self._run_mask(point, m, i, mesh) for i, m in enumerate(masks)]
         return measure.aggregate(point, per_mask)

@@ -198,9 +198,10 @@ class TorchRunner:
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
+        capacity, host = memory.torch_capacity(self.device)
+        memory.require_fits(point, capacity, host=host)
         masks = self._phase(lambda: frameworks.make_masks(point))
         if not point.is_cp:
             frameworks.require_support("torch", point.impl, masks, point)
-            memory.require_fits(point, memory.torch_capacity(self.device))
         per_mask = [self._run_mask(point, m, i) for i, m in enumerate(masks)]
         return measure.aggregate(point, per_mask)
