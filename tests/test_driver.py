@@ -366,7 +366,8 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, capsys, monke
 
 
 def test_sigint_exits_130_with_one_line(tmp_path):
-    """A real SIGINT mid-sweep: exit code 130, one line on stderr, no traceback."""
+    """A real SIGINT mid-sweep: exit code 130, the acknowledgement and one line on stderr, no
+    traceback."""
     many = ",".join(str(16 * i) for i in range(2, 34))  # 64 points: long past the signal
     args = [*EIGHT_POINTS, f"--seqlen={many}", f"--out_dir={tmp_path}"]
     # Python's own SIGINT handler even where this process inherited SIGINT ignored.
@@ -391,6 +392,7 @@ def test_sigint_exits_130_with_one_line(tmp_path):
     assert 1 <= recorded < 64, "the sweep should have been interrupted mid-way"
     assert proc.returncode == 130, err[-3000:]
     assert err.splitlines() == [
+        interrupt.ACKNOWLEDGED.decode().strip(),
         f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in "
         f"{tmp_path / 'results.jsonl'}; rerun the same command to resume."
     ]

@@ -20,10 +20,12 @@ def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_first_ctrl_c_is_deferred_to_the_point_boundary():
+def test_first_ctrl_c_is_deferred_to_the_point_boundary(capfd):
     before = signal.getsignal(signal.SIGINT)
     with interrupt.stop_between_points():
         _ctrl_c()  # no exception here, in the middle of a point
+        err = capfd.readouterr().err  # ... but the user is told at once what will happen
+        assert err.strip() == "stopping after the running point; Ctrl-C again to stop now"
         with pytest.raises(KeyboardInterrupt):
             interrupt.raise_if_requested()
     assert signal.getsignal(signal.SIGINT) is before

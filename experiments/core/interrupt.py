@@ -9,6 +9,7 @@ past it, so a long grid runs as resumable pieces that each fit a time slot.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -23,11 +24,15 @@ class BudgetSpent(BaseException):
     """The sweep's time budget ran out at a point boundary (not an error of any point)."""
 
 
+ACKNOWLEDGED = b"stopping after the running point; Ctrl-C again to stop now\n"
+
+
 def _on_sigint(signum: int, frame: object) -> None:
-    """First Ctrl-C: ask the point loop to stop; second: interrupt right now."""
+    """First Ctrl-C: say so at once and ask the point loop to stop; second: interrupt now."""
     if _requested.is_set():
         raise KeyboardInterrupt
     _requested.set()
+    os.write(2, ACKNOWLEDGED)  # a point can run for minutes: the user learns it was heard
 
 
 @contextlib.contextmanager
