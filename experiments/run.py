@@ -42,6 +42,7 @@ from experiments.core.results import ResultsStore  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
 run_flags.define_flags()
+TRAIN_ONLY = "train_step:"  # how the training step's own flags' help begins
 flags.adopt_module_key_flags(run_flags)
 workload_flags.define_flags()
 flags.adopt_module_key_flags(workload_flags)
@@ -52,6 +53,21 @@ def _usage_error(error: app.UsageError) -> int:
     print(f"FATAL Flags parsing error: {error}", file=sys.stderr)
     print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr, flush=True)
     return error.exitcode
+
+
+def _reject_train_flags() -> None:
+    """An attention sweep would ignore the training step's flags: name them instead."""
+    given = [
+        f"--{name}"
+        for name in run_flags.FLAGS
+        if run_flags.FLAGS[name].present
+        and (run_flags.FLAGS[name].help or "").startswith(TRAIN_ONLY)
+    ]
+    if given:
+        raise app.UsageError(
+            f"{', '.join(sorted(set(given)))} only apply to --workload=train_step (this is an "
+            "attention sweep); add --workload=train_step or drop them"
+        )
 
 
 def _interrupted(out_dir: str) -> int:
@@ -110,6 +126,7 @@ def main(argv: list[str]) -> int:
             from experiments.workloads import train_step
 
             return train_step.run_from_flags(run_flags.FLAGS)
+        _reject_train_flags()
         return _sweep()
     except app.UsageError as e:
         return _usage_error(e)

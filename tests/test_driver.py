@@ -298,6 +298,7 @@ def test_kill_and_resume_loses_and_duplicates_nothing(tmp_path):
         ("--heads_q=6 --heads_kv=4", "multiple of heads_kv=4"),
         ("--impl=nonsense", "unknown impl 'nonsense'"),
         ("--workload=bogus", "value should be one of"),
+        ("--steps=5 --vocab=64", "--steps, --vocab only apply to --workload=train_step"),
     ],
 )
 def test_bad_flag_values_fail_clearly(flag, expected, tmp_path):
