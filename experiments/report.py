@@ -30,13 +30,23 @@ COMPARE_WITH = flags.DEFINE_list(
 )
 
 
-def main(argv: list[str]) -> None:
-    """Write the report of existing results files."""
-    del argv
+def _missing_files() -> str | None:
+    """A line naming the --results/--compare_with paths that are not files, or None."""
     for flag, files in (("results", RESULTS.value), ("compare_with", COMPARE_WITH.value or [])):
         missing = [p for p in files if not Path(p).is_file()]
         if missing:
-            raise app.UsageError(f"--{flag}: not a file: {', '.join(map(repr, missing))}")
+            return f"--{flag}: not a file: {', '.join(map(repr, missing))}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """Write the report of existing results files (one line and status 1 if one is missing:
+    absl's usage error would print the flags' help first)."""
+    del argv
+    missing = _missing_files()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     out_dir = OUT_DIR.value or str(Path(RESULTS.value[0]).parent)
     paths = report.write_report(RESULTS.value, out_dir, COMPARE_WITH.value or ())
     if COMPARE_WITH.value:
@@ -45,6 +55,7 @@ def main(argv: list[str]) -> None:
         print("\n".join(table or ["No measured CP point matches a simulated one."]))
     cp = f"; CP report: {paths['cp_report']}" if paths["cp_report"] else ""
     print(f"Report: {paths['markdown']} ({len(paths['plots'])} plots){cp}")
+    return 0
 
 
 if __name__ == "__main__":

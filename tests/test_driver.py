@@ -395,7 +395,7 @@ def test_sigint_exits_130_with_one_line(tmp_path):
     assert err.splitlines() == [
         interrupt.ACKNOWLEDGED.decode().strip(),
         f"Interrupted: {recorded} point{'' if recorded == 1 else 's'} recorded in "
-        f"{tmp_path / 'results.jsonl'}; rerun the same command to resume."
+        f"{tmp_path / 'results.jsonl'}; rerun the same command to resume.",
     ]
 
 

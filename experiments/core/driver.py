@@ -4,6 +4,7 @@ JAX runner, the torch runner and the torch CP ranks, then writes the report."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -18,7 +19,14 @@ from experiments.core import presets, provenance, sweep, workers
 from experiments.core.flags import Settings
 from experiments.core.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
 from experiments.core.progress import Progress
-from experiments.core.results import ResultsStore, latest_by_key, read_records
+from experiments.core.results import (
+    AppendFailed,
+    OutDirBusy,
+    ResultsStore,
+    check_lines,
+    latest_by_key,
+    locked_out_dir,
+)
 from experiments.runners import cp_launch, frameworks
 
 
@@ -297,7 +305,7 @@ def _run_torch(
 
 def _finish(settings: Settings, points: list[Point], store: ResultsStore) -> None:
     """Print the status counts of this run's points and write the report."""
-    latest = latest_by_key(read_records(store.path))
+    latest = latest_by_key(store.records())
     counts = collections.Counter(latest[p.key]["status"] for p in points if p.key in latest)
     print("Statuses: " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())), flush=True)
     if settings.report:
@@ -338,7 +346,8 @@ def runs_in_workers(settings: Settings) -> bool:
 
 
 def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) -> int:
-    """Run each framework's points in a worker process of its own, then the joint report."""
+    """Run each framework's points in a worker process of its own, then the joint report; the
+    output folder stays locked for the whole run."""
     _check_launch(settings)
     preset = presets.get_preset(settings.preset, on_gpu=False)
     _check_simulation(settings, bool(settings.simulate_devices or preset.simulate_devices))
@@ -346,12 +355,32 @@ def execute_in_workers(settings: Settings, flags: list[str], overrides: dict) ->
     impls = overrides.get("impls")
     if impls is not None:
         _check_impl_names(settings, impls)
-    cp_size = workers.shared_cp_size(settings.frameworks, settings.num_devices)
-    code = workers.run_each(settings.frameworks, flags, settings.out_dir, cp_size, impls)
+    try:
+        with locked_out_dir(settings.out_dir) as lock_fd:
+            return _run_workers(settings, flags, impls, lock_fd)
+    except OutDirBusy as e:
+        return _stopped(e)
+
+
+def _run_workers(
+    settings: Settings, flags: list[str], impls: tuple[str, ...] | None, lock_fd: int
+) -> int:
+    """The workers' sweep under this run's lock, then the joint report (none after a failed
+    write: the disk is full or read-only)."""
     results = ResultsStore(settings.out_dir).path
-    if code != workers.INTERRUPTED and settings.report and results.exists():
+    check_lines(results)  # said once, here: the workers leave skipped lines to this process
+    cp_size = workers.shared_cp_size(settings.frameworks, settings.num_devices)
+    code = workers.run_each(settings.frameworks, flags, settings.out_dir, cp_size, impls, lock_fd)
+    stopped = code in (workers.INTERRUPTED, AppendFailed.exit_code)
+    if not stopped and settings.report and results.exists():
         _write_report(results, settings.out_dir)
     return code
+
+
+def _stopped(error: OutDirBusy | AppendFailed) -> int:
+    """One line on stderr for a run that cannot go on; its exit status."""
+    print(error, file=sys.stderr, flush=True)
+    return error.exit_code
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -367,7 +396,9 @@ def check_out_dir(out_dir: str) -> None:
 
 
 def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:
-    """Run (or resume) a sweep and write its report; returns the process exit code."""
+    """Run (or resume) a sweep and write its report; returns the process exit code. The
+    writing process holds the output folder's lock for the whole run."""
+    workers.start_as_worker()
     _check_launch(settings)
     if "jax" in settings.frameworks:
         try:
@@ -379,17 +410,40 @@ def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) ->
     run_plan = plan(settings, cps, overrides)
     writer = _is_writer(settings)
     say = print if writer else (lambda *a, **k: None)
-    for note in run_plan.notes:
-        say(note, flush=True)
     if settings.dry_run:
-        by_grid = collections.Counter((p.framework, p.grid) for p in run_plan.points)
-        for (fw, grid), n in sorted(by_grid.items()):
-            say(f"{fw} {grid}: {n} points")
-        for p in run_plan.points:
-            say(p.key)
+        _list_points(run_plan, say)
         return 0
     if writer:
         check_out_dir(settings.out_dir)
+    lock = _writer_lock(settings.out_dir) if writer else contextlib.nullcontext()
+    try:
+        with lock:
+            _sweep(settings, run_plan, writer, say)
+    except (OutDirBusy, AppendFailed) as e:
+        return _stopped(e)
+    return 0
+
+
+def _writer_lock(out_dir: str) -> contextlib.AbstractContextManager[int]:
+    """The output folder's lock: this run's own, or its parent run's in a worker."""
+    return locked_out_dir(out_dir, workers.inherited_lock_fd())
+
+
+def _list_points(run_plan: Plan, say) -> None:
+    """A dry run: the plan's notes, its point count per grid and every point key."""
+    for note in run_plan.notes:
+        say(note, flush=True)
+    by_grid = collections.Counter((p.framework, p.grid) for p in run_plan.points)
+    for (fw, grid), n in sorted(by_grid.items()):
+        say(f"{fw} {grid}: {n} points")
+    for p in run_plan.points:
+        say(p.key)
+
+
+def _sweep(settings: Settings, run_plan: Plan, writer: bool, say) -> None:
+    """Run the plan's points not yet recorded, then (writer) the status counts and report."""
+    for note in run_plan.notes:
+        say(note, flush=True)
     store = ResultsStore(settings.out_dir)
     todo = _todo(run_plan.points, store, settings.retry_errors)
     total = len(run_plan.points)
@@ -406,4 +460,3 @@ def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) ->
     _run_torch(settings, [p for p in todo if p.framework == "torch"], store, progress, prov, total)
     if writer:
         _finish(settings, run_plan.points, store)
-    return 0

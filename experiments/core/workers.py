@@ -5,21 +5,74 @@ first use, and Triton's cache breaks for torch after jax-triton has run. So the 
 same command once per framework in a fresh process (which resumes from, and appends to, the one
 results.jsonl), and writes the joint report afterwards. The CP size is fixed for both workers
 so that their CP points compare like with like.
+
+A worker is part of its parent's run: it inherits the parent's lock of the output folder (an
+open descriptor, named in its environment) instead of taking one, and dies with the parent.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from experiments.core import interrupt
+from experiments.core.results import AppendFailed, leave_skipped_lines_to_parent
 
 RUN_PY = str(Path(__file__).resolve().parent.parent / "run.py")
 INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
 _OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl", "time_budget")
+PARENT_ENV = "LONGCTX_RUN_PARENT_PID"  # set in a worker: the PID of the run it belongs to
+LOCK_FD_ENV = "LONGCTX_RUN_LOCK_FD"  # set in a worker: its inherited descriptor of the lock
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def worker_env(lock_fd: int) -> dict[str, str]:
+    """This process's environment plus what makes a child its worker: its PID and lock fd."""
+    return {**os.environ, PARENT_ENV: str(os.getpid()), LOCK_FD_ENV: str(lock_fd)}
+
+
+def _env_int(name: str) -> int | None:
+    """An environment variable's integer value (None when unset or not a number)."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def parent_run() -> int | None:
+    """The PID of the run this process is a worker of (None: not a worker)."""
+    return _env_int(PARENT_ENV)
+
+
+def inherited_lock_fd() -> int | None:
+    """The descriptor of the output folder's lock that the parent run passed down, if any."""
+    return _env_int(LOCK_FD_ENV) if parent_run() is not None else None
+
+
+def start_as_worker() -> None:
+    """In a worker (else nothing): end with the parent run, leave skipped lines to it."""
+    parent = parent_run()
+    if parent is None:
+        return
+    end_with(parent)
+    leave_skipped_lines_to_parent()
+
+
+def end_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+
+    SIGKILL, because a worker holds nothing to clean up (records are whole on disk) and no
+    handler can defer it. The kernel sends it when the parent's spawning thread ends, so
+    run_each waits for its worker in that thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def forwarded_flags(flag_values) -> list[str]:
@@ -81,11 +134,12 @@ def run_each(
     out_dir: str,
     num_devices: int,
     impls: tuple[str, ...] | None,
+    lock_fd: int,
 ) -> int:
-    """Run the command once per framework in its own process, all into out_dir, each with the
-    requested impls it knows (none known: no worker); the first failing status, or 0
-    (INTERRUPTED or BUDGET_SPENT at once if a worker stopped so; the workers share the time
-    budget)."""
+    """Run the command once per framework in its own process, all into out_dir under this
+    run's lock (lock_fd, inherited), each with the requested impls it knows (none known: no
+    worker); the first failing status, or 0 (INTERRUPTED, BUDGET_SPENT or a failed write at once
+    if a worker stopped so; the workers share the time budget)."""
     status = 0
     for fw in frameworks:
         interrupt.raise_if_requested()
@@ -103,13 +157,13 @@ def run_each(
         if num_devices:
             cmd.append(f"--num_devices={num_devices}")
         print(f"--- {fw} points in a worker process of their own", flush=True)
-        worker = subprocess.Popen(cmd)
+        worker = subprocess.Popen(cmd, env=worker_env(lock_fd), pass_fds=(lock_fd,))
         try:
             code = worker.wait()
         except KeyboardInterrupt:  # the worker got the same Ctrl-C: let it record and stop
             worker.wait()
             return INTERRUPTED
-        if code in (INTERRUPTED, interrupt.BUDGET_SPENT):
+        if code in (INTERRUPTED, interrupt.BUDGET_SPENT, AppendFailed.exit_code):
             return code
         status = status or code
     return status

@@ -37,6 +37,11 @@ class TrainConfig:
     resume: bool = False
     out_dir: str | None = None
 
+    @property
+    def uses_checkpoints(self) -> bool:
+        """Whether the run reads or writes ckpt_dir (it saves, or resumes from, checkpoints)."""
+        return bool(self.ckpt_dir) and (self.checkpoint_every > 0 or self.resume)
+
     def backend(self) -> AttentionBackend:
         """The attention call of every layer."""
         if self.cp is None:

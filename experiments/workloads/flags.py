@@ -11,6 +11,8 @@ their meaning where it applies: --seqlen (one value: the total packed length), -
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from absl import flags
@@ -132,13 +134,18 @@ def shared(flag_values: flags.FlagValues, name: str, default: Any = None) -> Any
     return flag_values[name].value
 
 
-def single(flag_values: flags.FlagValues, name: str, default: str | None = None) -> str | None:
-    """The one value of a list flag (None or `default` when unset); several values are an error."""
+def single(
+    flag_values: flags.FlagValues, name: str, default: str | None = None, *, what: str = "value"
+) -> str | None:
+    """The one value of a list flag (None or `default` when unset); several values are an error
+    that names them and what one value is (`what`)."""
     values = shared(flag_values, name)
     if not values:
         return default
     if len(values) != 1:
-        raise flags.ValidationError(f"--{name} takes one value here, got {','.join(values)}")
+        raise flags.ValidationError(
+            f"--{name}={','.join(values)}: takes one {what}, got {len(values)}"
+        )
     return values[0]
 
 
@@ -187,7 +194,7 @@ def train_config(
     def get(name: str):
         return shared(flag_values, name, d.get(name))
 
-    cp = single(flag_values, "cp")
+    cp = single(flag_values, "cp", what="CP strategy")
     impl = impl or single(flag_values, "impl")
     out_dir = shared(flag_values, "out_dir") or default_out_dir(cp)
     return TrainConfig(
@@ -200,7 +207,7 @@ def train_config(
             dtype=DTYPES[get("dtype")],
         ),
         data=DataConfig(
-            seqlen=_seqlen(single(flag_values, "seqlen")) or d["seqlen"],
+            seqlen=_seqlen(single(flag_values, "seqlen", what="sequence length")) or d["seqlen"],
             batch=get("batch"),
             vocab=get("vocab"),
             seed=get("seed") or 0,
@@ -218,7 +225,7 @@ def train_config(
         attention_iters=get("iters"),
         impl=None if impl in (None, "default") else impl,
         cp=None if cp in (None, "none") else cp,
-        layout=single(flag_values, "layout", "zigzag"),
+        layout=single(flag_values, "layout", "zigzag", what="layout"),
         num_devices=get("num_devices") or 0,
         ulysses_size=get("ulysses_size") or None,
         checkpoint_every=get("checkpoint_every"),
@@ -226,6 +233,37 @@ def train_config(
         resume=bool(get("resume")),
         out_dir=out_dir,
     )
+
+
+def check_folders(cfgs: list[TrainConfig]) -> None:
+    """Make every folder the runs write (--out_dir, and --ckpt_dir when they checkpoint), up
+    front: a bad one would otherwise fail late, inside Orbax's writer threads."""
+    for cfg in cfgs:
+        _writable_folder("out_dir", cfg.out_dir)
+        if cfg.uses_checkpoints:
+            _writable_folder("ckpt_dir", cfg.ckpt_dir)
+
+
+def _writable_folder(name: str, path: str) -> None:
+    """Create folder `path` (flag --name) if missing and check that files can be written in it;
+    ValidationError naming the value and what is expected otherwise."""
+    flag = f"--{name}={path}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise flags.ValidationError(f"{flag}: is a file; expected a folder (or a path for one)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise flags.ValidationError(
+            f"{flag}: cannot create this folder ({e.strerror}); expected a folder that exists "
+            "or can be created"
+        ) from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise flags.ValidationError(
+            f"{flag}: cannot write in this folder ({e.strerror}); expected a writable folder"
+        ) from None
 
 
 def default_out_dir(cp: str | None) -> str:

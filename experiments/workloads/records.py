@@ -1,14 +1,18 @@
 """Result records of the train-step workload, in the shape the sweep records and reports use.
 
 results.jsonl gets one summary record per run (key, status, point, metrics, provenance);
-train_log.jsonl gets one line per step (loss, time), keyed so a resumed run supersedes lines.
+train_log.jsonl gets one line per step (loss, time); a run first drops its own lines from the
+step it starts at, so a resumed run's steps appear once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +28,34 @@ class StepLog(ResultsStore):
     def __init__(self, out_dir: str | os.PathLike) -> None:
         super().__init__(out_dir)
         self.path = self.out_dir / STEP_LOG_FILE
+
+    def drop_steps_from(self, key: str, start: int) -> None:
+        """Remove run `key`'s lines of steps >= start (a run resumed at `start` logs them
+        again); the file is replaced whole, never left half-rewritten."""
+        lines = read_records(self.path)
+        kept = [r for r in lines if not _is_step_from(r, key, start)]
+        if len(kept) < len(lines):
+            _replace_lines(self.path, kept)
+
+
+def _is_step_from(line: dict, key: str, start: int) -> bool:
+    """Whether a step-log line is run `key`'s line of a step >= start."""
+    return line["key"].startswith(f"{key}/step") and line.get("step", -1) >= start
+
+
+def _replace_lines(path: Path, lines: list[dict]) -> None:
+    """Make `lines` the content of `path` atomically: a fsynced temporary file renamed over it."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 @dataclass

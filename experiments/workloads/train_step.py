@@ -9,7 +9,9 @@ and the first `warmup` steps are not timed. Reports step time, tokens/s, model T
 and attention's share of the step (its FLOPs, and the time of one layer's attention call alone x
 depth). Results: <out_dir>/results.jsonl (one record per run) and <out_dir>/train_log.jsonl (one
 line per step). Checkpoints (Orbax) every `checkpoint_every` steps and at the end; `resume`
-continues from the newest one with the same subsequent losses.
+continues from the newest intact one with the same subsequent losses. Failures end the process
+with one line: an unusable flag value before anything runs (exit status USAGE_ERROR), a failed
+run with its error record (exit status 1).
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from experiments.core import provenance
-from experiments.core.outcomes import OK, WRONG, classify, short_traceback
+from experiments.core.outcomes import ERROR, OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
 from experiments.runners import checks, timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, curves, data, lm, masking, placement, records, train
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, DamagedCheckpoint
 from .config import (
     SHORT_DTYPES,
     TrainConfig,
@@ -42,6 +45,8 @@ from .config import (
     point_fields,
     run_key,
 )
+
+USAGE_ERROR = 2  # exit status of a flag value train_step cannot use (nothing ran)
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,11 @@ def _progress_record(s: records.StepTime, flops_per_device: float) -> dict:
     }
 
 
+def _steps(steps: list[int]) -> str:
+    """'step 4' or 'steps 6, 4'."""
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
 class Trainer:
     """The live state of a run: placed params and optimizer state, compiled steps, checkpoints."""
 
@@ -135,26 +145,53 @@ class Trainer:
         )
         self.compiled = _compiled_steps(graphdef, self.cfg.optim)
         self.ckpt = None
-        if self.cfg.ckpt_dir and (self.cfg.checkpoint_every > 0 or self.cfg.resume):
+        if self.cfg.uses_checkpoints:
             self.ckpt = Checkpointer(self.cfg.ckpt_dir, self.cfg.checkpoint_every)
 
     def restore(self, say: Callable[[str], None]) -> int:
-        """Load the newest checkpoint when resuming (it must be of this run); the first step."""
+        """Load the newest intact checkpoint when resuming (it must be of this run) and delete
+        the damaged ones after it, which the run writes again; the first step."""
         if not (self.cfg.resume and self.ckpt is not None):
             return 0
-        step = self.ckpt.latest_step()
-        if step is None:
+        steps = self.ckpt.steps()
+        if not steps:
             say(f"--resume: no checkpoint in {self.ckpt.directory}; starting from step 0")
             return 0
+        start, damaged = self._load_newest_intact(steps, say)
+        for step in damaged:
+            self.ckpt.delete(step)
+        gone = f" (deleted damaged {_steps(damaged)})" if damaged else ""
+        say(f"Resumed from {self.ckpt.directory} at step {start}{gone}")
+        return start
+
+    def _load_newest_intact(
+        self, steps: list[int], say: Callable[[str], None]
+    ) -> tuple[int, list[int]]:
+        """Load the newest of `steps` (newest first) that reads back, one line per damaged one
+        before it; (its data position, the damaged steps). PointFailure when none reads back."""
+        damaged = []
+        for older, step in zip([*steps[1:], None], steps):
+            try:
+                return self._load(step), damaged
+            except DamagedCheckpoint as e:
+                say(f"--resume: {e}" + ("" if older is None else f"; trying step {older}"))
+                damaged.append(step)
+        raise PointFailure(
+            ERROR,
+            f"--resume: no intact checkpoint in {self.ckpt.directory} (damaged: "
+            f"{_steps(damaged)}); move or delete that folder to start from step 0",
+        )
+
+    def _load(self, step: int) -> int:
+        """Load checkpoint `step` (refused if it is of another run); its data position."""
         meta = self.ckpt.meta(step)
         want = fingerprint(self.cfg)
         got = {k: meta.get(k) for k in want}
         if got != want:
             raise ValueError(
-                f"checkpoint {self.ckpt.directory}/{step} is of another run: {got} != {want}"
+                f"checkpoint {self.ckpt.step_dir(step)} is of another run: {got} != {want}"
             )
         self.params, self.opt_state = self.ckpt.restore(step, self.params, self.opt_state)
-        say(f"Resumed from {self.ckpt.directory} at step {meta['data_position']}")
         return int(meta["data_position"])
 
     def step(self, step: int) -> tuple[records.StepTime, float | None, Any]:
@@ -213,6 +250,8 @@ def run(
     first_mask = None
     try:
         start = trainer.restore(say)
+        if log is not None:
+            log.drop_steps_from(key, start)  # this run logs them again
         progress = Progress(cfg.steps, start, stream=out) if writer else None
         for step in range(start, cfg.steps):
             s, compile_s, mask_arg = trainer.step(step)
@@ -277,7 +316,9 @@ def run_from_flags(flag_values: Any) -> int:
         workload_flags.shared(flag_values, "process_id"),
     )
     on_gpu = jax.default_backend() == "gpu"
-    cfgs = workload_flags.train_configs(flag_values, on_gpu)
+    cfgs = _usable_configs(flag_values, on_gpu)
+    if cfgs is None:
+        return USAGE_ERROR
     if not on_gpu and jax.process_index() == 0:
         print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
     prov = provenance.collect(workload_flags.flag_dict(flag_values))
@@ -301,6 +342,20 @@ def run_from_flags(flag_values: Any) -> int:
         )
         print(f"Loss curves: {path}", flush=True)
     return code
+
+
+def _usable_configs(flag_values: Any, on_gpu: bool) -> list[TrainConfig] | None:
+    """The flags' configs with their folders made, or None after one line on stderr naming the
+    flag value that cannot be used and what is expected."""
+    from . import flags as workload_flags
+
+    try:
+        cfgs = workload_flags.train_configs(flag_values, on_gpu)
+        workload_flags.check_folders(cfgs)
+    except flags.ValidationError as e:
+        print(f"train_step: {e}", file=sys.stderr, flush=True)
+        return None
+    return cfgs
 
 
 def _curve_title(cfg: TrainConfig) -> str:
