@@ -674,3 +674,43 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
     assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
     assert cross[2048]["cudnn_jax_over_torch"] == "-"
+
+
+@pytest.mark.parametrize("framework", ["torch", "both"])
+def test_a_framework_that_is_not_installed_is_one_line_with_the_install_command(
+    framework, tmp_path, monkeypatch, capsys
+):
+    """Never records of 'not available' points: one line, the pip command, a failing status."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    args = [f"--framework={framework}", "--mask=causal", "--mode=fwd", *TINY]
+    assert _run_in_process([*args, f"--out_dir={tmp_path}"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == (
+        "FATAL Flags parsing error: --framework=torch "
+        "needs PyTorch, which is not installed in this Python; install it with: "
+        'pip install -e ".[torch]"'
+    )
+    assert not (tmp_path / "results.jsonl").exists() and "to run." not in out
+
+
+def test_a_gpu_preset_on_a_cpu_is_refused_unless_asked_for(tmp_path, capsys):
+    """--preset=paper on a CPU would run for many hours: one line saying what to run instead;
+    --allow_slow (here with --dry_run, which only lists) plans it."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("a GPU is present")
+    args = ["--preset=paper", "--framework=jax", f"--out_dir={tmp_path}"]
+    assert _run_in_process(args) == 1
+    out, err = capsys.readouterr()
+    line = err.splitlines()[0]
+    assert line.startswith("FATAL Flags parsing error: --preset=paper has GPU sizes (up to ")
+    assert "--allow_slow" in line and "no --preset" in line
+    assert not (tmp_path / "results.jsonl").exists()
+    assert _run_in_process([*args, "--allow_slow", "--dry_run"]) == 0
+    assert "points" in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib.util
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -170,8 +171,8 @@ def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Pl
             f"No GPU for {'/'.join(cpu)}: using the embedded CPU default ({settings.preset} "
             f"preset at CPU sizes; {where})."
         )
-    if settings.preset not in ("smoke", "cp_predict") and not all(on_gpu.values()):
-        notes.append(f"The {settings.preset} preset has GPU sizes; without a GPU it is very slow.")
+    if not all(on_gpu.values()):
+        _check_cpu_sizes(settings, grids, notes)
     notes += [why for _, why in detected.values() if why]
     # One CP size for every framework, so --framework=both compares like with like.
     cp_size = 1
@@ -185,6 +186,28 @@ def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Pl
                 continue
             points += _grid_points(fw, grid, cp_size if grid.is_cp else 1, settings, notes)
     return Plan(dedupe(points), on_gpu, notes)
+
+
+CPU_PRESETS = ("smoke", "cp_predict", "cross")  # presets with sizes of their own for a CPU
+CPU_MAX_SEQLEN = 8192  # tokens per device past which a GPU preset on a CPU runs for hours
+
+
+def _check_cpu_sizes(settings: Settings, grids: list[Grid], notes: list[str]) -> None:
+    """A GPU-sized preset on a CPU: refused in one line (what to run instead) unless asked for
+    with --allow_slow or only listed (--dry_run); smaller overrides of its sizes run."""
+    if settings.preset in CPU_PRESETS:
+        return
+    longest = max((s for g in grids for s in g.seqlens), default=0)
+    if longest <= CPU_MAX_SEQLEN:
+        return
+    if settings.allow_slow or settings.dry_run:
+        notes.append(f"The {settings.preset} preset has GPU sizes; without a GPU it is very slow.")
+        return
+    raise app.UsageError(
+        f"--preset={settings.preset} has GPU sizes (up to {longest} tokens per device): on this "
+        f"CPU it would run for many hours; run the CPU default (no --preset), lower --seqlen to "
+        f"at most {CPU_MAX_SEQLEN}, or pass --allow_slow"
+    )
 
 
 def _simulated_points(
@@ -263,8 +286,27 @@ def _todo(points: list[Point], store: ResultsStore, retry_errors: bool) -> list[
     return [p for p, todo in zip(points, flags) if todo]
 
 
+INSTALL = {
+    "jax": ("JAX", "jax", 'pip install -e ".[jax-core]"'),
+    "torch": ("PyTorch", "torch", 'pip install -e ".[torch]"'),
+}
+
+
+def _check_installed(names: Iterable[str]) -> None:
+    """A requested framework that is not installed is a usage error naming the install command
+    (found without importing it: a --framework=both parent imports neither)."""
+    for fw in names:
+        name, package, command = INSTALL[fw]
+        if importlib.util.find_spec(package) is None:
+            raise app.UsageError(
+                f"--framework={fw} needs {name}, which is not installed in this Python; "
+                f"install it with: {command}"
+            )
+
+
 def _check_launch(settings: Settings) -> None:
-    """Reject framework/launcher combinations that cannot work."""
+    """Reject missing frameworks and framework/launcher combinations that cannot work."""
+    _check_installed(settings.frameworks)
     if cp_launch.under_torchrun() and "jax" in settings.frameworks:
         raise app.UsageError(
             "torchrun launches torch ranks; run JAX multi-host with "

@@ -261,6 +261,12 @@ def define_flags() -> None:
     flags.DEFINE_bool("retry_errors", False, "Re-run points recorded with status error.")
     flags.DEFINE_bool("report", True, "Write CSV/plots/markdown after the sweep.")
     flags.DEFINE_bool("dry_run", False, "List the planned points and exit without running.")
+    flags.DEFINE_bool(
+        "allow_slow",
+        False,
+        "Run a GPU-sized preset (paper, full, cp_bench, tune_pallas) on a CPU anyway; refused "
+        "otherwise, since it takes many hours there.",
+    )
     flags.DEFINE_float(
         "time_budget",
         0.0,
@@ -332,6 +338,7 @@ class Settings:
     simulate_devices: tuple[int, ...] = ()
     link: str = ""
     sim_baseline_max_seqlen: int | None = None
+    allow_slow: bool = False
 
 
 def requested_cps() -> tuple[str, ...] | None:
@@ -411,6 +418,7 @@ def settings() -> Settings:
         simulate_devices=tuple(dict.fromkeys(int(n) for n in FLAGS.simulate_devices or ())),
         link=link_model().spec(),
         sim_baseline_max_seqlen=parse_seqlen(FLAGS.sim_baseline_max_seqlen),
+        allow_slow=FLAGS.allow_slow,
     )
 
 
