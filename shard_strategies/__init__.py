@@ -11,7 +11,15 @@ from types import ModuleType
 
 from .comm import comm_volume, formula_elements
 from .layouts import LAYOUTS, Layout, make_layout
-from .plan import STRATEGIES, CPPlan, Step, check_heads, default_usp_ulysses, make_plan
+from .plan import (
+    STRATEGIES,
+    CPPlan,
+    Step,
+    check_heads,
+    default_local_impl,
+    default_usp_ulysses,
+    make_plan,
+)
 from .schedules import default_num_windows
 
 _LAZY = ("jax_cp", "torch_cp")
@@ -24,6 +32,7 @@ __all__ = [
     "Step",
     "check_heads",
     "comm_volume",
+    "default_local_impl",
     "default_num_windows",
     "default_usp_ulysses",
     "formula_elements",

@@ -12,6 +12,8 @@ import jax_attn
 from attn_masks import Mask
 from jax_attn.mask_arrays import MaskArrays
 
+from .plan import default_local_impl
+
 REFERENCE = "reference"
 
 
@@ -19,7 +21,7 @@ def resolve_impl(impl: str | None) -> str:
     """impl None -> our Pallas kernel on a GPU, the jnp reference elsewhere."""
     if impl is not None:
         return impl
-    return "pallas" if jax.default_backend() == "gpu" else REFERENCE
+    return default_local_impl("jax", jax.default_backend() == "gpu")
 
 
 def piece_arrays(piece: Mask, impl: str, head_dim: int, dtype: Any) -> MaskArrays:

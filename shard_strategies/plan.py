@@ -24,6 +24,20 @@ STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
 INNER_AXES = ("ulysses", "ring")
 
 
+DEFAULT_LOCAL_IMPLS = {
+    ("jax", True): "pallas",
+    ("jax", False): "reference",
+    ("torch", True): "flex",
+    ("torch", False): "naive",
+}
+
+
+def default_local_impl(framework: str, on_gpu: bool) -> str:
+    """The kernel a CP strategy runs on each device for impl "default": our Pallas kernel
+    (JAX) or FlexAttention (torch) on a GPU, the dense reference kernels elsewhere."""
+    return DEFAULT_LOCAL_IMPLS[framework, on_gpu]
+
+
 @dataclass(frozen=True)
 class Step:
     """One step of the schedule: (outer, inner) ring offsets and each ring rank's K/V source.

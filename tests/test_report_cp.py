@@ -280,7 +280,7 @@ def test_synthetic_records_have_the_writers_keys(real_files):
 def test_report_on_real_writer_records(real_files, tmp_path):
     paths = report_cp.write_report([real_files["jax"], real_files["torch"]], tmp_path)
     md = paths["markdown"].read_text()
-    jax_table = _table(md, "jax x2 GPUs, fwd: h3:1 d16 fp32, impl reference")
+    jax_table = _table(md, "jax x2 virtual CPU devices, fwd: h3:1 d16 fp32, impl reference")
     assert jax_table[0]["ulysses/zigzag"] == "unsup."
     assert re.fullmatch(r"\S+ \(\d+\.\d%\)", jax_table[0]["ring/zigzag"])
     cross = _table(md, "JAX vs PyTorch")

@@ -14,6 +14,8 @@ from experiments.reports import plots, report_cp, report_sim, tuning_table
 from experiments.reports.report_parts import (
     POINT_FIELDS,
     ResultsPaths,
+    command_lines,
+    device_noun,
     failed_points,
     md_table,
     point_seqlens,
@@ -51,6 +53,23 @@ STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error"
 CUDNN_CONTROL = {"jax": ("cudnn",), "torch": ("sdpa_cudnn", "cudnn")}
 SHARED_KERNEL_IMPLS = ("triton",)
 SAME_KERNEL_TOLERANCE = 0.03
+KIND_WORDS = {
+    "kernel": "one device, no CP",
+    "cp": "measured context parallelism",
+    "cp_sim": "context parallelism predicted from one device's timed work (modelling GPUs)",
+    "tune": "launch-config candidates of a tuned kernel",
+}
+MODE_WORDS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward and backward"}
+# FLOPs as attn_masks/flops.py counts them; the timing as experiments/runners/*_runner.py does it.
+LEGEND = (
+    "- kinds: " + "; ".join(f"{kind} = {words}" for kind, words in KIND_WORDS.items()),
+    "- scaling: weak = every device holds --seqlen tokens, so the sequence grows with the "
+    "devices; strong = --seqlen is the whole sequence, split over the devices",
+    "- modes and their FLOPs (area = the mask's visible query-key pairs): fwd = the forward "
+    "alone, 4 x area x query heads x head dim x batch; bwd = the backward alone, given the "
+    "residuals of a forward run outside the timing, 2.5x the forward's FLOPs; fwd_bwd = forward "
+    "and backward in one timed call, 3.5x",
+)
 
 
 def flat_row(rec: dict) -> dict:
@@ -97,6 +116,10 @@ def _kind(row: dict) -> str:
     return "cp_sim" if row.get("simulated") else "cp"
 
 
+def _title(kind: str, mode: str, cfg: str) -> str:
+    return f"{kind} {mode}: {cfg}"
+
+
 def _config(row: dict) -> str:
     cfg = f"b{row['batch']} h{row['heads_q']}:{row['heads_kv']} d{row['head_dim']} {row['dtype']}"
     if _kind(row) in ("cp", "cp_sim"):
@@ -104,6 +127,39 @@ def _config(row: dict) -> str:
     if row["reference_compat"]:
         cfg += " ref-compat"
     return cfg
+
+
+def _config_words(row: dict, record: dict) -> str:
+    """A row's config read out, e.g. 'batch 1, 8 query heads sharing 2 KV heads, ...'."""
+    words = [
+        f"batch {row['batch']}",
+        f"{row['heads_q']} query heads sharing {row['heads_kv']} KV heads",
+        f"head dim {row['head_dim']}",
+        f"{row['dtype']} inputs",
+    ]
+    if _kind(row) in ("cp", "cp_sim"):
+        words += [f"{row['num_devices']} {device_noun([record]).many}", f"{row['scaling']} scaling"]
+    if row["reference_compat"]:
+        words.append("the published benchmark's masks")
+    return ", ".join(words)
+
+
+def legend_lines(rows: list[dict], records: list[dict]) -> list[str]:
+    """What section titles and modes mean, with the report's first section title read out."""
+    if not rows:
+        return []
+    first = min(rows, key=lambda r: (_kind(r), r["mode"], _config(r)))
+    record = next(r for r in records if r["key"] == first["key"])
+    title = _title(_kind(first), first["mode"], _config(first))
+    words = f"{KIND_WORDS[_kind(first)]}, {MODE_WORDS[first['mode']]}"
+    return [
+        "Legend:",
+        "",
+        "- section titles: `<kind> <mode>: b<batch> h<query heads>:<KV heads> d<head dim> "
+        "<dtype>`, under CP then `x<devices> <scaling>`, and `ref-compat` for the published "
+        f"benchmark's masks; e.g. `{title}` = {words}, {_config_words(first, record)}",
+        *LEGEND,
+    ]
 
 
 def series_name(row: dict) -> str:
@@ -266,9 +322,12 @@ def write_markdown(
     cp_report: Path | None = None,
     predicted: list[str] | None = None,
 ) -> Path:
-    """report.md: provenance, status counts, TFLOP/s tables, cross-framework table, figures."""
+    """report.md: the command(s), provenance, legend, status counts, TFLOP/s tables,
+    cross-framework table, figures."""
     lines = ["# Attention benchmark report", ""]
+    lines += command_lines(records)
     lines += _provenance_lines(records)
+    lines += ["", *legend_lines(rows, records)]
     counts: dict[str, int] = defaultdict(int)
     for r in rows:
         counts[r["status"]] += 1
@@ -292,7 +351,7 @@ def write_markdown(
             length = (r["seqlen_total"], r["seqlen_per_device"])
             cells[(r["mask"], *length)][series_name(r)] = _cell(r)
         body = [[*k, *(c.get(n, "") for n in series)] for k, c in sorted(cells.items())]
-        lines += [f"## {kind} {mode}: {cfg}", ""]
+        lines += [f"## {_title(kind, mode, cfg)}", ""]
         lines += md_table(["mask", *SEQLEN_COLUMNS, *series], body) + [""]
     if cross:
         lines += [

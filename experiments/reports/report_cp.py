@@ -1,6 +1,7 @@
-"""The context-parallel section of the report: per-GPU TFLOP/s and efficiency against the same
-kernel alone on one GPU at the per-GPU length, JAX vs PyTorch, the issue's targets, a CSV and
-efficiency / scaling plots, from the driver's records (--preset=cp_bench runs both halves).
+"""The context-parallel section of the report: per-device TFLOP/s and efficiency against the
+same kernel alone on one device at the per-device length, JAX vs PyTorch, the issue's targets, a
+CSV and efficiency / scaling plots, from the driver's records (--preset=cp_bench runs both
+halves). Devices are named as they were (GPUs, virtual CPU devices, gloo ranks: device_noun).
 
     python experiments/report.py --results=results/local/cp/results.jsonl --out_dir=cp_report/
 """
@@ -8,9 +9,11 @@ efficiency / scaling plots, from the driver's records (--preset=cp_bench runs bo
 from __future__ import annotations
 
 import math
+import shlex
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -19,20 +22,26 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from experiments.core.points import DEFAULT_IMPL  # noqa: E402
 from experiments.reports import plots  # noqa: E402
 from experiments.reports.report_parts import (  # noqa: E402
+    GPU_BACKENDS,
     PLACEMENT_FIELDS,
     POINT_FIELDS,
+    DeviceNoun,
     ResultsPaths,
+    command_lines,
+    device_noun,
     failed_points,
     md_table,
     point_seqlens,
     read_results,
     results_paths,
+    run_backend,
     slug,
     write_csv,
 )
-from shard_strategies import LAYOUTS, STRATEGIES  # noqa: E402
+from shard_strategies import LAYOUTS, STRATEGIES, default_local_impl  # noqa: E402
 
 GIB = 2**30
 KEY_FIELDS = (
@@ -81,7 +90,24 @@ COLUMNS = (
     "timestamp",
 )
 STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error": "error"}
-MARKERS = {**plots.MARKERS, "no_single": ("no 1-GPU rate", "o", "tab:olive")}
+MARKERS = {**plots.MARKERS, "no_single": ("no single-device rate", "o", "tab:olive")}
+NO_BASELINE = "†"  # marks an efficiency n/a because no single-device run is in the results
+FAILED_BASELINE = "‡"  # ... because the single-device run recorded no rate (OOM, ...)
+STRIP_LANE_INCHES = 0.3  # height of a series' lane in a plot's strip of points without a number
+# Point fields that run.py takes as one flag each (--mode is a list flag; a table has one mode).
+SCALAR_FLAGS = (
+    "mode",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "dtype",
+    "window",
+    "num_masks",
+    "seed",
+    "warmup",
+    "iters",
+)
 TARGET_MIN_TOKENS = 16384
 TARGETS: dict[str, tuple[float, str, Callable[[str, str], bool]]] = {
     "causal": (
@@ -126,7 +152,7 @@ def _mean(values: list) -> float | None:
 
 
 def efficiency(row: dict) -> float | None:
-    """Per-GPU TFLOP/s over the single-GPU rate, in percent (None without both numbers)."""
+    """Per-device TFLOP/s over the single-device rate, in percent (None without both numbers)."""
     tf, single = row.get("tflops_per_gpu"), row.get("single_gpu_tflops")
     if row.get("status") != "ok" or tf is None or not single:
         return None
@@ -225,12 +251,18 @@ def label(row: dict) -> str:
     return STATUS_LABEL.get(row["status"], str(row["status"]))
 
 
+def no_efficiency(row: dict) -> str:
+    """'n/a' with the mark of why an ok point has no efficiency (notes under the tables)."""
+    return f"n/a{FAILED_BASELINE if row['single_gpu_status'] else NO_BASELINE}"
+
+
 def cell(row: dict) -> str:
-    """'per-GPU TFLOP/s (efficiency %)' for an ok point, its status label otherwise."""
+    """'per-device TFLOP/s (efficiency %)' for an ok point, its status label otherwise."""
     if row["status"] != "ok":
         return label(row)
     eff = row["efficiency_pct"]
-    return f"{row['tflops_per_gpu']:.3g} ({f'{eff:.1f}%' if eff is not None else 'eff. n/a'})"
+    shown = f"{eff:.1f}%" if eff is not None else f"eff. {no_efficiency(row)}"
+    return f"{row['tflops_per_gpu']:.3g} ({shown})"
 
 
 def _key_order(key: tuple) -> tuple:
@@ -258,28 +290,154 @@ def _table_group(row: dict) -> tuple:
     return row["framework"], row["num_gpus"], row["mode"], shape(row), row["impl"]
 
 
-def strategy_tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """Per (framework, GPUs, mode, shape, impl): rows (mask, tokens/GPU), columns strategy/layout
-    (one table each)."""
+def by_key(records: Iterable[dict]) -> dict[str, dict]:
+    """Records by point key: the record behind each CP row."""
+    return {r["key"]: r for r in records}
+
+
+def _noun(rows: Iterable[dict], keyed: Mapping[str, dict]) -> DeviceNoun:
+    """The devices a group of CP rows ran on (device_noun of their records)."""
+    return device_noun(keyed[r["key"]] for r in rows)
+
+
+def table_groups(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """The rows of each strategy table, per (framework, devices, mode, shape, impl), in order."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[_table_group(r)].append(r)
-    tables = []
-    for (fw, n, mode, shp, impl), members in sorted(groups.items(), key=_group_order):
-        cols = sorted({series(r) for r in members}, key=series_order)
-        cells: dict[tuple, dict[str, str]] = defaultdict(dict)
-        for r in members:
-            cells[(r["mask"], r["tokens_per_gpu"])][series(r)] = cell(r)
-        body = [[m, t, *(c.get(s, "") for s in cols)] for (m, t), c in sorted(cells.items())]
-        title = f"{fw} x{n} GPUs, {mode}: {shp}, impl {impl}"
-        tables.append((title, ["mask", "tokens/GPU", *cols], body))
-    return tables
+    return sorted(groups.items(), key=_group_order)
 
 
-def cross_framework(rows: list[dict]) -> list[dict]:
-    """Points run in both frameworks (GPUs, shape, mask, tokens, strategy, layout, mode): both
-    rates, their ratio, peak memories and the plan's bytes moved per GPU, with a mismatch flag
-    (both executors use one shared plan, so the bytes must agree)."""
+def strategy_table(
+    group: tuple, members: list[dict], noun: DeviceNoun
+) -> tuple[str, list[str], list[list[str]]]:
+    """(title, header, body) of a group's table: rows (mask, tokens/device), columns
+    strategy/layout."""
+    fw, n, mode, shp, impl = group
+    cols = sorted({series(r) for r in members}, key=series_order)
+    cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+    for r in members:
+        cells[(r["mask"], r["tokens_per_gpu"])][series(r)] = cell(r)
+    body = [[m, t, *(c.get(s, "") for s in cols)] for (m, t), c in sorted(cells.items())]
+    title = f"{fw} x{n} {noun.many}, {mode}: {shp}, impl {impl}"
+    return title, ["mask", f"tokens/{noun.one}", *cols], body
+
+
+def _at(rows: list[dict]) -> str:
+    """'at 64 tokens (causal, full)': the per-device lengths and the masks of rows."""
+    tokens = ", ".join(map(str, sorted({r["tokens_per_gpu"] for r in rows})))
+    return f"at {tokens} tokens ({', '.join(sorted({r['mask'] for r in rows}))})"
+
+
+def cp_default_kernel(rec: dict) -> str | None:
+    """The local kernel a CP record's strategy ran for impl "default" on its devices (None when
+    the record does not say what its devices were)."""
+    backend = run_backend(rec)
+    if backend is None:
+        return None
+    return default_local_impl(rec["point"]["framework"], backend in GPU_BACKENDS)
+
+
+def _fixed_flags(rec: dict) -> tuple[str, ...] | None:
+    """The run.py flags a CP record's baseline run shares over its points: framework, kernel,
+    shape, timing and output folder (None without its flags, or its devices for impl default)."""
+    flags = (rec.get("provenance") or {}).get("flags")
+    kernel = cp_default_kernel(rec)
+    p = rec["point"]
+    if not flags or (p["impl"] == DEFAULT_IMPL and kernel is None):
+        return None
+    out = [f"--framework={p['framework']}"]
+    if p["impl"] == DEFAULT_IMPL:
+        out += [f"--impl={kernel}", f"--num_devices={p['num_devices']}", "--cp_scaling=weak"]
+    else:
+        out.append(f"--impl={p['impl']}")
+    out += [f"--{f}={p[f]}" for f in SCALAR_FLAGS if p.get(f) is not None]
+    out += ["--reference_compat"] if p.get("reference_compat") else []
+    out += [f"--out_dir={flags['out_dir']}"] if flags.get("out_dir") else []
+    return tuple(out)
+
+
+def _joined(values: Iterable) -> str:
+    """Distinct values, sorted, as one comma-list flag value."""
+    return ",".join(map(str, sorted(set(values))))
+
+
+def _command(fixed: tuple[str, ...], points: list[dict]) -> str:
+    """run.py with the shared flags and the points' masks and per-device lengths; for impl
+    default also their CP strategies and layouts, run again with the kernel named."""
+    rerun_cp = points[0]["impl"] == DEFAULT_IMPL
+    cps = ["none", *sorted({p["cp"] for p in points})] if rerun_cp else ["none"]
+    lists = [f"--cp={','.join(cps)}"]
+    lists += [f"--layout={_joined(p['layout'] for p in points)}"] if rerun_cp else []
+    lists += [
+        f"--mask={_joined(p['mask'] for p in points)}",
+        f"--seqlen={_joined(point_seqlens(p)[1] for p in points)}",
+    ]
+    return shlex.join(["python", "experiments/run.py", fixed[0], *lists, *fixed[1:]])
+
+
+def baseline_commands(records: list[dict]) -> list[str]:
+    """run.py commands that add the single-device points these CP records lack, one per set of
+    shared flags (none when the records carry no flags)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in records:
+        fixed = _fixed_flags(rec)
+        if fixed is not None:
+            groups[fixed].append(rec["point"])
+    return [_command(fixed, points) for fixed, points in groups.items()]
+
+
+def missing_baseline_note(rows: list[dict], records: list[dict], noun: DeviceNoun) -> str:
+    """The note of ok points whose kernel has no single-device run in the results: what is
+    missing, and the command that would run it (from the records' flags) or what it would be."""
+    impl, one = rows[0]["impl"], noun.one
+    if impl == DEFAULT_IMPL:
+        kernel = cp_default_kernel(records[0])
+        what = (
+            f"impl {impl} {_at(rows)} is each CP strategy's own pick of local kernel"
+            f"{f' (here {kernel})' if kernel else ''}, which never runs alone, so no "
+            f"single-{one} rate can match it"
+        )
+        named, alone = (kernel, kernel) if kernel else ("their kernel", "that kernel")
+        need = f"CP points that name {named}, beside {alone} alone at the per-{one} length"
+    else:
+        what = f"no single-{one} run of impl {impl} {_at(rows)} in these results"
+        need = (
+            f"a kernel point (no CP) of impl {impl} with the same shape, masks and mode at the "
+            f"per-{one} length"
+        )
+    runs = " and ".join(f"`{c}`" for c in baseline_commands(records))
+    if runs:
+        return f"{NO_BASELINE} n/a: {what}; run {runs} for {need}."
+    return f"{NO_BASELINE} n/a: {what}; the efficiency needs {need}."
+
+
+def failed_baseline_note(status: str, rows: list[dict], noun: DeviceNoun) -> str:
+    """The note of ok points whose single-device run is in the results without a rate."""
+    impl, shown = rows[0]["impl"], STATUS_LABEL.get(status, status)
+    return (
+        f"{FAILED_BASELINE} n/a: the single-{noun.one} run of impl {impl} {_at(rows)} is {shown}."
+    )
+
+
+def baseline_notes(members: list[dict], keyed: Mapping[str, dict], noun: DeviceNoun) -> list[str]:
+    """Under a table: why its ok points have no efficiency, once per cause (the cells' marks)."""
+    lacking = [r for r in members if r["status"] == "ok" and r["efficiency_pct"] is None]
+    missing = [r for r in lacking if not r["single_gpu_status"]]
+    notes = []
+    if missing:
+        notes.append(missing_baseline_note(missing, [keyed[r["key"]] for r in missing], noun))
+    failed: dict[str, list[dict]] = defaultdict(list)
+    for r in lacking:
+        if r["single_gpu_status"]:
+            failed[r["single_gpu_status"]].append(r)
+    return notes + [failed_baseline_note(s, rs, noun) for s, rs in sorted(failed.items())]
+
+
+def cross_framework(rows: list[dict], keyed: Mapping[str, dict]) -> list[dict]:
+    """Points run in both frameworks (devices, shape, mask, tokens, strategy, layout, mode):
+    both rates, their ratio, peak memories and the plan's bytes moved per device, with a
+    mismatch flag (both executors use one shared plan, so the bytes must agree)."""
     by_fw: dict[str, dict[tuple, list[dict]]] = {
         "jax": defaultdict(list),
         "torch": defaultdict(list),
@@ -288,6 +446,8 @@ def cross_framework(rows: list[dict]) -> list[dict]:
         if r["framework"] in by_fw:
             k = (r["num_gpus"], shape(r), r["mask"], r["tokens_per_gpu"], series(r), r["mode"])
             by_fw[r["framework"]][k].append(r)
+    noun = _noun([r for r in rows if r["framework"] in by_fw], keyed)
+    one = noun.one
     out = []
     for k in sorted(set(by_fw["jax"]) & set(by_fw["torch"]), key=_key_order):
         n, shp, mask, tokens, ser, mode = k
@@ -303,31 +463,43 @@ def cross_framework(rows: list[dict]) -> list[dict]:
                     agree = f"MISMATCH: jax {_bytes_label(jb)} vs torch {_bytes_label(tb)}"
                 out.append(
                     {
-                        "gpus": n,
+                        noun.many: n,
                         "shape": shp,
                         "mode": mode,
                         "mask": mask,
-                        "tokens/GPU": tokens,
+                        f"tokens/{one}": tokens,
                         "strategy/layout": ser,
                         "impls (jax, torch)": f"{j['impl']}, {t['impl']}",
-                        "jax TFLOP/s/GPU": cell(j),
-                        "torch TFLOP/s/GPU": cell(t),
+                        f"jax TFLOP/s/{one}": cell(j),
+                        f"torch TFLOP/s/{one}": cell(t),
                         "jax/torch": (
                             f"{j['tflops_per_gpu'] / t['tflops_per_gpu']:.2f}x" if both_ok else "-"
                         ),
                         "jax peak GiB": _gib(j["peak_gib"]),
                         "jax peak from": j["mem_source"] or "-",
                         "torch peak GiB": _gib(t["peak_gib"]),
-                        "bytes moved/GPU": _bytes_label(jb if jb is not None else tb),
+                        f"bytes moved/{one}": _bytes_label(jb if jb is not None else tb),
                         "plans agree": agree,
                     }
                 )
     return out
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """Per (framework, GPUs, mode, shape, impl, mask, tokens/GPU >= TARGET_MIN_TOKENS): the best
-    efficiency among the strategy/layouts the target names, and whether it meets the target."""
+def _verdict(best: dict | None, cands: list[dict], goal: float) -> str:
+    """met / missed against the goal; n/a (marked) when an ok candidate has no baseline; no data
+    when none of the named strategy/layouts ran."""
+    if best is not None:
+        return "met" if best["efficiency_pct"] >= goal else "missed"
+    unscored = [r for r in cands if r["status"] == "ok"]
+    if unscored:
+        return no_efficiency(unscored[0])
+    return "missed" if cands else "no data"
+
+
+def targets(rows: list[dict], keyed: Mapping[str, dict]) -> list[dict]:
+    """Per (framework, devices, mode, shape, impl, mask, tokens/device >= TARGET_MIN_TOKENS):
+    the best efficiency among the strategy/layouts the target names, and whether it meets the
+    target."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r["mask"] in TARGETS and r["tokens_per_gpu"] >= TARGET_MIN_TOKENS:
@@ -335,22 +507,20 @@ def targets(rows: list[dict]) -> list[dict]:
     out = []
     for (fw, n, mode, shp, impl, mask, tokens), members in sorted(groups.items(), key=_group_order):
         goal, scope, eligible = TARGETS[mask]
+        noun = _noun(members, keyed)
         cands = [r for r in members if eligible(r["strategy"], r["layout"])]
         scored = [r for r in cands if r["efficiency_pct"] is not None]
         best = max(scored, key=lambda r: r["efficiency_pct"]) if scored else None
-        if best is not None:
-            verdict = "met" if best["efficiency_pct"] >= goal else "missed"
-        else:
-            verdict = "missed" if cands else "no data"
+        verdict = _verdict(best, cands, goal)
         statuses = ", ".join(sorted({label(r) for r in cands if r["status"] != "ok"}))
         out.append(
             {
                 "framework": fw,
-                "gpus": n,
+                noun.many: n,
                 "mode": mode,
                 "config": f"{shp}, {impl}",
                 "mask": mask,
-                "tokens/GPU": tokens,
+                f"tokens/{noun.one}": tokens,
                 "target": f">= {goal:.0f}% ({scope})",
                 "best": series(best) if best else (statuses or "-"),
                 "efficiency": f"{best['efficiency_pct']:.1f}%" if best else "-",
@@ -361,9 +531,10 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def _provenance_lines(rows: list[dict], records: list[dict], paths: Sequence[str]) -> list[str]:
-    lines = [f"- results: {', '.join(str(p) for p in paths)}"]
+    lines = [f"- results: {', '.join(str(p) for p in paths)}", *command_lines(records)]
     for fw in sorted({r["framework"] for r in rows}):
-        gpus = sorted({r["num_gpus"] for r in rows if r["framework"] == fw})
+        noun = device_noun(r for r in records if is_cp(r) and r["point"]["framework"] == fw)
+        counts = sorted({r["num_gpus"] for r in rows if r["framework"] == fw})
         kinds = sorted(
             {r["device_kind"] for r in rows if r["framework"] == fw and r["device_kind"]}
         )
@@ -377,10 +548,36 @@ def _provenance_lines(rows: list[dict], records: list[dict], paths: Sequence[str
             for p in provs
         }
         lines += [
-            f"- {fw}: devices {', '.join(kinds) or '?'}; GPU counts "
-            f"{', '.join(map(str, gpus)) or '?'}; {'; '.join(sorted(commits))}",
+            f"- {fw}: {', '.join(map(str, counts)) or '?'} {noun.many} (device kind "
+            f"{', '.join(kinds) or '?'}); {'; '.join(sorted(commits))}",
             *(f"  - versions: {v}" for v in sorted(versions) if v),
         ]
+    return lines
+
+
+def _cells_text(noun: DeviceNoun) -> str:
+    """What a strategy table's cell says, in the devices' own words."""
+    one = noun.one
+    return (
+        f"Cells: median per-{one} TFLOP/s (global mask FLOPs / {noun.many} / time) and, in "
+        f"brackets, efficiency = per-{one} TFLOP/s / the same kernel's single-{one} TFLOP/s on "
+        f"the per-{one} problem (the kernel point of the same impl at the per-{one} length). "
+        f"eff. n/a{NO_BASELINE}: these results hold no such single-{one} rate; eff. "
+        f"n/a{FAILED_BASELINE}: that single-{one} run recorded no rate; the notes under each "
+        "table name those runs. OOM, unsup. (unsupported), WRONG (failed the float64 check) and "
+        "error points carry no number."
+    )
+
+
+def _table_lines(rows: list[dict], keyed: Mapping[str, dict]) -> list[str]:
+    """Each strategy table under its title, with its n/a notes below it."""
+    lines = []
+    for group, members in table_groups(rows):
+        noun = _noun(members, keyed)
+        title, header, body = strategy_table(group, members, noun)
+        lines += [f"## {title}", ""] + md_table(header, body) + [""]
+        notes = baseline_notes(members, keyed, noun)
+        lines += [*(f"- {n}" for n in notes), ""] if notes else []
     return lines
 
 
@@ -388,6 +585,8 @@ def write_markdown(
     rows: list[dict], records: list[dict], paths: Sequence[str], out_dir: Path, figs: list[Path]
 ) -> Path:
     """cp_report.md: provenance, strategy tables, JAX vs PyTorch, targets, failures, plots."""
+    keyed = by_key(records)
+    noun = _noun(rows, keyed)
     lines = ["# Context-parallel benchmark report", ""]
     lines += _provenance_lines(rows, records, paths)
     counts: dict[str, int] = defaultdict(int)
@@ -397,34 +596,31 @@ def write_markdown(
         "",
         "Statuses: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())),
         "",
-        "Cells: median per-GPU TFLOP/s (global mask FLOPs / GPUs / time) and, in brackets, "
-        "efficiency = per-GPU TFLOP/s / the same kernel's single-GPU TFLOP/s on the per-GPU "
-        "problem (the kernel point of the same impl at the per-GPU length). OOM, unsup. "
-        "(unsupported), WRONG (failed the float64 check) and error points carry no number.",
+        _cells_text(noun),
         "",
     ]
-    for title, header, body in strategy_tables(rows):
-        lines += [f"## {title}", ""] + md_table(header, body) + [""]
-    cross = cross_framework(rows)
+    lines += _table_lines(rows, keyed)
+    cross = cross_framework(rows, keyed)
     if cross:
         lines += [
             "## JAX vs PyTorch",
             "",
-            "Same GPUs, shape, mask, tokens, strategy/layout and mode. JAX peak is the device "
-            "high-water mark when the point raised it, else XLA's compiled estimate (peak from "
-            "says which); torch peak is the max over ranks. Bytes moved are the plan's per GPU; "
-            "both executors share one plan, so a mismatch is a bug.",
+            f"Same {noun.many}, shape, mask, tokens, strategy/layout and mode. JAX peak is the "
+            "device high-water mark when the point raised it, else XLA's compiled estimate (peak "
+            "from says which); torch peak is the max over ranks. Bytes moved are the plan's per "
+            f"{noun.one}; both executors share one plan, so a mismatch is a bug.",
             "",
         ]
         lines += md_table(list(cross[0]), [list(c.values()) for c in cross]) + [""]
-    tgt = targets(rows)
+    tgt = targets(rows, keyed)
     if tgt:
         lines += [
             "## Targets",
             "",
-            f"At tokens/GPU >= {TARGET_MIN_TOKENS}: the best efficiency among the strategy/layouts "
-            "each target names (causal >= 95% with zigzag ring/allgather/ulysses; document and "
-            "heterogeneous masks >= 85% with the balanced layout). 'no data': none of those ran.",
+            f"At tokens/{noun.one} >= {TARGET_MIN_TOKENS}: the best efficiency among the "
+            "strategy/layouts each target names (causal >= 95% with zigzag ring/allgather/ulysses; "
+            "document and heterogeneous masks >= 85% with the balanced layout). 'no data': none "
+            "of those ran.",
             "",
         ]
         lines += md_table(list(tgt[0]), [list(t.values()) for t in tgt]) + [""]
@@ -436,9 +632,62 @@ def write_markdown(
     return path
 
 
-def line_plot(
+def _series_colors(names: list[str]) -> dict[str, tuple]:
+    """A color per series: tab10 up to 10 series, else spread over viridis."""
+    if len(names) <= 10:
+        return {n: matplotlib.colormaps["tab10"](i) for i, n in enumerate(names)}
+    cmap = matplotlib.colormaps["viridis"]
+    return {n: cmap(i / (len(names) - 1)) for i, n in enumerate(names)}
+
+
+def _line_axes(fig: Figure, lanes: int) -> tuple:
+    """(value axes, strip axes below it sharing x, or None when every point has a number)."""
+    if not lanes:
+        return fig.subplots(), None
+    ratios = [5.0, 0.4 + STRIP_LANE_INCHES * lanes]
+    return fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": ratios, "hspace": 0.1})
+
+
+def _draw_lines(ax, rows: list[dict], names: list[str], colors: dict) -> list:
+    """A line per series through its numbers (gaps where there is none); their legend handles."""
+    handles = []
+    for name in names:
+        pts = sorted((r for r in rows if r["series"] == name), key=lambda r: r["x"])
+        ys = [r["y"] if r["y"] is not None else math.nan for r in pts]
+        ax.plot([r["x"] for r in pts], ys, marker="o", color=colors[name])
+        handles.append(Line2D([], [], marker="o", color=colors[name], label=name))
+    return handles
+
+
+def _draw_strip(
+    strip, rows: list[dict], lanes: list[str], colors: dict, markers: Mapping
+) -> set[str]:
+    """Points without a number as labelled markers, a lane per series, off the value axis;
+    returns the statuses drawn."""
+    used: set[str] = set()
+    for r in rows:
+        status = r["status"] if r["status"] != "ok" else "no_single"
+        text, marker, _ = markers.get(status, (status, "o", "black"))
+        lane, color = lanes.index(r["series"]), colors[r["series"]]
+        strip.scatter([r["x"]], [lane], marker=marker, color=color, s=40, zorder=3)
+        strip.annotate(
+            text,
+            (r["x"], lane),
+            xytext=(6, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+            color=color,
+        )
+        used.add(status)
+    strip.set_ylim(len(lanes) - 0.5, -0.5)
+    strip.set_yticks(range(len(lanes)), lanes, fontsize=7)
+    strip.set_ylabel("no number", fontsize=8)
+    return used
+
+
+def line_figure(
     rows: list[dict],
-    path: str | Path,
     *,
     title: str,
     xlabel: str,
@@ -446,51 +695,27 @@ def line_plot(
     reference: dict[str, list[tuple[float, float]]] | None = None,
     hline: float | None = None,
     xtick_label: Callable[[float], str] = str,
-) -> Path:
+    markers: Mapping[str, tuple[str, str, str]] = MARKERS,
+) -> Figure:
     """Lines of y vs x (log2 x axis), one per series; points without a number are labelled
-    markers near the bottom, never zeros, so a failure cannot pass for a slow point.
+    markers in a strip under the value axis, never values on it, so a failure or a missing
+    baseline cannot pass for a slow point.
 
     rows: dicts with series, x, status and y (a number only for ok points; an ok row with y None
-    shows as 'no_single'). reference: dashed black lines by name; hline: a dashed level.
+    shows as 'no_single'). reference: dashed black lines by name; hline: a dashed level;
+    markers: status -> (label, marker, color) of the points without a number.
     """
     names = sorted({r["series"] for r in rows}, key=series_order)
+    colors = _series_colors(names)
+    blank = [r for r in rows if r["y"] is None]
+    lanes = [n for n in names if any(r["series"] == n for r in blank)]
+    fig = Figure(figsize=(8.0, 5.0 + (0.4 + STRIP_LANE_INCHES * len(lanes) if lanes else 0.0)))
+    ax, strip = _line_axes(fig, len(lanes))
+    handles = _draw_lines(ax, rows, names, colors)
+    used = _draw_strip(strip, blank, lanes, colors, markers) if strip is not None else set()
     ys = [r["y"] for r in rows if r["y"] is not None]
     ys += [y for pts in (reference or {}).values() for _, y in pts]
     top = max([*ys, hline or 0.0] or [1.0]) or 1.0
-    xs_all = sorted({r["x"] for r in rows})
-    fig = Figure(figsize=(8.0, 5.0))
-    ax = fig.subplots()
-    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "viridis"]
-    handles: list = []
-    used: set[str] = set()
-    for si, name in enumerate(names):
-        color = cmap(si if len(names) <= 10 else si / (len(names) - 1))
-        pts = sorted((r for r in rows if r["series"] == name), key=lambda r: r["x"])
-        ax.plot(
-            [r["x"] for r in pts],
-            [r["y"] if r["y"] is not None else math.nan for r in pts],
-            marker="o",
-            color=color,
-        )
-        handles.append(Line2D([], [], marker="o", color=color, label=name))
-        shift = 2 ** ((si - (len(names) - 1) / 2) * 0.04)
-        for r in pts:
-            if r["y"] is not None:
-                continue
-            status = r["status"] if r["status"] != "ok" else "no_single"
-            text, marker, _ = MARKERS.get(status, (status, "o", "black"))
-            used.add(status)
-            ax.scatter([r["x"] * shift], [0.03 * top], marker=marker, color=color, s=50, zorder=3)
-            ax.text(
-                r["x"] * shift,
-                0.07 * top,
-                text,
-                rotation=90,
-                ha="center",
-                va="bottom",
-                fontsize=8,
-                color=color,
-            )
     for name, pts in (reference or {}).items():
         pts = sorted(pts)
         ax.plot([x for x, _ in pts], [y for _, y in pts], "k--", marker=".")
@@ -498,30 +723,38 @@ def line_plot(
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
     for status in sorted(used):
-        text, marker, _ = MARKERS.get(status, (status, "o", "black"))
+        text, marker, _ = markers.get(status, (status, "o", "black"))
         handles.append(Line2D([], [], marker=marker, color="gray", linestyle="", label=text))
+    xs_all = sorted({r["x"] for r in rows})
+    bottom = strip if strip is not None else ax
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs_all, [xtick_label(x) for x in xs_all])
-    ax.minorticks_off()
+    bottom.set_xticks(xs_all, [xtick_label(x) for x in xs_all])
+    bottom.minorticks_off()
     ax.set_xlim(xs_all[0] / 2**0.4, xs_all[-1] * 2**0.4)
     ax.set_ylim(0, 1.15 * top)
-    ax.set_xlabel(xlabel)
+    bottom.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return fig
+
+
+def line_plot(rows: list[dict], path: str | Path, **kwargs: Any) -> Path:
+    """line_figure(rows, **kwargs) saved as a PNG at path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    line_figure(rows, **kwargs).savefig(path, dpi=100, bbox_inches="tight")
     return path
 
 
-def efficiency_plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Per (framework, GPUs, mode, shape, impl, mask): efficiency % vs tokens per GPU."""
+def efficiency_plots(rows: list[dict], keyed: Mapping[str, dict], out_dir: Path) -> list[Path]:
+    """Per (framework, devices, mode, shape, impl, mask): efficiency % vs tokens per device."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(*_table_group(r), r["mask"])].append(r)
     paths = []
     for (fw, n, mode, shp, impl, mask), members in sorted(groups.items(), key=_group_order):
+        noun = _noun(members, keyed)
         pts = [
             {
                 "series": series(r),
@@ -531,23 +764,26 @@ def efficiency_plots(rows: list[dict], out_dir: Path) -> list[Path]:
             }
             for r in members
         ]
+        no_rate = (f"no single-{noun.one} rate", *MARKERS["no_single"][1:])
         paths.append(
             line_plot(
                 pts,
                 out_dir / "plots" / f"{slug(f'eff_{fw}_x{n}_{mode}_{mask}_{shp}_{impl}')}.png",
-                title=f"{fw} x{n} GPUs, attn-{mode}, {mask} mask\n{shp}, impl {impl}",
-                xlabel="tokens per GPU",
-                ylabel="efficiency % (per-GPU / single-GPU TFLOP/s)",
+                title=f"{fw} x{n} {noun.many}, attn-{mode}, {mask} mask\n{shp}, impl {impl}",
+                xlabel=f"tokens per {noun.one}",
+                ylabel=f"efficiency % (per-{noun.one} / single-{noun.one} TFLOP/s)",
                 hline=100.0,
                 xtick_label=plots.seqlen_label,
+                markers={**MARKERS, "no_single": no_rate},
             )
         )
     return paths
 
 
-def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Per (framework, mode, shape, impl, mask, tokens/GPU) run on 2+ GPU counts: per-GPU
-    TFLOP/s vs GPUs, with the single-GPU rate measured in each run as a dashed reference."""
+def scaling_plots(rows: list[dict], keyed: Mapping[str, dict], out_dir: Path) -> list[Path]:
+    """Per (framework, mode, shape, impl, mask, tokens/device) run on 2+ device counts:
+    per-device TFLOP/s vs devices, with the single-device rate measured in each run as a dashed
+    reference."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[
@@ -557,6 +793,7 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     for (fw, mode, shp, impl, mask, tokens), members in sorted(groups.items(), key=_group_order):
         if len({r["num_gpus"] for r in members}) < 2:
             continue
+        noun = _noun(members, keyed)
         single: dict[int, list[float]] = defaultdict(list)
         for r in members:
             if r["single_gpu_tflops"]:
@@ -567,11 +804,11 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
             tflops_vs_gpus(
                 members,
                 out_dir / "plots" / f"{slug(name)}.png",
-                title=f"{fw} attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} tokens/GPU\n"
-                f"{shp}, impl {impl}",
-                xlabel="GPUs",
-                ylabel="per-GPU TFLOP/s (median)",
-                reference={"single GPU, per-GPU problem": ref} if ref else None,
+                title=f"{fw} attn-{mode}, {mask} mask, {plots.seqlen_label(tokens)} "
+                f"tokens/{noun.one}\n{shp}, impl {impl}",
+                xlabel=noun.many,
+                ylabel=f"per-{noun.one} TFLOP/s (median)",
+                reference={f"single {noun.one}, per-{noun.one} problem": ref} if ref else None,
             )
         )
     return paths
@@ -586,7 +823,8 @@ def tflops_vs_gpus(
     ylabel: str,
     reference: dict[str, list[tuple[float, float]]] | None,
 ) -> Path:
-    """Per-GPU TFLOP/s vs GPUs, a line per strategy/layout; points without a number labelled."""
+    """Per-device TFLOP/s vs devices, a line per strategy/layout; points without a number
+    labelled."""
     pts = [
         {
             "series": series(r),
@@ -611,10 +849,11 @@ def write_cp_report(records: list[dict], paths: Sequence[str], out_dir: Path) ->
     """Every artefact of the CP records into out_dir: cp_report.md, cp_results.csv, plots;
     returns their paths."""
     rows = cp_rows(records)
+    keyed = by_key(records)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out_dir / "cp_results.csv", COLUMNS)
-    eff = efficiency_plots(rows, out_dir)
-    scaling = scaling_plots(rows, out_dir)
+    eff = efficiency_plots(rows, keyed, out_dir)
+    scaling = scaling_plots(rows, keyed, out_dir)
     md = write_markdown(rows, records, paths, out_dir, eff + scaling)
     return {"markdown": md, "csv": csv_path, "efficiency_plots": eff, "scaling_plots": scaling}
 

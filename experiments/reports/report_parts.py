@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
+import shlex
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from experiments.core.results import latest_by_key, read_json_lines
 from experiments.reports import legacy_tune
@@ -53,6 +55,72 @@ PLACEMENT_FIELDS = (
     "simulated",
     "link",
 )
+
+
+GPU_BACKENDS = ("gpu", "cuda")  # what provenance records as a framework's backend on a GPU
+
+
+class DeviceNoun(NamedTuple):
+    """How the reports name the devices of a run: many ("x8 GPUs"), one ("tokens/GPU")."""
+
+    many: str
+    one: str
+
+
+GPUS = DeviceNoun("GPUs", "GPU")
+VIRTUAL_CPU_DEVICES = DeviceNoun("virtual CPU devices", "device")  # JAX's host-platform devices
+GLOO_RANKS = DeviceNoun("gloo ranks", "rank")  # torch CP on a CPU: processes over gloo
+CPU_DEVICES = DeviceNoun("CPU devices", "device")
+DEVICES = DeviceNoun("devices", "device")  # unknown, or GPUs mixed with CPUs
+CPU_NOUNS = {"jax": VIRTUAL_CPU_DEVICES, "torch": GLOO_RANKS}
+
+
+def run_backend(rec: dict) -> str | None:
+    """The backend a record's framework ran on (cpu, gpu, cuda), from its provenance."""
+    devices = (rec.get("provenance") or {}).get("devices") or {}
+    return (devices.get(rec["point"]["framework"]) or {}).get("backend")
+
+
+def _record_noun(rec: dict) -> DeviceNoun:
+    """The devices of one record; simulated CP models GPUs, so it keeps that name."""
+    backend = run_backend(rec)
+    if rec["point"].get("simulated") or backend in GPU_BACKENDS:
+        return GPUS
+    if backend == "cpu":
+        return CPU_NOUNS.get(rec["point"]["framework"], CPU_DEVICES)
+    return DEVICES
+
+
+def device_noun(records: Iterable[dict]) -> DeviceNoun:
+    """What a group of records ran on, as the reports name it, so that a CPU run never reads
+    as GPUs: GPUs only for CUDA devices and simulated CP, CPU devices for a mix of CPU kinds,
+    devices when unknown or mixed with GPUs."""
+    nouns = {_record_noun(r) for r in records}
+    if len(nouns) == 1:
+        return nouns.pop()
+    if nouns and nouns <= {VIRTUAL_CPU_DEVICES, GLOO_RANKS, CPU_DEVICES}:
+        return CPU_DEVICES
+    return DEVICES
+
+
+def recorded_commands(records: Iterable[dict]) -> list[str]:
+    """The distinct commands that wrote the records (their provenance argv), first seen first."""
+    argvs = (tuple((r.get("provenance") or {}).get("argv") or ()) for r in records)
+    return list(dict.fromkeys(f"python {shlex.join(argv)}" for argv in argvs if argv))
+
+
+def command_lines(records: Iterable[dict]) -> list[str]:
+    """Markdown list lines naming the command(s) that produced the results."""
+    commands = recorded_commands(records)
+    if not commands:
+        return ["- command: not recorded"]
+    if len(commands) == 1:
+        return [f"- command: `{commands[0]}`"]
+    head = (
+        f"- commands ({len(commands)} runs wrote these results; a --framework=both run records "
+        "one command per framework):"
+    )
+    return [head, *(f"  - `{c}`" for c in commands)]
 
 
 def results_paths(results: ResultsPaths) -> list[Path]:

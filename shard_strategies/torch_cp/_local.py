@@ -15,11 +15,12 @@ import torch
 
 import torch_attn
 from attn_masks import Mask
+from shard_strategies.plan import default_local_impl
 
 
 def default_impl(device: torch.device) -> str:
     """FlexAttention on CUDA (every mask, block skipping), the naive kernel elsewhere."""
-    return "flex" if device.type == "cuda" else "naive"
+    return default_local_impl("torch", device.type == "cuda")
 
 
 def local_attention(
