@@ -32,7 +32,8 @@ def reference_attention(
 ) -> ReferenceResult:
     """Exact attention in float64 on the dense mask; with `dout`, also dq, dk, dv.
 
-    Rows that see no key give output 0 and LSE -inf (and zero gradients), never NaN.
+    Rows that see no key give output 0 and LSE -inf (and zero gradients), never NaN; a row
+    that reads a NaN input is NaN (docs/api.md, Non-finite inputs).
     """
     group = check_attention_shapes(np.shape(q), np.shape(k), np.shape(v), mask)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -46,9 +47,11 @@ def reference_attention(
     m_safe = np.where(np.isfinite(m), m, 0.0)
     e = np.where(visible, np.exp(s - m_safe), 0.0)
     denom = e.sum(axis=-1, keepdims=True)
-    p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
-    with np.errstate(divide="ignore"):
-        lse = np.where(denom[..., 0] > 0, m_safe[..., 0] + np.log(denom[..., 0]), -np.inf)
+    seen = visible.any(axis=-1, keepdims=True)  # from the mask, so a NaN input stays NaN
+    p = np.where(seen, e / np.where(seen, denom, 1.0), 0.0)
+    lse = np.where(
+        seen[..., 0], m_safe[..., 0] + np.log(np.where(seen, denom, 1.0)[..., 0]), -np.inf
+    )
     out = np.einsum("bhqk,bkhd->bqhd", p, vr)
     if dout is None:
         return ReferenceResult(out, lse)

@@ -6,7 +6,9 @@
 Small problems (lengths that divide no tile, GQA and MHA, Sq != Sk) on which each impl's out,
 LSE, dq, dk and dv (for the loss <out, dout> + <lse, dlse>) are compared with exact float64
 attention of the same rounded inputs; one line per case, then a summary. The shared Triton kernel
-is also compared between its two front ends on identical inputs. Exit status 1 if any case fails.
+is also compared between its two front ends on identical inputs. One NaN case per impl checks the
+NaN contract of docs/api.md (a NaN in one q row and in k at one key): ok, FAIL, or "documented"
+for the impls documented to break it. Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ OWN_KERNELS = {"jax": ("pallas", "mosaic", "triton"), "torch": ("triton",)}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 SEQLEN = 700  # divides neither 64 nor 128: every kernel sees ragged edge tiles
 TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks launch
+NAN_MASK = "causal"  # rows before the NaN key cannot see it, rows after it must turn NaN
+# (framework, impl, device) that docs/api.md documents as breaking the NaN contract
+NAN_DOCUMENTED = frozenset({("torch", "flex", "cpu")})
 
 FLAGS = flags.FLAGS
 
@@ -303,6 +308,137 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tup
     return status, f"{status:<11} {head}  {' '.join(parts)}  {took:.1f}s{note}"
 
 
+def nan_cases(
+    framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()
+) -> list[tuple[str, Case]]:
+    """(impl, case) of the NaN section: every impl once, on the main dtype, heads and head dim."""
+    from experiments.runners import frameworks
+
+    case = Case(NAN_MASK, s, s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
+    return [(impl, case) for impl in frameworks.impl_names(framework) if not only or impl in only]
+
+
+def nan_positions(case: Case) -> dict[str, tuple[int, int, int, int]]:
+    """Where the NaN case puts its NaNs: q row Sq/3 of query head 1 (KV head 0) and k key Sk/2
+    of KV head 1 (read by query heads 2 and 3 under GQA 4:2)."""
+    return {"q": (0, case.seqlen_q // 3, 1, 5), "k": (0, case.seqlen_k // 2, 1, 7)}
+
+
+def nan_rows(mask: Mask, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(must, may) (B, Sq, Hq) bool: the rows that read a NaN, and those the contract lets turn
+    NaN (those plus every row of the NaN key's batch and KV head)."""
+    group = case.heads_q // case.heads_kv
+    b, i, h, _ = nan_positions(case)["q"]
+    kb, j, g, _ = nan_positions(case)["k"]
+    must = np.zeros((1, case.seqlen_q, case.heads_q), bool)
+    must[b, i, h] = mask.dense()[i].any()
+    kv_heads = slice(g * group, (g + 1) * group)
+    must[kb, :, kv_heads] |= mask.dense()[:, j, None]
+    may = must.copy()
+    may[kb, :, kv_heads] = True
+    return must, may
+
+
+def _nan_out(framework: str, impl: str, mask: Mask, x: dict, dtype: str) -> np.ndarray:
+    """The impl's plain forward (no LSE, no gradients: the call most users make) in float32."""
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        import jax_attn
+
+        q, k, v = (jnp.asarray(x[n]).astype(dtype) for n in "qkv")
+        out = jax.jit(lambda q, k, v: jax_attn.attention(q, k, v, mask, impl=impl))(q, k, v)
+        return np.asarray(out.astype(jnp.float32))
+    import torch
+
+    import torch_attn
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.tensor(x[n], device=dev).to(getattr(torch, dtype)) for n in "qkv")
+    with torch.no_grad():
+        return torch_attn.attention(q, k, v, mask, impl=impl).float().cpu().numpy()
+
+
+def nan_problems(got: np.ndarray, want: np.ndarray, mask: Mask, case: Case) -> list[str]:
+    """How `got` breaks the NaN contract against the oracle `want` of the clean inputs (empty
+    list: it keeps it): rows that read a NaN but are finite, NaN rows the contract does not
+    allow, finite rows that read no NaN off the oracle."""
+    must, may = nan_rows(mask, case)
+    nan = np.isnan(got).any(axis=-1)
+    problems = []
+    if (must & ~nan).any():
+        problems.append(f"{(must & ~nan).sum()} of {must.sum()} rows that read a NaN are finite")
+    if (nan & ~may).any():
+        problems.append(f"{(nan & ~may).sum()} rows that cannot reach a NaN are NaN")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
+    clean = ~nan & ~must
+    err = relative_error("out", got[clean], want[clean]) if clean.any() else 0.0
+    if not err <= tolerance(short, on_gpu=True):
+        problems.append(f"finite rows: out {err:.2e} off the oracle")
+    return problems
+
+
+def nan_verdict(problems: list[str], documented: bool) -> tuple[str, str]:
+    """(status, note): ok, documented (breaks the contract as docs/api.md says) or FAIL (breaks
+    it undocumented, or keeps it while documented not to: then the docs are stale)."""
+    if problems and documented:
+        return "documented", f"breaks the NaN contract (documented): {'; '.join(problems)}"
+    if problems:
+        return "FAIL", f"breaks the NaN contract: {'; '.join(problems)}"
+    if documented:
+        return "FAIL", "keeps the NaN contract, documented as breaking it: update docs/api.md"
+    return "ok", "keeps the NaN contract"
+
+
+def run_nan_case(framework: str, impl: str, case: Case) -> tuple[str, str]:
+    """(status, line) of the NaN case: ok, FAIL, documented, unsupported or ERROR."""
+    head = f"{framework:<5} {impl:<13} {case.label}"
+    try:
+        mask = build_mask(case)
+        verdict = _supports(framework, impl, mask, case, (False, False))
+        if verdict is not True:
+            return "unsupported", f"{'unsupported':<11} {head}  NaN case: {verdict}"
+        x = {n: a for n, a in inputs(case).items() if n in "qkv"}
+        t0 = time.monotonic()
+        got = _nan_out(framework, impl, mask, _with_nans(x, case), case.dtype)
+        took = time.monotonic() - t0
+        clean = {n: _rounded(a, case.dtype) for n, a in x.items()}
+        want = oracle(clean["q"], clean["k"], clean["v"], mask).out
+        documented = (framework, impl, _device(framework)) in NAN_DOCUMENTED
+        status, note = nan_verdict(nan_problems(got, want, mask, case), documented)
+    except Exception as err:  # a crash is a finding to report, not a reason to stop
+        return "ERROR", f"{'ERROR':<11} {head}  NaN case: {type(err).__name__}: {str(err)[:300]}"
+    return status, f"{status:<11} {head}  NaN case: {note}  {took:.1f}s"
+
+
+def _device(framework: str) -> str:
+    """Where the framework's impls run in this process: gpu or cpu."""
+    if framework == "jax":
+        import jax
+
+        return "gpu" if jax.default_backend() == "gpu" else "cpu"
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def _with_nans(x: dict[str, np.ndarray], case: Case) -> dict[str, np.ndarray]:
+    """Copies of q, k, v with the NaN case's NaNs in place."""
+    out = {n: a.copy() for n, a in x.items()}
+    for name, at in nan_positions(case).items():
+        out[name][at] = np.nan
+    return out
+
+
+def _rounded(a: np.ndarray, dtype: str) -> np.ndarray:
+    """a rounded to `dtype` (to nearest even, as the frameworks convert) and back to float32."""
+    import ml_dtypes
+
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    return a.astype(kind).astype(np.float32)
+
+
 def worker(
     framework: str,
     save_dir: str | None,
@@ -316,6 +452,10 @@ def worker(
     counts: Counter = Counter()
     for impl, case in cases(framework, seqlen, only)[shard::shards]:
         status, line = run_case(framework, impl, case, save_dir)
+        counts[status] += 1
+        print(line, flush=True)
+    for impl, case in nan_cases(framework, seqlen, only)[shard::shards]:
+        status, line = run_nan_case(framework, impl, case)
         counts[status] += 1
         print(line, flush=True)
     print(f"SUMMARY {framework} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from attn_masks import Mask
 
 from .adapters import ADAPTERS, Unsupported, make_request
-from .adapters.common import host_arrays
+from .adapters.common import check_finite_inputs, host_arrays
 from .mask_arrays import MaskArrays
 
 IMPLS = ("reference", "pallas", "mosaic", "xla", "cudnn", "pallas_mha", "mosaic_mha", "triton")
@@ -120,11 +120,16 @@ def attention(
     impl: str = "pallas",
     scale: float | None = None,
     return_lse: bool = False,
+    check_finite: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Masked attention: q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,Hq,D) [, lse (B,Hq,Sq)].
 
     lse is float32 natural log, -inf on rows that see no key (their output is 0). Differentiable.
     Raises Unsupported (a ValueError) before any work when `impl` cannot compute the input.
+    NaN inputs give NaN on the rows that read them (docs/api.md, "Non-finite inputs").
+    check_finite=True first raises ValueError naming each of q, k, v that holds NaN or inf and
+    how many; under jax.jit it is a jax.experimental.checkify check (wrap the jitted function in
+    checkify.checkify and call err.throw(); without that, jit refuses to compile it).
     """
     _check_impl(impl)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
@@ -142,6 +147,8 @@ def attention(
     )
     if reason is not True:
         raise Unsupported(reason)
+    if check_finite:
+        check_finite_inputs(q, k, v)
     out, lse = ADAPTERS[impl].run(q, k, v, mask, scale=scale, return_lse=bool(return_lse))
     return (out, lse) if return_lse else out
 

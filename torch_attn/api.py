@@ -11,6 +11,7 @@ from . import triton as triton_impl
 from .common import (
     Problem,
     Unsupported,
+    check_finite_inputs,
     check_inputs,
     default_scale,
     problem_of,
@@ -45,7 +46,8 @@ _NOTES = {
     "sdpa_cudnn": "SDPA cuDNN backend (CUDA only); full or square causal only; LSE by a separate "
     "masked logsumexp pass",
     "flex": "torch.compile(flex_attention), BlockMask from the mask's block map, interval "
-    "mask_mod; LSE from the kernel; CPU: forward only, uncompiled for fp64 or return_lse",
+    "mask_mod; LSE from the kernel; CPU: forward only, uncompiled for fp64 or return_lse (the "
+    "compiled CPU kernel hides NaN inputs: docs/api.md, Non-finite inputs)",
     "triton": "triton_attn's block-sparse flash kernels (the same Triton source as jax_attn's "
     "triton): tile lists from the block map, interval mask on partial tiles, GQA without "
     "repeating K/V; LSE from the kernel; CUDA, or CPU under TRITON_INTERPRET=1",
@@ -122,18 +124,24 @@ def attention(
     impl: str = "sdpa",
     scale: float | None = None,
     return_lse: bool = False,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked attention: q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,Hq,D) [, lse (B,Hq,Sq)].
 
     lse is the natural-log log-sum-exp of the scaled scores over visible keys, fp32 (fp64 for
     fp64 inputs), -inf on rows with no visible key (whose output is 0). Differentiable. Raises
     Unsupported (a ValueError) before any work if `impl` cannot compute `mask` for these inputs.
+    NaN inputs give NaN on the rows that read them (docs/api.md, "Non-finite inputs"), except in
+    flex's compiled CPU kernel; check_finite=True raises ValueError first, naming each of q, k, v
+    that holds NaN or inf and how many (one pass over the inputs and a device sync).
     """
     _check_impl(impl)
     check_inputs(q, k, v, mask)
     verdict = _supports(impl, mask, problem_of(q, k, v))
     if verdict is not True:
         raise Unsupported(f"{impl}: {verdict}")
+    if check_finite:
+        check_finite_inputs(q, k, v)
     scale = default_scale(q, scale)
     lse = None
     if impl == "naive":

@@ -64,6 +64,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
+def non_finite_message(counts: dict[str, int]) -> str | None:
+    """The check_finite error naming each input that holds NaN or inf and how many, else None."""
+    bad = [f"{name} holds {n} NaN/inf value{'s' * (n != 1)}" for name, n in counts.items() if n]
+    return f"check_finite: {', '.join(bad)}" if bad else None
+
+
+def check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError if q, k or v holds NaN or inf (opt-in: one pass and one device sync)."""
+    counts = {n: int(torch.isfinite(x).logical_not().sum()) for n, x in zip("qkv", (q, k, v))}
+    message = non_finite_message(counts)
+    if message:
+        raise ValueError(message)
+
+
 def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
     """The Problem of an actual call (backward = autograd will need gradients)."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))

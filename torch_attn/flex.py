@@ -13,9 +13,10 @@ benchmarks may call backward(retain_graph=True) repeatedly.
 CPU (torch 2.11-2.13): the compiled CPU kernel only does inference in fp32/fp16/bf16 without
 LSE; for fp64 inputs or return_lse=True the adapter runs flex_attention uncompiled (torch's
 unfused reference implementation of flex, same semantics, materialises the scores); flex has no
-backward on CPU at all, so a CPU call that needs gradients is Unsupported. Should compiling fail
-on a CPU (no C++ toolchain), CPU calls fall back to the uncompiled path with a warning and
-`cpu_compile_error()` says why.
+backward on CPU at all, so a CPU call that needs gradients is Unsupported. The compiled CPU kernel
+returns rows that read a NaN in q or k finite (docs/api.md, "Non-finite inputs"). Should
+compiling fail on a CPU (no C++ toolchain), CPU calls fall back to the uncompiled path with a
+warning and `cpu_compile_error()` says why.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from attn_masks import MODES, Mask, MaskPattern, classify
 from attn_masks.cache import MaskCache
@@ -182,6 +183,39 @@ def intervals_only(mask: Mask) -> MaskArrays:
         block_q=DEFAULT_BLOCK,
         block_k=DEFAULT_BLOCK,
     )
+
+
+def _non_finite_per_row(x: jax.Array) -> jax.Array:
+    """(B, S) NaN/inf counts of x (B, S, H, D): per row, so int32 cannot overflow on long inputs."""
+    return jnp.sum(~jnp.isfinite(x), axis=(2, 3), dtype=jnp.int32)
+
+
+def _raise_non_finite(rows: list[jax.Array]) -> None:
+    """Raise ValueError naming each input whose per-row counts (concrete) hold NaN/inf values."""
+    counts = {n: int(np.asarray(r, np.int64).sum()) for n, r in zip("qkv", rows)}
+    bad = [f"{name} holds {c} NaN/inf value{'s' * (c != 1)}" for name, c in counts.items() if c]
+    if bad:
+        raise ValueError(f"check_finite: {', '.join(bad)}")
+
+
+def _checkify_non_finite(rows: list[jax.Array]) -> None:
+    """The same check on traced counts, as a checkify check (a trace cannot raise on values)."""
+    all_finite = jnp.stack([jnp.all(r == 0) for r in rows]).all()
+    message = "check_finite: NaN/inf values held by q: {}, k: {}, v: {}"
+    checkify.check(all_finite, message, *(jnp.sum(r) for r in rows))
+
+
+def check_finite_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """Raise ValueError naming each of q, k, v that holds NaN or inf and how many.
+
+    On traced inputs (jax.jit) it is a jax.experimental.checkify check instead, which jit
+    refuses to compile unless the caller functionalizes it with checkify.checkify.
+    """
+    rows = [_non_finite_per_row(x) for x in (q, k, v)]
+    if any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
+        _checkify_non_finite(rows)
+    else:
+        _raise_non_finite(rows)
 
 
 _ARRAYS = MaskCache(size=32)
