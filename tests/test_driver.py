@@ -322,8 +322,8 @@ def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
     assert _run_in_process([*args, f"--out_dir={out_dir}"]) == 1
     out, err = capsys.readouterr()
     assert err.splitlines()[0] == (
-        f"FATAL Flags parsing error: --out_dir={str(out_dir)!r}: cannot create or write this "
-        "folder (Not a directory)"
+        f"FATAL Flags parsing error: --out_dir={str(out_dir)!r}: cannot create this folder "
+        "(Not a directory); expected one that can be created"
     ), err
     assert "to run." not in out and not out_dir.exists()
 

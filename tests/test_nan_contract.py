@@ -53,12 +53,8 @@ NON_FINITE_MESSAGE = "check_finite: q holds 1 NaN/inf value, v holds 2 NaN/inf v
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small CPU problems: one intra-op thread is fastest and avoids oversubscribing CI cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (tests/conftest.py says why)."""
 
 
 def clean_inputs(batch: int = 2, head_dim: int = D) -> dict[str, np.ndarray]:

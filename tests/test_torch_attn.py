@@ -36,12 +36,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small CPU problems: one intra-op thread is fastest and avoids oversubscribing CI cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (tests/conftest.py says why)."""
 
 
 # ---------------------------------------------------------------- masks built from slices

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import sys
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from experiments.core.results import (
     OutDirBusy,
     ResultsStore,
     check_lines,
+    folder_problem,
     latest_by_key,
     locked_out_dir,
 )
@@ -427,14 +427,9 @@ def _stopped(error: OutDirBusy | AppendFailed) -> int:
 
 def check_out_dir(out_dir: str) -> None:
     """Create the output folder and try a write in it; a UsageError names it if either fails."""
-    try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir):
-            pass
-    except OSError as e:
-        raise app.UsageError(
-            f"--out_dir={out_dir!r}: cannot create or write this folder ({e.strerror or e})"
-        ) from None
+    problem = folder_problem(out_dir)
+    if problem:
+        raise app.UsageError(f"--out_dir={out_dir!r}: {problem}")
 
 
 def execute(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> int:

@@ -10,6 +10,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -77,6 +78,24 @@ _skipped_lines = _SkippedLines()
 def leave_skipped_lines_to_parent() -> None:
     """In a run's worker: say nothing of skipped lines, the parent run reports them once."""
     _skipped_lines.enabled = False
+
+
+def folder_problem(path: str | os.PathLike) -> str | None:
+    """Why files cannot be written in folder `path` (created if missing), or None: it is a
+    file, it cannot be created, or a trial file cannot be written in it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return "is a file; expected a folder (or a path for one)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create this folder ({e.strerror or e}); expected one that can be created"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"cannot write in this folder ({e.strerror or e}); expected a writable folder"
+    return None
 
 
 def _jsonable(x: object) -> object:

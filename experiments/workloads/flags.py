@@ -11,11 +11,11 @@ their meaning where it applies: --seqlen (one value: the total packed length), -
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 from absl import flags
+
+from experiments.core.results import folder_problem
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -247,23 +247,9 @@ def check_folders(cfgs: list[TrainConfig]) -> None:
 def _writable_folder(name: str, path: str) -> None:
     """Create folder `path` (flag --name) if missing and check that files can be written in it;
     ValidationError naming the value and what is expected otherwise."""
-    flag = f"--{name}={path}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise flags.ValidationError(f"{flag}: is a file; expected a folder (or a path for one)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise flags.ValidationError(
-            f"{flag}: cannot create this folder ({e.strerror}); expected a folder that exists "
-            "or can be created"
-        ) from None
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise flags.ValidationError(
-            f"{flag}: cannot write in this folder ({e.strerror}); expected a writable folder"
-        ) from None
+    problem = folder_problem(path)
+    if problem:
+        raise flags.ValidationError(f"--{name}={path}: {problem}")
 
 
 def default_out_dir(cp: str | None) -> str:
