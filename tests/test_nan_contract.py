@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from jax.experimental import checkify
+from triton_interpreter import rerun_interpreted
 
 import jax_attn
 import torch_attn
@@ -178,14 +176,8 @@ def test_nan_rows_follow_the_mask(framework: str, impl: str, where: str, return_
 @pytest.mark.skipif(INTERPRETED, reason="the triton cases run in this process")
 def test_torch_triton_in_interpreter():
     """Rerun the torch triton cases with TRITON_INTERPRET=1 (set before triton is imported)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "pytest", "-rA", "-p", "no:xdist", "-p", "no:cacheprovider"]
-    cmd += ["-k", "torch-triton", __file__]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("PASSED") == 6, proc.stdout[-3000:]
+    out = rerun_interpreted(__file__, "-rA", "-k", "torch-triton", timeout=300)
+    assert out.count("PASSED") == 6, out[-3000:]
 
 
 @pytest.mark.skipif(

@@ -9,17 +9,16 @@ JAX front end (jax_triton): GPU only, plus the CPU answer of supports().
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zlib
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
+
+from triton_interpreter import rerun_interpreted  # noqa: E402
 
 import torch_attn  # noqa: E402
 from attn_masks import Mask, MaskType, from_slices, make_mask, reference_attention  # noqa: E402
@@ -40,14 +39,7 @@ kernels_here = pytest.mark.skipif(
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernels run in this process")
 def test_cpu_interpreter():
     """Rerun this module with TRITON_INTERPRET=1 (set before triton is imported)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
-    proc = subprocess.run(
-        [*cmd, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rerun_interpreted(__file__, "-q", timeout=600)
 
 
 def causal(sq: int, sk: int) -> Mask:
