@@ -1,0 +1,97 @@
+"""One forward+backward of the shared Triton kernels through one front end, for Nsight Compute.
+
+    ncu --profile-from-start off --clock-control none --metrics <list> --csv \
+        python experiments/profile_triton_call.py --front_end=jax
+
+Two untimed calls compile and warm up; the third runs between cudaProfilerStart and Stop, so ncu
+sees exactly that call's kernels. --dkdv overrides the dK/dV launch config (half precision at
+the head dim given) to compare one kernel's configs from both front ends.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("front_end", "torch", ["torch", "jax"], "Which front end launches the kernels.")
+flags.DEFINE_string("mask", "full", "Mask name.")
+flags.DEFINE_integer("seqlen", 16384, "Query and key length.", lower_bound=128)
+flags.DEFINE_string("heads", "64:8", "Query heads:KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dim.", lower_bound=32, upper_bound=256)
+flags.DEFINE_list("dkdv", None, "dK/dV launch config block_q,block_k,num_warps,num_stages.")
+
+
+def _override_dkdv(config: list[str]) -> None:
+    """Make `config` the half-precision dK/dV default at --head_dim (both front ends read it)."""
+    from triton_attn import launch
+
+    key = (max(64, launch.block_d(FLAGS.head_dim)), False)
+    fwd, _, dq = launch._DEFAULTS[key]
+    launch._DEFAULTS[key] = (fwd, tuple(int(c) for c in config), dq)
+
+
+def _call(mask, arrays):
+    """A function running one forward+backward of bf16 inputs through --front_end, synced."""
+    import torch
+
+    q, k, v, dout = arrays
+    if FLAGS.front_end == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        import jax_attn
+
+        jq, jk, jv, jd = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v, dout))
+
+        def loss(q, k, v):
+            out = jax_attn.attention(q, k, v, mask, impl="triton")
+            return jnp.sum(out.astype(jnp.float32) * jd.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return lambda: jax.block_until_ready(grad(jq, jk, jv))
+
+    import torch_attn
+
+    tq, tk, tv = (torch.tensor(a, device="cuda").bfloat16().requires_grad_() for a in (q, k, v))
+    td = torch.tensor(dout, device="cuda").bfloat16()
+
+    def run() -> None:
+        torch_attn.attention(tq, tk, tv, mask, impl="triton").backward(td)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import numpy as np
+    import torch
+
+    from attn_masks import make_mask
+
+    if not torch.cuda.is_available():
+        raise app.UsageError("needs a CUDA GPU")
+    if FLAGS.dkdv:
+        _override_dkdv(FLAGS.dkdv)
+    s, d = FLAGS.seqlen, FLAGS.head_dim
+    hq, hkv = (int(x) for x in FLAGS.heads.split(":"))
+    rng = np.random.default_rng(0)
+    shapes = [(1, s, hq, d), (1, s, hkv, d), (1, s, hkv, d), (1, s, hq, d)]
+    arrays = [rng.standard_normal(x).astype(np.float32) for x in shapes]
+    run = _call(make_mask(FLAGS.mask, s, seed=42), arrays)
+    run()
+    run()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    app.run(main)
