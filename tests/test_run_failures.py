@@ -5,6 +5,7 @@ duplicate record."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shlex
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from test_driver import EIGHT_POINTS, ROOT, RUN, TINY, _fake_record, _records, _run_in_process
+
+from experiments.core.results import LOCK_FILE
 
 REPORT = str(ROOT / "experiments" / "report.py")
 OUT_DIR_BUSY, WRITE_FAILED = 75, 74  # the driver's exit statuses for these failures
@@ -65,6 +68,36 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _freed(lock: Path, seconds: float) -> bool:
+    """Whether the run lock can be taken within `seconds` (the kernel drops it once the last
+    process holding it has closed its files, which a loaded machine may take a moment to do)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+        finally:
+            os.close(fd)
+        time.sleep(0.05)
+
+
+def _holders(path: Path) -> list[str]:
+    """'pid: command' of every process with `path` open (for a failure message)."""
+    found = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path.resolve()):
+                cmd = (fd.parents[1] / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{fd.parents[1].name}: {cmd[:200]}")
+        except OSError:
+            continue
+    return found
 
 
 def _end(*pids: int) -> None:
@@ -132,6 +165,8 @@ def test_killing_the_parent_ends_its_worker_and_frees_the_out_dir(tmp_path, sig)
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(worker), f"worker {worker} outlived its parent"
+        lock = out_dir / LOCK_FILE
+        assert _freed(lock, seconds=20), f"{lock} still held by {_holders(lock)}"
     finally:
         _end(parent.pid, worker)
     tiny = ["--framework=jax", "--impl=reference", "--mask=full", "--mode=fwd", *TINY]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import io
 import os
 import subprocess
@@ -135,7 +136,10 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, monkeypatch, d
     assert damaged.startswith(f"--resume: checkpoint step 4 at {resumed.ckpt_dir}/4 is damaged (")
     assert damaged.endswith("; trying step 2"), damaged
     assert f"Resumed from {resumed.ckpt_dir} at step 2 (deleted damaged step 4)" in lines, lines
-    assert not unraisable, unraisable  # no 'Exception ignored in: <coroutine ...>' either
+    # No 'Exception ignored in: <coroutine ...>' from Orbax's abandoned array reads either (an
+    # unrelated asyncio 'Event loop is closed' at a collection is not Orbax's reads' and may come).
+    abandoned = [u for u in unraisable if inspect.iscoroutine(u.object)]
+    assert not abandoned, abandoned
     assert _step_dirs(resumed.ckpt_dir) == ["4", "6"]  # step 4 written again, then the last
     assert train_step.run(resumed, stream=out).start_step == 6  # both read back
 
