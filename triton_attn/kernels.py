@@ -78,6 +78,28 @@ def _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N
 
 
 @triton.jit
+def _div16(x, DIV16: tl.constexpr, BIT: tl.constexpr):
+    """x, provably a multiple of 16 when bit BIT of DIV16 says the launch found it one (the
+    rounding is exact then; tl.multiple_of has no effect on scalars)."""
+    if (DIV16 >> BIT) & 1:
+        x = (x >> 4) << 4
+    return x
+
+
+@triton.jit
+def _sizes(seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16: tl.constexpr):
+    """The runtime sizes with the launch's divisibility facts (launch.div16), so the compiler
+    vectorises the same loads whichever front end launched the kernel."""
+    return (
+        _div16(seqlen_q, DIV16, 0),
+        _div16(seqlen_k, DIV16, 1),
+        _div16(heads_q, DIV16, 2),
+        _div16(heads_kv, DIV16, 3),
+        _div16(list_width, DIV16, 4),
+    )
+
+
+@triton.jit
 def attn_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -102,8 +124,12 @@ def attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    DIV16: tl.constexpr,
 ):
     """One (q tile, batch x query head): out tile and its LSE over the listed k tiles."""
+    seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
+        seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16
+    )
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads_q).to(tl.int64)
@@ -183,8 +209,12 @@ def attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    DIV16: tl.constexpr,
 ):
     """One (k tile, batch x KV head): dK and dV over the listed q tiles of every group head."""
+    seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
+        seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16
+    )
     k_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads_kv).to(tl.int64)
@@ -266,8 +296,12 @@ def attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    DIV16: tl.constexpr,
 ):
     """One (q tile, batch x query head): dQ over the listed k tiles."""
+    seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
+        seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16
+    )
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads_q).to(tl.int64)
@@ -327,8 +361,11 @@ def attn_bwd_delta_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIV16: tl.constexpr,
 ):
     """One (q tile, batch x query head): delta = rowsum(out * dout) - dlse in fp32."""
+    seqlen_q = _div16(seqlen_q, DIV16, 0)
+    heads_q = _div16(heads_q, DIV16, 1)
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads_q).to(tl.int64)

@@ -185,6 +185,17 @@ def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
     )
 
 
+def div16(scalars: tuple[Any, ...]) -> int:
+    """Bit i set when integer scalar i is a multiple of 16: the fact Triton's own launcher attaches
+    to such arguments and jax-triton does not, passed to both front ends as the DIV16 constexpr
+    so they compile one kernel (triton_attn/NOTES.md, "One kernel from both front ends")."""
+    return sum(
+        1 << i
+        for i, x in enumerate(scalars)
+        if isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x % 16 == 0
+    )
+
+
 def _call(
     shape: Shape,
     tables: MaskTables,
@@ -195,10 +206,11 @@ def _call(
     ieee: bool,
 ) -> Call:
     """The launch of one kernel: its grid, runtime scalars, constexprs, warps and stages."""
+    scalars = _scalars(shape, lists.width, scale)
     return Call(
         grid=grid,
-        scalars=_scalars(shape, lists.width, scale),
-        meta=_meta(shape, tables, cfg, ieee),
+        scalars=scalars,
+        meta={**_meta(shape, tables, cfg, ieee), "DIV16": div16(scalars)},
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -230,13 +242,15 @@ DELTA_ROWS, DELTA_WARPS = 64, 4  # attn_bwd_delta_kernel streams out and dout on
 
 def delta_call(shape: Shape) -> Call:
     """attn_bwd_delta_kernel: one program per (DELTA_ROWS query rows, batch x query head)."""
+    scalars = (shape.seqlen_q, shape.heads_q)
     return Call(
         grid=(cdiv(shape.seqlen_q, DELTA_ROWS), shape.batch * shape.heads_q),
-        scalars=(shape.seqlen_q, shape.heads_q),
+        scalars=scalars,
         meta={
             "BLOCK_M": DELTA_ROWS,
             "BLOCK_D": block_d(shape.head_dim),
             "HEAD_DIM": shape.head_dim,
+            "DIV16": div16(scalars),
         },
         num_warps=DELTA_WARPS,
         num_stages=1,
