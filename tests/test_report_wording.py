@@ -13,6 +13,7 @@ from test_report_cp import _table, _write
 
 from attn_masks.flops import MODE_FACTORS
 from experiments.core.points import Grid, expand
+from experiments.core.provenance import portable_argv
 from experiments.core.sweep import make_record
 from experiments.reports import report, report_cp, report_parts
 
@@ -208,3 +209,20 @@ def test_efficiency_plot_keeps_points_without_a_number_off_the_value_axis(tmp_pa
     drawn = sorted(float(x) for ax in others for c in ax.collections for x, _ in c.get_offsets())
     labels = {t.get_text() for ax in others for t in ax.texts}
     assert drawn == [64.0, 128.0] and labels == {"no single-device rate", "OOM"}
+
+
+def test_recorded_command_names_no_machine_folder(tmp_path):
+    """A run started as /some/checkout/experiments/run.py reads `python experiments/run.py` in
+    the report, whichever machine recorded it; a script outside the repository keeps its path."""
+    elsewhere = ["/srv/ci/checkout-7/experiments/run.py", *ARGV[1:]]
+    md = report.write_report(
+        _write(
+            tmp_path / "r.jsonl",
+            [[record(point("jax", "ring", "default", n=4), "cpu", argv=elsewhere)]],
+        ),
+        tmp_path / "o",
+    )["markdown"]
+    assert f"- command: `python {' '.join(ARGV)}`" in md.read_text()
+    assert "/srv/ci" not in md.read_text()
+    outside = ["/opt/tools/bench.py", "--x=1"]
+    assert portable_argv(outside) == outside

@@ -24,6 +24,22 @@ PACKAGES = (
 )
 
 
+def portable_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """argv with an absolute script path that ends in one of this repository's files (on this
+    machine or the one that recorded it) named relative to the repository root, so a recorded
+    command reads the same everywhere and names no machine's folders."""
+    argv = list(argv)
+    script = Path(argv[0]) if argv else None
+    if script is not None and script.is_absolute():
+        parts = script.parts
+        for start in range(1, len(parts)):
+            tail = Path(*parts[start:])
+            if (REPO_ROOT / tail).is_file():
+                argv[0] = str(tail)
+                break
+    return argv
+
+
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages that affect the numbers (absent ones omitted)."""
     out = {"python": platform.python_version()}
@@ -99,7 +115,7 @@ def collect(flag_values: dict) -> dict[str, object]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "platform": platform.platform(),
-        "argv": sys.argv,
+        "argv": portable_argv(sys.argv),
         "flags": flag_values,
         "devices": {"jax": jax_devices(), "torch": torch_devices()},
     }

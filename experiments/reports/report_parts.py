@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from experiments.core.provenance import portable_argv
 from experiments.core.results import latest_by_key, read_json_lines
 from experiments.reports import legacy_tune
 
@@ -105,7 +106,7 @@ def device_noun(records: Iterable[dict]) -> DeviceNoun:
 
 def recorded_commands(records: Iterable[dict]) -> list[str]:
     """The distinct commands that wrote the records (their provenance argv), first seen first."""
-    argvs = (tuple((r.get("provenance") or {}).get("argv") or ()) for r in records)
+    argvs = (portable_argv((r.get("provenance") or {}).get("argv") or ()) for r in records)
     return list(dict.fromkeys(f"python {shlex.join(argv)}" for argv in argvs if argv))
 
 
