@@ -118,7 +118,7 @@ def point_fields(cfg: TrainConfig, backend: AttentionBackend) -> dict:
         "reference_compat": False,
         "grid": WORKLOAD,
         "model": dataclasses.asdict(m),
-        "data": {**dataclasses.asdict(d), "table": d.table()},
+        "data": {**dataclasses.asdict(d), "table": d.table(), "corpus": d.identity()},
         "optim": dataclasses.asdict(cfg.optim),
         "steps": cfg.steps,
         "warmup": cfg.warmup,
@@ -126,9 +126,11 @@ def point_fields(cfg: TrainConfig, backend: AttentionBackend) -> dict:
 
 
 def fingerprint(cfg: TrainConfig) -> dict:
-    """What a checkpoint must agree with to be resumed."""
+    """What a checkpoint must agree with to be resumed (the corpus too: another Python's
+    standard library gives other batches)."""
     return {
         "model": dataclasses.asdict(cfg.model),
         "data": dataclasses.asdict(cfg.data),
+        "corpus": cfg.data.identity(),
         "optim": dataclasses.asdict(cfg.optim),
     }

@@ -69,9 +69,11 @@ def plot(
     *,
     title: str,
     floor: float | None = None,
+    floor_label: str = "task floor",
 ) -> Path:
-    """Loss by step per label (raw, thin; 20-step moving average, bold), the task's floor as a
-    dashed line, and with several labels a lower panel of each curve minus the first."""
+    """Loss by step per label (raw, thin; 20-step moving average, bold), a reference loss
+    (`floor`, legend `floor_label`) as a dashed line, and with several labels a lower panel of
+    each curve minus the first."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +96,7 @@ def plot(
             diff = [losses[s] - curves[first][s] for s in common]
             bottom.plot(common, diff, color=line.get_color(), linewidth=1.0, label=label)
     if floor is not None:
-        top.axhline(floor, color="gray", linestyle="--", linewidth=1.0, label="task floor")
+        top.axhline(floor, color="gray", linestyle="--", linewidth=1.0, label=floor_label)
     top.set_ylabel(f"training loss (nats; bold: {MOVING_AVERAGE}-step mean)")
     top.set_title(title)
     top.grid(alpha=0.3)

@@ -1,8 +1,10 @@
-"""The train-step workload: a small LM trained on packed synthetic documents, timed per step.
+"""The train-step workload: a small LM trained on packed documents, timed per step.
 
     python experiments/run.py --workload=train_step --steps=50 --cp=ring --layout=zigzag \
         --checkpoint_every=10 [--resume]
 
+Data: the running Python's standard library source as byte tokens, one file per document
+(--lm_data=stdlib, the default), or synthetic per-document alphabets (--lm_data=synthetic).
 Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor), then
 the compiled step runs and is synchronised; that wall time is the step time. Steps that compile
 and the first `warmup` steps are not timed. Reports step time, tokens/s, model TFLOP/s per device
@@ -16,7 +18,6 @@ run with its error record (exit status 1).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -319,8 +320,10 @@ def run_from_flags(flag_values: Any) -> int:
     cfgs = _usable_configs(flag_values, on_gpu)
     if cfgs is None:
         return USAGE_ERROR
-    if not on_gpu and jax.process_index() == 0:
-        print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
+    if jax.process_index() == 0:
+        if not on_gpu:
+            print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
+        print(cfgs[0].data.describe(), flush=True)
     prov = provenance.collect(workload_flags.flag_dict(flag_values))
     by_impl = {cfg.backend().resolved_impl: cfg for cfg in cfgs}
     first = curves.baseline_impl(list(by_impl)) if len(by_impl) > 1 else None
@@ -336,9 +339,13 @@ def run_from_flags(flag_values: Any) -> int:
             baseline = Baseline(impl, logged[impl], rtol)
     if logged and jax.process_index() == 0:
         out_dir = cfgs[0].out_dir
-        floor = math.log(cfgs[0].data.alphabet)
+        floor, floor_label = cfgs[0].data.floor()
         path = curves.plot(
-            logged, f"{out_dir}/loss_curves.png", title=_curve_title(cfgs[0]), floor=floor
+            logged,
+            f"{out_dir}/loss_curves.png",
+            title=_curve_title(cfgs[0]),
+            floor=floor,
+            floor_label=floor_label,
         )
         print(f"Loss curves: {path}", flush=True)
     return code
@@ -363,8 +370,8 @@ def _curve_title(cfg: TrainConfig) -> str:
     m, d = cfg.model, cfg.data
     where = f", CP {cfg.cp} ({cfg.layout})" if cfg.cp else ""
     return (
-        f"train_step: {m.depth}x{m.width} LM, vocab {m.vocab}, S={d.seqlen} x {d.batch}, "
-        f"{m.dtype}{where}"
+        f"train_step: {m.depth}x{m.width} LM, vocab {m.vocab}, {d.source} data, "
+        f"S={d.seqlen} x {d.batch}, {m.dtype}{where}"
     )
 
 
