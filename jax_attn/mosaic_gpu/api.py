@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from attn_masks.shapes import check_attention_shapes
 
+from ..flash_vjp import flash_vjp
 from ..kernel_inputs import TilePadding, pad_axis, padded_intervals, query_tile_walk
 from ..mask_arrays import MaskArrays
 from .backward import flash_attention_mosaic_bwd
@@ -48,8 +49,9 @@ def _bounds(lo: jax.Array, hi: jax.Array, block_q: int) -> jax.Array:
 
 def _forward_padded(
     q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[jax.Array, jax.Array]:
-    """(out (B,Sq,Hq,D), lse (B,Hq,Sq)) of the kernel on inputs padded to whole tiles."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(out (B,Sq,Hq,D), lse (B,Hq,Sq), lse again: the backward takes it unpadded) of the
+    kernel on inputs padded to whole tiles."""
     cfg = static.config
     pad = TilePadding.of(arrays)
     walk = query_tile_walk(arrays, pad)
@@ -65,28 +67,23 @@ def _forward_padded(
         config=cfg,
         interpret=static.interpret or None,
     )
-    return out[:, : pad.seq_q], lse[:, :, : pad.seq_q]
+    lse = lse[:, :, : pad.seq_q]
+    return out[:, : pad.seq_q], lse, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[jax.Array, jax.Array]:
-    return _forward_padded(q, k, v, arrays, static)
-
-
-def _attention_fwd(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    out, lse = _forward_padded(q, k, v, arrays, static)
-    return (out, lse), (q, k, v, arrays, out, lse)
-
-
-def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
+def _backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    arrays: MaskArrays,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    d_lse: jax.Array,
+    static: _Static,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients from the residuals by the Mosaic backward kernels (the LSE's cotangent too)."""
-    q, k, v, arrays, out, lse = res
-    d_out, d_lse = cotangents
-    dq, dk, dv = flash_attention_mosaic_bwd(
+    return flash_attention_mosaic_bwd(
         q,
         k,
         v,
@@ -99,10 +96,9 @@ def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
         interpret=static.interpret or None,
         dlse=d_lse,
     )
-    return dq, dk, dv, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward_padded, _backward)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))

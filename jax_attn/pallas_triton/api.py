@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from attn_masks.shapes import check_attention_shapes
 
+from ..flash_vjp import flash_vjp
 from ..kernel_inputs import (
     TilePadding,
     key_tile_walk,
@@ -62,21 +63,6 @@ def _forward_padded(
     return out[:, : pad.seq_q, :, : q.shape[3]], lse[:, :, : pad.seq_q], lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[jax.Array, jax.Array]:
-    out, lse, _ = _forward_padded(q, k, v, arrays, static)
-    return out, lse
-
-
-def _attention_fwd(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    out, lse, lse_padded = _forward_padded(q, k, v, arrays, static)
-    return (out, lse), (q, k, v, arrays, out, lse_padded)
-
-
 def _backward(
     q: jax.Array,
     k: jax.Array,
@@ -120,11 +106,7 @@ def _backward(
     return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
 
 
-def _attention_bwd(static: _Static, res: tuple, cotangents: tuple) -> tuple:
-    return (*_backward(*res, *cotangents, static), None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward_padded, _backward)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
