@@ -5,6 +5,13 @@ tokens into the plan's layout, runs the strategy per device (Ulysses all-to-all,
 double ring / all-gather / local attention) with that device's stacked per-step MaskArrays, and
 permutes back. The mesh is 1-D (axis `axis`) or 2-D with axes "ulysses" and "ring"; the last
 mesh axis is made of consecutive devices (the "intra-node" one).
+
+When the length splits evenly over the devices, the permutation runs on the contiguous
+sequence sharding (device i of the mesh's flattened order holding tokens [i S/N, (i+1) S/N)):
+a few ppermute rounds move each device only the tokens its layout shard needs
+(shard_strategies/exchange.py), and the output comes back in that sharding. Otherwise the
+global arrays are gathered into the layout (XLA: an all-gather of each input, an all-reduce of
+the output). Inputs sharded on a mesh with Explicit axes are run under auto_axes.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
 from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
 
+from .exchange import Exchange, plan_exchanges
 from .jax_allgather import allgather_attention
 from .jax_local import REFERENCE, local_attention, piece_arrays, resolve_impl
 from .jax_ring import make_ring, step_arrays
@@ -61,6 +69,10 @@ class _Config:
     scale: float
     return_lse: bool
     padded_seqlen: int
+    # the (src, dst) rank pairs of each ppermute round into / out of the layout; None: the
+    # length does not split evenly, and dispatch gathers global arrays
+    dispatch_rounds: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    undispatch_rounds: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def tokens(self) -> P:
@@ -110,20 +122,85 @@ def _run_sharded(q, k, v, arrays, cfg: _Config):
     return _sharded_fn(cfg)(q, k, v, arrays)
 
 
-def _dispatch(x: jax.Array, order: jax.Array, cfg: _Config) -> jax.Array:
+def _exchange_body(rounds, names: tuple[str, ...], axis: int):
+    """Per device: send each round's rows, pool [own rows, received rows, a zero row], gather."""
+
+    def body(x, send, gather):
+        parts = [x]
+        for pairs, rows in zip(rounds, send):
+            buf = jnp.take(x, rows[0], axis=axis, mode="clip")
+            parts.append(jax.lax.ppermute(buf, names, pairs))
+        zero = list(x.shape)
+        zero[axis] = 1
+        parts.append(jnp.zeros(zero, x.dtype))
+        pool = jnp.concatenate(parts, axis=axis)
+        return jnp.take(pool, gather[0], axis=axis, mode="clip")
+
+    return body
+
+
+def _exchange(x: jax.Array, tables, rounds, cfg: _Config, axis: int) -> jax.Array:
+    """Re-shard x along `axis` between the contiguous split and the layout (tables: the
+    Exchange's (send, gather) as rank-sharded arrays), moving only the tokens that change rank."""
+    names = cfg.mesh.axis_names
+    spec = cfg.tokens if axis == 1 else cfg.lse_tokens
+    fn = shard_map(_exchange_body(rounds, names, axis), cfg.mesh, (spec, P(names), P(names)), spec)
+    return fn(x, *tables)
+
+
+def _dispatch(x: jax.Array, order: jax.Array, cfg: _Config, tables=None) -> jax.Array:
+    if cfg.dispatch_rounds is not None:
+        return _exchange(x, tables[0], cfg.dispatch_rounds, cfg, 1)
     pad = cfg.padded_seqlen - x.shape[1]
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     x = jnp.take(x, order, axis=1)
     return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, cfg.tokens))
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def _run_global(q, k, v, order, inverse, arrays, cfg: _Config):
-    qd, kd, vd = (_dispatch(x, order, cfg) for x in (q, k, v))
+def _undispatch(y: jax.Array, inverse: jax.Array, cfg: _Config, tables, axis: int) -> jax.Array:
+    if cfg.undispatch_rounds is not None:
+        return _exchange(y, tables[1], cfg.undispatch_rounds, cfg, axis)
+    return jnp.take(y, inverse, axis=axis)
+
+
+def _run(q, k, v, order, inverse, arrays, tables, cfg: _Config):
+    qd, kd, vd = (_dispatch(x, order, cfg, tables) for x in (q, k, v))
     res = _sharded_fn(cfg)(qd, kd, vd, arrays)
     if not cfg.return_lse:
-        return jnp.take(res, inverse, axis=1)
-    return jnp.take(res[0], inverse, axis=1), jnp.take(res[1], inverse, axis=2)
+        return _undispatch(res, inverse, cfg, tables, 1)
+    return _undispatch(res[0], inverse, cfg, tables, 1), _undispatch(
+        res[1], inverse, cfg, tables, 2
+    )
+
+
+def _explicit_sharding(x) -> NamedSharding | None:
+    """x's sharding when it is typed on a mesh with Explicit axes (jax.make_mesh's default)."""
+    typeof, axis_type = getattr(jax, "typeof", None), getattr(jax.sharding, "AxisType", None)
+    if typeof is None or axis_type is None:
+        return None
+    sharding = getattr(typeof(x), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", None) or ()
+    return sharding if axis_type.Explicit in types else None
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _run_global(q, k, v, order, inverse, arrays, tables, cfg: _Config):
+    explicit = _explicit_sharding(q)
+    if explicit is None:
+        return _run(q, k, v, order, inverse, arrays, tables, cfg)
+    # Explicit axes: run on the executor's (Auto) mesh; the output keeps q's sharding.
+    spec = tuple(explicit.spec) + (None,) * (4 - len(explicit.spec))
+    out_spec = P(*spec)
+    lse_spec = P(spec[0], spec[2], spec[1])
+
+    def inner(q, k, v):
+        with jax.sharding.use_abstract_mesh(cfg.mesh.abstract_mesh):
+            return _run(q, k, v, order, inverse, arrays, tables, cfg)
+
+    user_mesh = getattr(explicit.mesh, "abstract_mesh", explicit.mesh)
+    with jax.sharding.use_abstract_mesh(user_mesh):
+        out_sharding = (out_spec, lse_spec) if cfg.return_lse else out_spec
+        return jax.sharding.auto_axes(inner, out_sharding=out_sharding)(q, k, v)
 
 
 def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -203,6 +280,8 @@ class CPExecutor:
         self.mesh = cp_mesh(devices, plan)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         core = "allgather" if plan.strategy == "allgather" else "ring" if plan.is_ring else "local"
+        exchanges = plan_exchanges(plan)
+        rounds = (None, None) if exchanges is None else tuple(e.rounds for e in exchanges)
         self.config = _Config(
             mesh=self.mesh,
             core=core,
@@ -215,29 +294,39 @@ class CPExecutor:
             scale=scale,
             return_lse=return_lse,
             padded_seqlen=plan.padded_seqlen,
+            dispatch_rounds=rounds[0],
+            undispatch_rounds=rounds[1],
         )
         self.token_sharding = NamedSharding(self.mesh, self.config.tokens)
         self._host = (
             self._host_arrays(impl, head_dim, dtype),
             plan.order().astype(np.int32),
             plan.inverse().astype(np.int32),
+            None if exchanges is None else tuple(_tables(e) for e in exchanges),
         )
         rank_sharded = NamedSharding(self.mesh, P(self.mesh.axis_names))
         replicated = NamedSharding(self.mesh, P())
         self.arrays = jax.tree.map(lambda x: _global_array(x, rank_sharded), self._host[0])
         self.order = _global_array(self._host[1], replicated)
         self.inverse = _global_array(self._host[2], replicated)
+        self.tables = jax.tree.map(lambda x: _global_array(x, rank_sharded), self._host[3])
 
     def tree_flatten(self) -> tuple[tuple, _Config]:
-        return (self.arrays, self.order, self.inverse), self.config
+        return (self.arrays, self.order, self.inverse, self.tables), self.config
 
     @classmethod
     def tree_unflatten(cls, config: _Config, leaves: tuple) -> CPExecutor:
         ex = cls.__new__(cls)
         ex.plan, ex.config, ex.mesh, ex._host = None, config, config.mesh, None
         ex.token_sharding = NamedSharding(config.mesh, config.tokens)
-        ex.arrays, ex.order, ex.inverse = leaves
+        ex.arrays, ex.order, ex.inverse, ex.tables = leaves
         return ex
+
+    @property
+    def splits_evenly(self) -> bool:
+        """True when inputs may come sequence-sharded (S divisible by the devices): dispatch then
+        moves only the tokens that change device, and outputs come back in that sharding."""
+        return self.config.dispatch_rounds is not None
 
     def _host_arrays(self, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
         """(N, T, ...) host MaskArrays: rank n's pieces for every kept step."""
@@ -247,22 +336,25 @@ class CPExecutor:
         return jax.tree.map(lambda x: x[ranks], per_ring)
 
     def _leaves(self, *xs: jax.Array) -> tuple:
-        """(arrays, order, inverse): host copies when called inside a foreign trace."""
+        """(arrays, order, inverse, tables): host copies when called inside a foreign trace."""
         if self._host is not None and any(isinstance(x, jax.core.Tracer) for x in xs):
             return self._host
-        return self.arrays, self.order, self.inverse
+        return self.arrays, self.order, self.inverse, self.tables
 
     def dispatch(self, x: jax.Array) -> jax.Array:
         """(B, S, H, D) in global order -> (B, S_pad, H, D) in rank order, sharded on tokens."""
-        return _dispatch_jit(x, self._leaves(x)[1], self.config)
+        _, order, _, tables = self._leaves(x)
+        return _dispatch_jit(x, order, tables, self.config)
 
     def undispatch(self, y: jax.Array) -> jax.Array:
         """(B, S_pad, H, D) in rank order -> (B, S, H, D) in global order (padding dropped)."""
-        return _take_jit(y, self._leaves(y)[2], 1)
+        _, _, inverse, tables = self._leaves(y)
+        return _undispatch_jit(y, inverse, tables, self.config, 1)
 
     def undispatch_lse(self, lse: jax.Array) -> jax.Array:
         """(B, H, S_pad) in rank order -> (B, H, S) in global order."""
-        return _take_jit(lse, self._leaves(lse)[2], 2)
+        _, _, inverse, tables = self._leaves(lse)
+        return _undispatch_jit(lse, inverse, tables, self.config, 2)
 
     def sharded(self, q: jax.Array, k: jax.Array, v: jax.Array):
         """Attention on dispatched arrays: out (and lse) stay in rank order, sharded."""
@@ -270,18 +362,23 @@ class CPExecutor:
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array):
         """Attention on global arrays in global token order (differentiable)."""
-        arrays, order, inverse = self._leaves(q, k, v)
-        return _run_global(q, k, v, order, inverse, arrays, self.config)
+        arrays, order, inverse, tables = self._leaves(q, k, v)
+        return _run_global(q, k, v, order, inverse, arrays, tables, self.config)
+
+
+def _tables(ex: Exchange) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """An exchange's index tables, each (N, ...) with rank n's row on device n."""
+    return ex.send, ex.gather
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _dispatch_jit(x, order, cfg: _Config):
-    return _dispatch(x, order, cfg)
+def _dispatch_jit(x, order, tables, cfg: _Config):
+    return _dispatch(x, order, cfg, tables)
 
 
-@partial(jax.jit, static_argnames=("axis",))
-def _take_jit(y, inverse, axis: int):
-    return jnp.take(y, inverse, axis=axis)
+@partial(jax.jit, static_argnames=("cfg", "axis"))
+def _undispatch_jit(y, inverse, tables, cfg: _Config, axis: int):
+    return _undispatch(y, inverse, cfg, tables, axis)
 
 
 def executor_plan(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from .comm import FP32_BYTES
+from .exchange import Exchange, plan_exchanges
 from .plan import CPPlan
 from .schedules import group_by_outer, inner_perm, outer_perm
 
@@ -128,7 +129,8 @@ class Transfer:
 
     group: "ring" (each rank's ring group), "ulysses" (its Ulysses group) or "world"; p2p
     transfers move blocks between ring ranks by `pairs` (source, destination) inside each ring
-    group. direction: fwd or bwd; part: the strategy's own traffic, or the executor's dispatch of
+    group, or between global ranks for group "world" (a rank that receives nothing waits for
+    nothing). direction: fwd or bwd; part: the strategy's own traffic, or the executor's dispatch of
     global arrays (kept apart: the plan's comm_volume counts the former).
     """
 
@@ -325,14 +327,38 @@ def _core(b: _Builder, direction: str, sizes: dict[str, float]) -> None:
         b.phase(f"{direction} attention", direction, call)
 
 
+def _exchange_phase(
+    b: _Builder, name: str, direction: str, ex: Exchange, items, reverse: bool = False
+) -> None:
+    """A phase of the executor's ppermute rounds between the contiguous split and the layout,
+    for each (what, elements per token) in items; reverse: the transposed rounds (backward)."""
+    ph = b.phase(name, direction, part=DISPATCH)
+    for what, per_token in items:
+        for r, (pairs, size) in enumerate(zip(ex.rounds, ex.sizes)):
+            pairs = tuple((d, s) for s, d in pairs) if reverse else pairs
+            k = b.transfer(
+                f"{direction} {what} round {r}",
+                P2P,
+                size * per_token,
+                "world",
+                direction,
+                part=DISPATCH,
+                pairs=pairs,
+            )
+            ph.before.append((SERIAL, k))
+
+
 def schedule(
     plan: CPPlan, mode: str, *, itemsize: int = 2, batch: int = 1, dispatch: bool = True
 ) -> Schedule:
     """The executor's phases and transfers for `plan` in `mode` (fwd, bwd or fwd_bwd).
 
     dispatch: include the permutation of global arrays into the layout's order and back, as the
-    executor's global entry point runs it: XLA partitions those gathers as an all-gather of each
-    input and an all-reduce of each output (q, k, v, out; backward dout, dq, dk, dv).
+    executor's global entry point runs it. When the length splits evenly over the ranks (the
+    driver's inputs are then sharded along the sequence) that is the exchange's ppermute rounds
+    for q, k, v and out (backward: their transposes for dout, dq, dk, dv); otherwise XLA
+    partitions the gathers of global arrays as an all-gather of each input and an all-reduce of
+    each output.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -342,6 +368,9 @@ def schedule(
     b = _Builder(plan, itemsize, batch)
     u = plan.ulysses_size
     q, kv, gq, gkv = sizes["a2a_q"], sizes["a2a_kv"], sizes["global_q"], sizes["global_kv"]
+    exchanges = plan_exchanges(plan) if dispatch else None
+    if exchanges is not None:
+        return _schedule_sharded(b, mode, exchanges, sizes)
     if mode != "bwd":
         if dispatch:
             items = [("q", gq), ("k", gkv), ("v", gkv)]
@@ -371,6 +400,37 @@ def schedule(
     return b.build(mode)
 
 
+def _schedule_sharded(
+    b: _Builder, mode: str, exchanges: tuple[Exchange, Exchange], sizes: dict[str, float]
+) -> Schedule:
+    """schedule() for sequence-sharded inputs: the exchange rounds around the strategy."""
+    plan, u = b.plan, b.plan.ulysses_size
+    dispatch, undispatch = exchanges
+    tq, tkv = plan.num_heads_q * plan.head_dim, plan.num_heads_kv * plan.head_dim
+    q, kv = sizes["a2a_q"], sizes["a2a_kv"]
+    if mode != "bwd":
+        items = [("q", tq), ("k", tkv), ("v", tkv)]
+        _exchange_phase(b, "dispatch q, k, v", "fwd", dispatch, items)
+        if u > 1:
+            items = [("q", q), ("k", kv), ("v", kv)]
+            b.collectives("Ulysses q, k, v to heads", "fwd", items, ALL_TO_ALL, "ulysses")
+        _core(b, "fwd", sizes)
+        if u > 1:
+            b.collectives("Ulysses out to tokens", "fwd", [("out", q)], ALL_TO_ALL, "ulysses")
+        _exchange_phase(b, "undispatch out", "fwd", undispatch, [("out", tq)])
+    if mode != "fwd":
+        _exchange_phase(b, "dispatch dout", "bwd", undispatch, [("dout", tq)], reverse=True)
+        if u > 1:
+            b.collectives("Ulysses dout to heads", "bwd", [("dout", q)], ALL_TO_ALL, "ulysses")
+        _core(b, "bwd", sizes)
+        if u > 1:
+            items = [("dq", q), ("dk", kv), ("dv", kv)]
+            b.collectives("Ulysses dq, dk, dv to tokens", "bwd", items, ALL_TO_ALL, "ulysses")
+        items = [("dq", tq), ("dk", tkv), ("dv", tkv)]
+        _exchange_phase(b, "undispatch dq, dk, dv", "bwd", dispatch, items, reverse=True)
+    return b.build(mode)
+
+
 def global_rank(plan: CPPlan, ring_rank: int, ulysses_rank: int) -> int:
     """The global rank at (ring rank, Ulysses rank): consecutive ranks form the inner axis."""
     if plan.inner_axis == "ulysses":
@@ -389,6 +449,10 @@ def transfer_ms(sched: Schedule, link: LinkModel) -> np.ndarray:
     for k, t in enumerate(sched.transfers):
         for g in range(n):
             r, u = ring_of[g], uly_of[g]
+            if t.op == P2P and t.group == "world":
+                src = {dst: s for s, dst in t.pairs}.get(g)
+                out[k, g] = 0.0 if src is None else link.p2p_ms(t.nbytes, src, g)
+                continue
             if t.op == P2P:
                 src = {dst: s for s, dst in t.pairs}[r]
                 out[k, g] = link.p2p_ms(t.nbytes, global_rank(plan, src, u), g)

@@ -1,0 +1,171 @@
+"""Static token exchanges between two placements of one sequence over N ranks (numpy only).
+
+A placement says which global positions every rank holds, in local order: (N, L) positions,
+those >= seqlen being padding. Moving a sequence from one placement to another is a fixed
+pattern known from the plan alone, so it is compiled as a few point-to-point rounds (each a
+partial permutation of ranks: one `ppermute`), every rank sending only the tokens its peer needs,
+followed by one local gather. The JAX executor uses it to go between the contiguous sequence
+sharding a caller holds and the plan's layout (docs/context_parallel.md, Sequence-sharded
+inputs); the simulator charges the same rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import CPPlan
+
+
+@dataclass(frozen=True, eq=False)
+class Exchange:
+    """Rounds of point-to-point sends that turn one placement into another.
+
+    rounds[r]: the (source rank, destination rank) pairs of round r (each rank sends at most once
+    and receives at most once a round). send[r]: (N, sizes[r]) local source rows each rank sends
+    in round r (its row is unused when it sends nothing). gather: (N, dst_len) for every
+    destination row, its index in the pool a rank builds as [its own src_len rows, the rows
+    received in round 0, ..., round R-1, one zero row]: tokens that stay on a rank are never
+    sent, and padding rows of the destination read the zero row.
+    """
+
+    num_ranks: int
+    src_len: int
+    dst_len: int
+    rounds: tuple[tuple[tuple[int, int], ...], ...]
+    send: tuple[np.ndarray, ...]
+    gather: np.ndarray
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows each sending rank sends in each round (the pairs' counts, padded to the largest)."""
+        return tuple(int(s.shape[1]) for s in self.send)
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """(N, src_len, ...) -> (N, dst_len, ...) on the host: what the collective rounds do."""
+        parts = [x]
+        for pairs, send in zip(self.rounds, self.send):
+            got = np.zeros((self.num_ranks, send.shape[1]) + x.shape[2:], x.dtype)
+            for src, dst in pairs:
+                got[dst] = x[src][send[src]]
+            parts.append(got)
+        parts.append(np.zeros((self.num_ranks, 1) + x.shape[2:], x.dtype))
+        pool = np.concatenate(parts, axis=1)
+        return np.stack([pool[n][self.gather[n]] for n in range(self.num_ranks)])
+
+
+def contiguous_positions(seqlen: int, num_ranks: int) -> np.ndarray:
+    """(N, S / N) positions of a sequence split evenly in rank order (jax's P(None, axes))."""
+    if seqlen % num_ranks:
+        raise ValueError(
+            f"a contiguous split needs seqlen ({seqlen}) divisible by the ranks ({num_ranks})"
+        )
+    return np.arange(seqlen, dtype=np.int64).reshape(num_ranks, seqlen // num_ranks)
+
+
+def _rounds(counts: np.ndarray) -> list[list[tuple[int, int]]]:
+    """Edge-colour the transfer graph greedily, largest transfers first: every round is a partial
+    permutation (at most 2 * max degree - 1 rounds; the layouts here need their max degree)."""
+    src, dst = np.nonzero(counts)
+    edges = sorted(zip(src.tolist(), dst.tolist()), key=lambda e: (-counts[e], e))
+    rounds: list[list[tuple[int, int]]] = []
+    busy: list[tuple[set[int], set[int]]] = []
+    for j, i in edges:
+        free = (r for r, (out, into) in enumerate(busy) if j not in out and i not in into)
+        r = next(free, len(rounds))
+        if r == len(rounds):
+            rounds.append([])
+            busy.append((set(), set()))
+        rounds[r].append((j, i))
+        busy[r][0].add(j)
+        busy[r][1].add(i)
+    return rounds
+
+
+def _shift_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Every rank to every other: round s sends rank j's share to rank (j + s) mod N."""
+    return [[(j, (j + s) % n) for j in range(n)] for s in range(1, n)]
+
+
+def make_exchange(
+    src: np.ndarray, dst: np.ndarray, seqlen: int, *, uniform: bool = False
+) -> Exchange:
+    """The exchange from placement `src` (N, Ls) to `dst` (N, Ld) of positions 0..seqlen-1.
+
+    Every real position must be held exactly once by `src`; positions of `dst` >= seqlen are
+    padding (zeros), and padding of `src` is never sent. uniform: N - 1 cyclic-shift rounds of
+    one size, the largest pair's count rounded up to a power of two (at most min(Ls, Ld)), so
+    that placements of one family (e.g. per-document layouts of different batches) share the
+    rounds and, but for that size, the shapes (a few compilations, not one per mask), at the
+    cost of padding; otherwise the fewest rounds the counts need (greedy edge colouring).
+    """
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    n = src.shape[0]
+    if dst.shape[0] != n:
+        raise ValueError(f"placements over {n} and {dst.shape[0]} ranks")
+    owner = np.full(seqlen, -1, np.int64)
+    row_of = np.zeros(seqlen, np.int64)
+    real = src < seqlen
+    ranks = np.broadcast_to(np.arange(n)[:, None], src.shape)
+    rows = np.broadcast_to(np.arange(src.shape[1])[None, :], src.shape)
+    if np.bincount(src[real], minlength=seqlen).max(initial=1) != 1 or real.sum() != seqlen:
+        raise ValueError("the source placement must hold every position < seqlen exactly once")
+    owner[src[real]] = ranks[real]
+    row_of[src[real]] = rows[real]
+    pad = dst >= seqlen
+    safe = np.where(pad, 0, dst)
+    from_rank = np.where(pad, -1, owner[safe])
+    from_row = row_of[safe]
+    moving = (from_rank >= 0) & (from_rank != np.arange(n)[:, None])
+    counts = np.zeros((n, n), np.int64)
+    np.add.at(counts, (from_rank[moving], np.nonzero(moving)[0]), 1)
+    most = int(counts.max(initial=0))
+    if uniform:
+        rounds = _shift_rounds(n) if most else []
+        common = min(1 << (most - 1).bit_length(), src.shape[1], dst.shape[1])
+    else:
+        rounds = _rounds(counts)
+    gather = np.where(pad, 0, from_row)  # own rows: their local index; padding fixed below
+    send: list[np.ndarray] = []
+    offset = src.shape[1]
+    for pairs in rounds:
+        size = common if uniform else max(int(counts[j, i]) for j, i in pairs)
+        table = np.zeros((n, size), np.int64)
+        for j, i in pairs:
+            slots = np.nonzero(moving[i] & (from_rank[i] == j))[0]  # dst rows, in dst order
+            table[j, : slots.size] = from_row[i, slots]
+            gather[i, slots] = offset + np.arange(slots.size)
+        send.append(table.astype(np.int32))
+        offset += size
+    gather[pad] = offset  # the zero row
+    return Exchange(
+        num_ranks=n,
+        src_len=int(src.shape[1]),
+        dst_len=int(dst.shape[1]),
+        rounds=tuple(tuple(p) for p in rounds),
+        send=tuple(send),
+        gather=gather.astype(np.int32),
+    )
+
+
+def is_fixed(plan: CPPlan) -> bool:
+    """Whether the plan's placement depends on the sequence length and ranks alone (contiguous,
+    or zigzag over the whole sequence), not on the mask's documents or areas."""
+    name = plan.layout.name
+    return name == "contiguous" or (name == "zigzag" and plan.mask.params.get("cu_seqlens") is None)
+
+
+def plan_exchanges(plan: CPPlan) -> tuple[Exchange, Exchange] | None:
+    """(dispatch, undispatch) between the contiguous split of the sequence over the plan's ranks
+    and its layout, or None when the length does not split evenly. Placements that depend on the
+    mask use the uniform form (a few static parts for all masks of a length, not one each)."""
+    n, s = plan.world_size, plan.seqlen
+    if s % n:
+        return None
+    flat = contiguous_positions(s, n)
+    uniform = not is_fixed(plan)
+    return (
+        make_exchange(flat, plan.positions, s, uniform=uniform),
+        make_exchange(plan.positions, flat, s, uniform=uniform),
+    )
