@@ -15,7 +15,7 @@ from .adapters import ADAPTERS, Unsupported, make_request
 from .adapters.common import check_finite_inputs, host_arrays
 from .mask_arrays import MaskArrays
 
-IMPLS = ("reference", "pallas", "mosaic", "xla", "cudnn", "pallas_mha", "mosaic_mha", "triton")
+IMPLS = tuple(ADAPTERS)  # "reference", "pallas", "mosaic", "xla", "cudnn", ..., "triton"
 
 
 def _check_impl(impl: str) -> None:

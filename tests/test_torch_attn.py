@@ -687,3 +687,22 @@ def test_gpu_flex_no_recompile_across_masks_and_grad_modes():
         if step == 0:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_each_adapter_answers_and_runs_for_its_own_impl():
+    """The registry routes every name to its own backend: the CUDA-only SDPA backends and each
+    flash-attn generation give their own reason on CPU, and every SDPA name that runs on CPU
+    matches naive on a causal mask."""
+    mask = causal(16)
+    kw = dict(dtype=torch.float32, heads_q=2, heads_kv=2, head_dim=32, device="cpu")
+    for impl in ("sdpa_efficient", "sdpa_cudnn"):
+        assert torch_attn.supports(impl, mask, **kw).startswith(f"{impl} needs CUDA")
+    flash_reasons = {torch_attn.supports(i, mask, **kw) for i in ("flash2", "flash3", "flash4")}
+    assert all(isinstance(r, str) for r in flash_reasons) and len(flash_reasons) == 3
+    q, k, v = (
+        torch.randn(1, 16, 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    want = torch_attn.attention(q.double(), k.double(), v.double(), mask, impl="naive")
+    for impl in ("sdpa", "sdpa_math", "sdpa_flash"):
+        got = torch_attn.attention(q, k, v, mask, impl=impl)
+        assert torch.allclose(got.double(), want, atol=1e-5), impl

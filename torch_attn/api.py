@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 
 from attn_masks import MODES, Mask
@@ -20,17 +24,46 @@ from .common import (
 )
 from .lse import masked_lse
 
-IMPLS = (
-    "naive",
-    "sdpa",
-    "sdpa_math",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "flex",
-    "triton",
-    *flash.IMPLS,
-)
+
+@dataclass(frozen=True)
+class Adapter:
+    """One impl: a line on how it computes masks, GQA and the LSE; supports(mask, Problem) ->
+    True | reason; run(q, k, v, mask, scale, return_lse) -> (out, lse or None: then the LSE
+    comes from a separate masked pass). The registry mirrors jax_attn.adapters.ADAPTERS."""
+
+    name: str
+    note: str
+    supports: Callable[[Mask, Problem], bool | str]
+    run: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _naive(q, k, v, mask, scale, return_lse):
+    return naive.attention(q, k, v, mask, scale=scale)
+
+
+def _flex(q, k, v, mask, scale, return_lse):
+    return flex.attention(q, k, v, mask, scale=scale, return_lse=return_lse)
+
+
+def _triton(q, k, v, mask, scale, return_lse):
+    return triton_impl.attention(q, k, v, mask, scale=scale)
+
+
+def _sdpa(impl, q, k, v, mask, scale, return_lse):
+    return sdpa.attention(impl, q, k, v, mask, scale=scale), None
+
+
+def _flash(impl, q, k, v, mask, scale, return_lse):
+    return flash.attention(impl, q, k, v, mask, scale=scale), None
+
+
+def _per_name(module, run, names, notes) -> list[Adapter]:
+    """Adapters of a module whose supports() and run take the impl name first."""
+    return [
+        Adapter(name, notes[name], partial(module.supports, name), partial(run, name))
+        for name in names
+    ]
+
 
 _NOTES = {
     "naive": "explicit fp32 scores (fp64 for fp64 inputs), K/V repeated for GQA; LSE from the "
@@ -58,6 +91,19 @@ _NOTES = {
 }
 
 
+ADAPTERS: dict[str, Adapter] = {
+    a.name: a
+    for a in (
+        Adapter("naive", _NOTES["naive"], naive.supports, _naive),
+        *_per_name(sdpa, _sdpa, tuple(sdpa.BACKENDS), _NOTES),
+        Adapter("flex", _NOTES["flex"], flex.supports, _flex),
+        Adapter("triton", _NOTES["triton"], triton_impl.supports, _triton),
+        *_per_name(flash, _flash, flash.IMPLS, _NOTES),
+    )
+}
+IMPLS = tuple(ADAPTERS)
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {', '.join(IMPLS)}")
@@ -66,22 +112,14 @@ def _check_impl(impl: str) -> None:
 def describe(impl: str) -> str:
     """One line on how `impl` computes masks, GQA and the LSE (for reports and provenance)."""
     _check_impl(impl)
-    return _NOTES[impl]
+    return ADAPTERS[impl].note
 
 
 def _supports(impl: str, mask: Mask, problem: Problem) -> bool | str:
     hq, hkv = problem.heads_q, problem.heads_kv
     if hq is not None and hkv is not None and (hkv <= 0 or hq % hkv):
         return f"heads_q={hq} must be a positive multiple of heads_kv={hkv}"
-    if impl == "naive":
-        return naive.supports(mask, problem)
-    if impl in sdpa.BACKENDS:
-        return sdpa.supports(impl, mask, problem)
-    if impl == "flex":
-        return flex.supports(mask, problem)
-    if impl == "triton":
-        return triton_impl.supports(mask, problem)
-    return flash.supports(impl, mask, problem)
+    return ADAPTERS[impl].supports(mask, problem)
 
 
 def supports(
@@ -143,17 +181,7 @@ def attention(
     if check_finite:
         check_finite_inputs(q, k, v)
     scale = default_scale(q, scale)
-    lse = None
-    if impl == "naive":
-        out, lse = naive.attention(q, k, v, mask, scale=scale)
-    elif impl == "flex":
-        out, lse = flex.attention(q, k, v, mask, scale=scale, return_lse=return_lse)
-    elif impl == "triton":
-        out, lse = triton_impl.attention(q, k, v, mask, scale=scale)
-    elif impl in sdpa.BACKENDS:
-        out = sdpa.attention(impl, q, k, v, mask, scale=scale)
-    else:
-        out = flash.attention(impl, q, k, v, mask, scale=scale)
+    out, lse = ADAPTERS[impl].run(q, k, v, mask, scale, return_lse)
     if not return_lse:
         return out
     if lse is None:
