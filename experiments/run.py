@@ -36,8 +36,9 @@ if _want_virtual_cpu_devices():
 
 from absl import app, flags, logging  # noqa: E402
 
-from experiments.core import driver, interrupt, workers  # noqa: E402
+from experiments import driver, workers  # noqa: E402
 from experiments.core import flags as run_flags  # noqa: E402
+from experiments.core import interrupt  # noqa: E402
 from experiments.core.results import ResultsStore  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 

@@ -20,7 +20,7 @@ import shard_strategies as ss
 from attn_masks import make_mask
 from experiments.core.results import read_records
 from experiments.runners import checks
-from experiments.workloads import data, lm, parity, text_corpus, train_step
+from experiments.workloads import bundle, data, lm, parity, text_corpus, train_step
 from experiments.workloads import flags as flags_module
 from experiments.workloads.config import TrainConfig
 from experiments.workloads.nnx_attention import Attention, AttentionBackend
@@ -275,7 +275,7 @@ def test_torch_verifies_a_jax_cp_parity_bundle(tmp_path):
         assert parity.run_from_flags(fv) == 0
     finally:
         fv.unparse_flags()
-    meta = json.loads((good / parity.META_JSON).read_text())
+    meta = json.loads((good / bundle.META_JSON).read_text())
     assert (meta["cp"], meta["num_devices"], meta["mask"]) == ("ring", 8, "causal_document")
     via_orbax = parity_jax.load_bundle(good)
     via_npz, _, mask = parity.read_bundle(good)
@@ -284,10 +284,10 @@ def test_torch_verifies_a_jax_cp_parity_bundle(tmp_path):
         np.testing.assert_array_equal(via_orbax[name], value)
     bad = tmp_path / "tampered"
     bad.mkdir()
-    (bad / parity.META_JSON).write_text((good / parity.META_JSON).read_text())
-    arrays = dict(np.load(good / parity.BUNDLE_NPZ))
+    (bad / bundle.META_JSON).write_text((good / bundle.META_JSON).read_text())
+    arrays = dict(np.load(good / bundle.BUNDLE_NPZ))
     arrays["dk"] = arrays["dk"] * 1.01
-    np.savez(bad / parity.BUNDLE_NPZ, **arrays)
+    np.savez(bad / bundle.BUNDLE_NPZ, **arrays)
     # The torch side runs without jax: block its import in a fresh interpreter.
     code = (
         "import json, sys; sys.modules['jax'] = None\n"

@@ -43,11 +43,6 @@ def init_jax_distributed(
         jax.distributed.initialize()
 
 
-def inner_axis(ulysses_intra_node: bool | None) -> str:
-    """The mesh axis made of consecutive devices (the intra-node one) for the CP executors."""
-    return "ring" if ulysses_intra_node is False else "ulysses"
-
-
 # ---------------------------------------------------------------------------------- torch
 
 

@@ -22,7 +22,6 @@ import numpy as np
 from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import checks, frameworks, measure, timing
-from experiments.runners.cp_launch import inner_axis
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
@@ -382,7 +381,7 @@ class CPSimulator:
                 num_heads_kv=point.heads_kv,
                 head_dim=point.head_dim,
                 dtype=frameworks.framework_dtype("jax", point.dtype),
-                inner_axis=inner_axis(point.ulysses_intra_node),
+                inner_axis=frameworks.inner_axis(point.ulysses_intra_node),
             )
         except ValueError as e:
             raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e

@@ -37,7 +37,6 @@ def cp_module(framework: str) -> ModuleType:
 
 def cp_kwargs(attention, point: Point) -> dict:
     """Optional CP keywords the executor accepts: the intra-node axis for the placement flag."""
-    from experiments.runners.cp_launch import inner_axis
 
     try:
         params = inspect.signature(attention).parameters
@@ -73,13 +72,17 @@ def attention_fn(framework: str, point: Point, mask, **placement) -> Callable:
     )
 
 
+def inner_axis(ulysses_intra_node: bool | None) -> str:
+    """The mesh axis made of consecutive devices (the intra-node one) for the CP executors."""
+    return "ring" if ulysses_intra_node is False else "ulysses"
+
+
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def cp_plan_info(point: Point, mask) -> dict:
     """The strategy's plan for this point (load balance, steps, per-rank bytes moved); a
     configuration the plan rejects (e.g. heads that do not split over Ulysses) is unsupported."""
-    from experiments.runners.cp_launch import inner_axis
 
     try:
         import shard_strategies

@@ -19,16 +19,9 @@ import numpy as np
 
 from attn_masks import Mask, from_slices
 
-BUNDLE_NPZ = "bundle.npz"
-META_JSON = "meta.json"
-ORBAX_DIR = "orbax"
-MASK_KEYS = ("mask_q_ranges", "mask_k_ranges", "mask_types")
+from .bundle import BUNDLE_NPZ, MASK_KEYS, META_JSON
+
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def mask_arrays(mask: Mask) -> dict[str, np.ndarray]:
-    """The mask's typed slices as arrays (what a bundle stores of it)."""
-    return dict(zip(MASK_KEYS, (np.asarray(a, np.int64) for a in mask.slices)))
 
 
 def read_bundle(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict, Mask]:

@@ -22,7 +22,7 @@ from attn_masks import Mask
 from experiments.workloads.nnx_attention import AttentionBackend
 from jax_attn import attention
 
-from .parity import BUNDLE_NPZ, META_JSON, ORBAX_DIR, mask_arrays
+from .bundle import BUNDLE_NPZ, META_JSON, ORBAX_DIR, mask_arrays
 
 TENSORS = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv")
 

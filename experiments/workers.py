@@ -23,7 +23,7 @@ from pathlib import Path
 from experiments.core import interrupt
 from experiments.core.results import AppendFailed, leave_skipped_lines_to_parent
 
-RUN_PY = str(Path(__file__).resolve().parent.parent / "run.py")
+RUN_PY = str(Path(__file__).resolve().parent / "run.py")
 INTERRUPTED = 130  # 128 + SIGINT: the exit status shells report for a Ctrl-C
 _OWN_FLAGS = ("framework", "report", "num_devices", "out_dir", "impl", "time_budget")
 PARENT_ENV = "LONGCTX_RUN_PARENT_PID"  # set in a worker: the PID of the run it belongs to

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 from absl import app
 
-from experiments.core import presets, provenance, sweep, workers
+from experiments import workers
+from experiments.core import presets, provenance, sweep
 from experiments.core.flags import Settings
 from experiments.core.points import ALL, DEFAULT_IMPL, Grid, Point, dedupe, expand
 from experiments.core.progress import Progress
