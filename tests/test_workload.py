@@ -327,3 +327,35 @@ def test_mosaic_reads_the_train_steps_fixed_shape_arrays():
     want = reference_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), mask, scale=0.125)
     err = np.linalg.norm(got.astype(np.float64) - want.out) / np.linalg.norm(want.out)
     assert np.isfinite(got).all() and err < 2e-2, err
+
+
+def test_next_impl_is_the_baseline_when_the_baseline_fails(tmp_path, monkeypatch, capsys):
+    """A baseline that runs out of memory is recorded as oom, the next impl that finishes
+    becomes the baseline and the one after is checked against it (instead of the run ending in
+    'no step in common with the baseline curve'); the summary prints smoothed losses."""
+    from experiments.core.outcomes import OOM, PointFailure
+
+    real_run = train_step.run
+
+    def run(cfg, **kw):
+        if cfg.impl == "xla":
+            raise PointFailure(OOM, "predicted: scores do not fit")
+        return real_run(cfg, **kw)
+
+    monkeypatch.setattr(train_step, "run", run)
+    out = tmp_path / "out"
+    args = ["--workload=train_step", f"--out_dir={out}", "--steps=3", "--warmup=1", "--iters=1"]
+    fv = _parse_run_flags([*args, "--impl=xla,reference,pallas", "--lm_fixed_layout", *TINY_FLAGS])
+    try:
+        assert train_step.run_from_flags(fv) == 1  # the oom point makes the exit status 1
+    finally:
+        fv.unparse_flags()
+    by_impl = {r["point"]["impl"]: r for r in read_records(out / "results.jsonl")}
+    assert by_impl["xla"]["status"] == OOM
+    assert by_impl["reference"]["status"] == "ok" and by_impl["reference"]["check"] is None
+    check = by_impl["pallas"]["check"]
+    assert by_impl["pallas"]["status"] == "ok" and check["baseline"] == "reference"
+    assert check["steps"] == 3 and check["passed"]
+    printed = capsys.readouterr().out
+    assert "reference's curve is the baseline (xla: oom)" in printed
+    assert "loss (3-step means)" in printed

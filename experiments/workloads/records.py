@@ -19,6 +19,8 @@ import numpy as np
 from experiments.core.results import ResultsStore, latest_by_key, read_records
 from experiments.runners import timing
 
+from .curves import MOVING_AVERAGE
+
 STEP_LOG_FILE = "train_log.jsonl"
 
 
@@ -125,6 +127,10 @@ def step_metrics(
         "losses": {str(s.step): s.loss for s in steps},
         "first_loss": steps[0].loss,
         "last_loss": steps[-1].loss,
+        # the means of the first and last MOVING_AVERAGE steps run: what the summary prints
+        "first_mean_loss": float(np.mean([s.loss for s in steps[:MOVING_AVERAGE]])),
+        "last_mean_loss": float(np.mean([s.loss for s in steps[-MOVING_AVERAGE:]])),
+        "mean_window": min(MOVING_AVERAGE, len(steps)),
     }
     if attention_ms:
         a = timing.time_stats(attention_ms)

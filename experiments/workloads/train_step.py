@@ -329,14 +329,22 @@ def run_from_flags(flag_values: Any) -> int:
     first = curves.baseline_impl(list(by_impl)) if len(by_impl) > 1 else None
     order = sorted(by_impl, key=lambda impl: impl != first)
     rtol = checks.tolerance(SHORT_DTYPES[cfgs[0].model.dtype], on_gpu=on_gpu)
-    code, logged, baseline = 0, {}, None
+    code, logged, baseline, missed = 0, {}, None, []
     for impl in order:
         record = _run_recorded(by_impl[impl], prov, baseline)
         code = code or int(record is None or record["status"] != OK)
         if record is not None:
             logged[impl] = records.logged_losses(by_impl[impl].out_dir, record["key"])
-        if impl == first and impl in logged:
+        if first is None or baseline is not None:
+            continue
+        if record is not None and record["status"] == OK and logged[impl]:
             baseline = Baseline(impl, logged[impl], rtol)
+            if missed and jax.process_index() == 0:
+                print(
+                    f"train_step: {impl}'s curve is the baseline ({'; '.join(missed)})", flush=True
+                )
+        else:
+            missed.append(f"{impl}: {'nothing run' if record is None else record['status']}")
     if logged and jax.process_index() == 0:
         out_dir = cfgs[0].out_dir
         floor, floor_label = cfgs[0].data.floor()
@@ -404,6 +412,17 @@ def _run_recorded(cfg: TrainConfig, prov: dict, baseline: Baseline | None) -> di
     return result.record
 
 
+def _loss_change(metrics: dict) -> str:
+    """The loss from the first to the last steps run, as means over a window (single steps are
+    noisy: one batch's documents); older records have single steps only."""
+    if "first_mean_loss" not in metrics:
+        return f"loss {metrics['first_loss']:.4f} -> {metrics['last_loss']:.4f}"
+    n = metrics["mean_window"]
+    return (
+        f"loss ({n}-step means) {metrics['first_mean_loss']:.4f} -> {metrics['last_mean_loss']:.4f}"
+    )
+
+
 def _print_summary(record: dict, out_dir: str | None) -> None:
     """One paragraph: impl, step time, tokens/s, TFLOP/s, attention shares, losses, curve check."""
     m, check = record["metrics"], record["check"]
@@ -421,6 +440,6 @@ def _print_summary(record: dict, out_dir: str | None) -> None:
         f"{m['tokens_per_s']['median']:.4g} tokens/s, "
         f"{m['tflops']['median']:.4g} model TFLOP/s per device; attention "
         f"{100 * m['attention_flop_share']:.1f}% of the FLOPs{time_share}; "
-        f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f}.{verdict} Results: {out_dir}",
+        f"{_loss_change(m)}.{verdict} Results: {out_dir}",
         flush=True,
     )
