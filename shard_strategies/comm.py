@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .schedules import transfer_counts
+from .strategies import ALLGATHER_CORE
 
 if TYPE_CHECKING:
     from .plan import CPPlan
@@ -49,7 +50,7 @@ def comm_volume(
         fwd += per_pass
         bwd += per_pass
     block = length * (hkv_eff // u) * d * 2
-    if plan.strategy == "allgather":
+    if plan.core == ALLGATHER_CORE:
         fwd += (r - 1) * block
         bwd += (r - 1) * block
     elif plan.is_ring:

@@ -39,6 +39,7 @@ from .jax_ring import make_ring, step_arrays
 from .jax_ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
 from .plan import CPPlan, make_plan
 from .schedules import StepIndex
+from .strategies import ALLGATHER_CORE, NO_ULYSSES, RING_CORE, STRATEGY
 
 ULYSSES, RING = "ulysses", "ring"
 _CACHE_SIZE = 16
@@ -59,7 +60,7 @@ class _Config:
     """The compile-time description of one executor (a jit static argument)."""
 
     mesh: Mesh
-    core: str  # "local" | "ring" | "allgather"
+    core: str  # CPPlan.core
     steps: tuple[StepIndex, ...]
     ring_size: int
     num_windows: int
@@ -92,10 +93,10 @@ def _device_body(cfg: _Config):
             q = seq_to_heads(q, ULYSSES)
             k = seq_to_heads(k, ULYSSES, cfg.replicate)
             v = seq_to_heads(v, ULYSSES, cfg.replicate)
-        if cfg.core == "ring":
+        if cfg.core == RING_CORE:
             ring = make_ring(cfg.steps, cfg.ring_size, cfg.num_windows, cfg.impl, cfg.scale, RING)
             out, lse = ring(q, k, v, arrays)
-        elif cfg.core == "allgather":
+        elif cfg.core == ALLGATHER_CORE:
             out, lse = allgather_attention(
                 q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale, RING
             )
@@ -279,12 +280,11 @@ class CPExecutor:
         self.plan = plan
         self.mesh = cp_mesh(devices, plan)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        core = "allgather" if plan.strategy == "allgather" else "ring" if plan.is_ring else "local"
         exchanges = plan_exchanges(plan)
         rounds = (None, None) if exchanges is None else tuple(e.rounds for e in exchanges)
         self.config = _Config(
             mesh=self.mesh,
-            core=core,
+            core=plan.core,
             steps=tuple((s.outer, s.inner) for s in plan.steps),
             ring_size=plan.ring_size,
             num_windows=plan.num_windows,
@@ -444,7 +444,7 @@ def build(
                 f"ulysses_size={ulysses_size} contradicts the mesh's ulysses axis {mesh_u}"
             )
         ulysses_size, inner_axis = mesh_u, mesh_inner
-        if strategy in ("ring", "allgather") and mesh_u == 1:
+        if strategy in STRATEGY and STRATEGY[strategy].ulysses == NO_ULYSSES and mesh_u == 1:
             ulysses_size = None
     plan = executor_plan(
         mask,

@@ -19,8 +19,9 @@ from attn_masks import Mask, from_slices
 from . import schedules
 from .comm import comm_volume
 from .layouts import DEFAULT_CHUNKS_PER_RANK, Layout, inverse_order, make_layout
+from .strategies import ALL_ULYSSES, NO_ULYSSES, RING_CORE, STRATEGIES, STRATEGY
+from .strategies import core as strategy_core
 
-STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
 INNER_AXES = ("ulysses", "ring")
 
 
@@ -98,7 +99,14 @@ class CPPlan:
     @property
     def is_ring(self) -> bool:
         """True when K/V blocks travel between ring ranks step by step (ring, usp, double_ring)."""
-        return self.strategy != "allgather" and self.ring_size > 1
+        return self.core == RING_CORE
+
+    @property
+    def core(self) -> str:
+        """What each device runs between the Ulysses all-to-alls (strategies.CORES): K/V
+        gathered over the ring axis (allgather), passed around it step by step (ring), or
+        nothing to fetch (local: Ulysses alone, or a ring of one rank)."""
+        return strategy_core(self.strategy, self.ring_size)
 
     def ring_rank(self, rank: int) -> int:
         """Ring rank of global rank `rank` (consecutive ranks form the `inner_axis` groups)."""
@@ -225,13 +233,14 @@ def default_usp_ulysses(world_size: int) -> int:
 
 def _factor(strategy: str, world_size: int, ulysses_size: int | None) -> int:
     """The Ulysses size U of `strategy` on `world_size` ranks (R = N / U)."""
-    if strategy in ("ring", "allgather"):
+    uses = STRATEGY[strategy].ulysses
+    if uses == NO_ULYSSES:
         if ulysses_size not in (None, 1):
             raise ValueError(
                 f"strategy {strategy!r} has no Ulysses axis; got ulysses_size={ulysses_size}"
             )
         return 1
-    if strategy == "ulysses":
+    if uses == ALL_ULYSSES:
         if ulysses_size not in (None, world_size):
             raise ValueError(
                 f"strategy 'ulysses' uses all {world_size} ranks; got ulysses_size={ulysses_size} "

@@ -22,6 +22,7 @@ from .comm import FP32_BYTES
 from .exchange import Exchange, plan_exchanges
 from .plan import CPPlan
 from .schedules import group_by_outer, inner_perm, outer_perm
+from .strategies import ALLGATHER_CORE
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 STRATEGY, DISPATCH = "strategy", "dispatch"
@@ -306,7 +307,7 @@ def _ring(b: _Builder, direction: str, sizes: dict[str, float]) -> None:
 def _core(b: _Builder, direction: str, sizes: dict[str, float]) -> None:
     """The strategy's core after the Ulysses all-to-all: ring, all-gather or local attention."""
     plan = b.plan
-    if plan.strategy == "allgather" and plan.ring_size > 1:
+    if plan.core == ALLGATHER_CORE and plan.ring_size > 1:
         gathered = (plan.ring_size - 1) * sizes["block"]
         if direction == "fwd":
             ph = b.phase("fwd attention", direction, ATTEND_ONCE)

@@ -7,11 +7,11 @@ import itertools
 from dataclasses import dataclass
 
 from experiments.core import tuning
+from shard_strategies.strategies import HYBRID_STRATEGIES, STRATEGIES
 
 FRAMEWORKS = ("jax", "torch")
-CP_STRATEGIES = ("ring", "allgather", "ulysses", "usp", "double_ring")
+CP_STRATEGIES = STRATEGIES
 CP_CHOICES = ("none", *CP_STRATEGIES)
-HYBRID_STRATEGIES = ("usp", "double_ring")  # the ones with a Ulysses x ring mesh
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPES = tuple(DTYPE_NAMES)

@@ -23,6 +23,7 @@ from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import checks, frameworks, measure, timing
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD
+from shard_strategies.strategies import RING_CORE
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
@@ -121,7 +122,7 @@ class _Ranks:
 
     @property
     def ring_core(self) -> bool:
-        return self.plan.strategy != "allgather" and self.plan.is_ring
+        return self.plan.core == RING_CORE
 
     def piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""

@@ -16,6 +16,7 @@ from attn_masks import Mask
 from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
 from shard_strategies import CPPlan, check_heads, make_plan
+from shard_strategies.strategies import ALLGATHER_CORE, RING_CORE
 
 from ._allgather import AllGatherAttention
 from ._dispatch import Dispatch, Undispatch
@@ -69,7 +70,7 @@ class Binding:
     plan: CPPlan
     groups: Groups
     impl: str
-    core: str  # "ring" | "allgather" | "local"
+    core: str  # CPPlan.core
     ring: Ring | None
     piece: Piece | None
     all_pieces: tuple[Mask, ...]
@@ -107,13 +108,8 @@ def bind(plan: CPPlan, group: dist.ProcessGroup | None, impl: str) -> Binding:
         grid = [[_piece(m, trim) for m in row] for row in plan.pieces]
         mine = tuple(grid[plan.ring_rank(groups.rank)])
         every = tuple(p.mask for row in grid for p in row if p is not None)
-        if plan.strategy == "allgather":
-            core, ring = "allgather", None
-        elif plan.is_ring:
-            core, ring = "ring", _ring(plan, groups, mine)
-        else:
-            core, ring = "local", None
-        per_plan[key] = Binding(plan, groups, impl, core, ring, mine[0], every)
+        ring = _ring(plan, groups, mine) if plan.core == RING_CORE else None
+        per_plan[key] = Binding(plan, groups, impl, plan.core, ring, mine[0], every)
     return per_plan[key]
 
 
@@ -191,9 +187,9 @@ def shard_attention(
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = SeqToHeads.apply(b.groups, "", q, k, v)
-    if b.core == "ring":
+    if b.core == RING_CORE:
         out, lse = RingAttention.apply(q, k, v, b.ring, scale, impl)
-    elif b.core == "allgather":
+    elif b.core == ALLGATHER_CORE:
         out, lse = AllGatherAttention.apply(q, k, v, b.groups.ring, b.piece, scale, impl)
     else:
         out, lse = _local_core(q, k, v, b.piece, plan, scale, impl)
