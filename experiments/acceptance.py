@@ -32,12 +32,12 @@ if _ROOT not in sys.path:
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from attn_masks import MASK_NAMES, Mask, make_mask, random_slices  # noqa: E402
+from attn_masks import Mask, make_mask, random_slices  # noqa: E402
 from attn_masks import reference_attention as oracle  # noqa: E402
+from experiments.core.presets import STATIC_MASKS  # noqa: E402
 from experiments.runners.checks import GRAD_FACTOR, tolerance  # noqa: E402
 
 FRAMEWORKS = ("jax", "torch")
-STATIC_MASKS = MASK_NAMES[:12]  # the published benchmark's 12 static masks
 EVERY_IMPL_MASKS = ("full", "causal", "causal_document", "share_question", "random")
 OWN_KERNELS = {"jax": ("pallas", "mosaic", "triton"), "torch": ("triton",)}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
