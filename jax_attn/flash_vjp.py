@@ -17,8 +17,8 @@ Backward = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def flash_vjp(forward: Forward, backward: Backward) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """(q, k, v, arrays, static) -> (out, lse), differentiable in q, k and v through
-    `backward`; `static` (hashable) is passed through untouched."""
+    """jit((q, k, v, arrays, static) -> (out, lse)), differentiable in q, k and v through
+    `backward`; `static` (hashable) is a static argument, passed through untouched."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
     def attention(q, k, v, arrays, static: Any):
@@ -34,4 +34,9 @@ def flash_vjp(forward: Forward, backward: Backward) -> Callable[..., tuple[jax.A
         return (*backward(*residuals, d_out, d_lse, static), None)
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention
+
+    @functools.partial(jax.jit, static_argnames=("static",))
+    def jitted(q, k, v, arrays, static: Any) -> tuple[jax.Array, jax.Array]:
+        return attention(q, k, v, arrays, static)
+
+    return jitted

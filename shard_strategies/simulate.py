@@ -368,68 +368,68 @@ def schedule(
     sizes = _sizes(plan)
     b = _Builder(plan, itemsize, batch)
     u = plan.ulysses_size
-    q, kv, gq, gkv = sizes["a2a_q"], sizes["a2a_kv"], sizes["global_q"], sizes["global_kv"]
-    exchanges = plan_exchanges(plan) if dispatch else None
-    if exchanges is not None:
-        return _schedule_sharded(b, mode, exchanges, sizes)
-    if mode != "bwd":
-        if dispatch:
-            items = [("q", gq), ("k", gkv), ("v", gkv)]
-            b.collectives("dispatch q, k, v", "fwd", items, ALL_GATHER, "world", DISPATCH)
-        if u > 1:
-            items = [("q", q), ("k", kv), ("v", kv)]
-            b.collectives("Ulysses q, k, v to heads", "fwd", items, ALL_TO_ALL, "ulysses")
-        _core(b, "fwd", sizes)
-        if u > 1:
-            b.collectives("Ulysses out to tokens", "fwd", [("out", q)], ALL_TO_ALL, "ulysses")
-        if dispatch:
-            items = [("out", 2 * gq)]
-            b.collectives("undispatch out", "fwd", items, ALL_REDUCE, "world", DISPATCH)
-    if mode != "fwd":
-        if dispatch:
-            items = [("dout", 2 * gq)]
-            b.collectives("dispatch dout", "bwd", items, ALL_REDUCE, "world", DISPATCH)
-        if u > 1:
-            b.collectives("Ulysses dout to heads", "bwd", [("dout", q)], ALL_TO_ALL, "ulysses")
-        _core(b, "bwd", sizes)
-        if u > 1:
-            items = [("dq", q), ("dk", kv), ("dv", kv)]
-            b.collectives("Ulysses dq, dk, dv to tokens", "bwd", items, ALL_TO_ALL, "ulysses")
-        if dispatch:
-            items = [("dq", 2 * gq), ("dk", 2 * gkv), ("dv", 2 * gkv)]
-            b.collectives("undispatch dq, dk, dv", "bwd", items, ALL_REDUCE, "world", DISPATCH)
-    return b.build(mode)
-
-
-def _schedule_sharded(
-    b: _Builder, mode: str, exchanges: tuple[Exchange, Exchange], sizes: dict[str, float]
-) -> Schedule:
-    """schedule() for sequence-sharded inputs: the exchange rounds around the strategy."""
-    plan, u = b.plan, b.plan.ulysses_size
-    dispatch, undispatch = exchanges
-    tq, tkv = plan.num_heads_q * plan.head_dim, plan.num_heads_kv * plan.head_dim
     q, kv = sizes["a2a_q"], sizes["a2a_kv"]
+    edge = _dispatch_edges(b, sizes) if dispatch else lambda name: None
     if mode != "bwd":
-        items = [("q", tq), ("k", tkv), ("v", tkv)]
-        _exchange_phase(b, "dispatch q, k, v", "fwd", dispatch, items)
+        edge("dispatch q, k, v")
         if u > 1:
             items = [("q", q), ("k", kv), ("v", kv)]
             b.collectives("Ulysses q, k, v to heads", "fwd", items, ALL_TO_ALL, "ulysses")
         _core(b, "fwd", sizes)
         if u > 1:
             b.collectives("Ulysses out to tokens", "fwd", [("out", q)], ALL_TO_ALL, "ulysses")
-        _exchange_phase(b, "undispatch out", "fwd", undispatch, [("out", tq)])
+        edge("undispatch out")
     if mode != "fwd":
-        _exchange_phase(b, "dispatch dout", "bwd", undispatch, [("dout", tq)], reverse=True)
+        edge("dispatch dout")
         if u > 1:
             b.collectives("Ulysses dout to heads", "bwd", [("dout", q)], ALL_TO_ALL, "ulysses")
         _core(b, "bwd", sizes)
         if u > 1:
             items = [("dq", q), ("dk", kv), ("dv", kv)]
             b.collectives("Ulysses dq, dk, dv to tokens", "bwd", items, ALL_TO_ALL, "ulysses")
-        items = [("dq", tq), ("dk", tkv), ("dv", tkv)]
-        _exchange_phase(b, "undispatch dq, dk, dv", "bwd", dispatch, items, reverse=True)
+        edge("undispatch dq, dk, dv")
     return b.build(mode)
+
+
+def _dispatch_edges(b: _Builder, sizes: dict[str, float]):
+    """A function adding the named dispatch step of the executor's global entry point: the
+    exchange's ppermute rounds when the length splits evenly over the ranks (forward exchange in,
+    its transpose out; the backward runs them transposed), else the collectives XLA makes of
+    gathering global arrays."""
+    plan = b.plan
+    exchanges = plan_exchanges(plan)
+    tq, tkv = plan.num_heads_q * plan.head_dim, plan.num_heads_kv * plan.head_dim
+    gq, gkv = sizes["global_q"], sizes["global_kv"]
+    # name: direction, exchange (0 in, 1 out), its items, transposed, then the gather form
+    steps = {
+        "dispatch q, k, v": (
+            "fwd",
+            0,
+            [("q", tq), ("k", tkv), ("v", tkv)],
+            False,
+            ALL_GATHER,
+            [("q", gq), ("k", gkv), ("v", gkv)],
+        ),
+        "undispatch out": ("fwd", 1, [("out", tq)], False, ALL_REDUCE, [("out", 2 * gq)]),
+        "dispatch dout": ("bwd", 1, [("dout", tq)], True, ALL_REDUCE, [("dout", 2 * gq)]),
+        "undispatch dq, dk, dv": (
+            "bwd",
+            0,
+            [("dq", tq), ("dk", tkv), ("dv", tkv)],
+            True,
+            ALL_REDUCE,
+            [("dq", 2 * gq), ("dk", 2 * gkv), ("dv", 2 * gkv)],
+        ),
+    }
+
+    def edge(name: str) -> None:
+        direction, which, items, reverse, op, gathered = steps[name]
+        if exchanges is None:
+            b.collectives(name, direction, gathered, op, "world", DISPATCH)
+        else:
+            _exchange_phase(b, name, direction, exchanges[which], items, reverse=reverse)
+
+    return edge
 
 
 def global_rank(plan: CPPlan, ring_rank: int, ulysses_rank: int) -> int:

@@ -75,3 +75,13 @@ def all_masks(seqlen: int) -> dict[str, Mask]:
     out["random_slices"] = random_slices_mask(seqlen, seed=3)
     out["empty_rows"] = empty_rows_mask(seqlen)
     return out
+
+
+def assert_close(got, want, what: str, *, tol: float) -> None:
+    """got has want's shape, is finite, and is within tol of it relative to want's largest
+    magnitude (every element checked)."""
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what} is not finite"
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
+    assert err < tol, f"{what}: relative error {err:.2e}"

@@ -9,6 +9,7 @@ import itertools
 import os
 from functools import partial
 
+import cp_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,11 +54,7 @@ def forward_backward(ex, q, k, v, do):
     return (out, lse, *pullback((do, jnp.zeros_like(lse))))
 
 
-def assert_close(got, want, what: str):
-    got = np.asarray(got, np.float64)
-    assert not np.isnan(got).any(), f"{what} has NaN"
-    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
-    assert err < TOL, f"{what}: relative error {err:.2e}"
+assert_close = partial(cp_cases.assert_close, tol=TOL)
 
 
 def check(mask, n, strategy, layout, hq=4, hkv=2, seed=0, **kw):

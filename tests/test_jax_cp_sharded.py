@@ -5,6 +5,7 @@ import math
 import re
 from functools import partial
 
+import cp_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,12 +49,14 @@ def seq_sharded(xs, mesh: Mesh):
     return [jax.device_put(x, sharding) for x in xs]
 
 
-def assert_close(got, want, what: str):
-    got = np.asarray(got, np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(got).all(), f"{what} is not finite"
-    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
-    assert err < TOL, f"{what}: relative error {err:.2e}"
+assert_close = partial(cp_cases.assert_close, tol=TOL)
+
+
+def assert_reference(got, host, mask, tag: str) -> None:
+    """out, dq, dk, dv against the float64 oracle on the host inputs (dout = host[3])."""
+    ref = reference_attention(*host[:3], mask, dout=host[3])
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, (ref.out, ref.dq, ref.dk, ref.dv)):
+        assert_close(g, want, f"{tag} {name}")
 
 
 def cp_fn(mask, mesh, strategy, layout, **kw):
@@ -76,15 +79,8 @@ def check_sharded(mask, mesh, strategy, layout, hq=4, hkv=2, seed=0, **kw):
     host = host_inputs(seed, mask.seqlen_q, hq, hkv)
     q, k, v, do = seq_sharded(host, mesh)
     out, dq, dk, dv = forward_backward(cp_fn(mask, mesh, strategy, layout, **kw))(q, k, v, do)
-    ref = reference_attention(*host[:3], mask, dout=host[3])
     tag = f"{mask.name}/{strategy}/{layout}"
-    for name, got, want in (
-        ("out", out, ref.out),
-        ("dq", dq, ref.dq),
-        ("dk", dk, ref.dk),
-        ("dv", dv, ref.dv),
-    ):
-        assert_close(got, want, f"{tag} {name}")
+    assert_reference((out, dq, dk, dv), host, mask, tag)
     # the output stays split along the sequence like the inputs (nothing gathered whole)
     same = out.sharding.is_equivalent_to(q.sharding, 4)
     assert same, f"{tag}: out sharding {out.sharding}, inputs {q.sharding}"
@@ -150,11 +146,7 @@ def test_uneven_length_falls_back_to_the_global_dispatch():
     mesh = explicit_mesh()
     host = host_inputs(7, 100, 4, 2)
     rep = [jax.device_put(x, NamedSharding(mesh, P())) for x in host]
-    out, dq, dk, dv = forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep)
-    ref = reference_attention(*host[:3], mask, dout=host[3])
-    wants = (ref.out, ref.dq, ref.dk, ref.dv)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), wants):
-        assert_close(got, want, name)
+    assert_reference(forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep), host, mask, "")
     ex = jax_cp.build(
         mask, mesh=mesh, strategy="ring", layout="zigzag", num_heads_q=4, num_heads_kv=2, head_dim=D
     )
@@ -168,11 +160,7 @@ def test_replicated_inputs_and_methods():
     mesh = flat_mesh()
     host = host_inputs(6, 200, 4, 2)
     rep = [jax.device_put(x, NamedSharding(mesh, P())) for x in host]
-    out, dq, dk, dv = forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep)
-    ref = reference_attention(*host[:3], mask, dout=host[3])
-    wants = (ref.out, ref.dq, ref.dk, ref.dv)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), wants):
-        assert_close(got, want, name)
+    assert_reference(forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep), host, mask, "")
     ex = jax_cp.build(
         mask, mesh=mesh, strategy="ring", layout="zigzag", num_heads_q=4, num_heads_kv=2, head_dim=D
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -98,14 +97,7 @@ def _backward(
     )
 
 
-_attention = flash_vjp(_forward_padded, _backward)
-
-
-@functools.partial(jax.jit, static_argnames=("static",))
-def _attention_jit(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[jax.Array, jax.Array]:
-    return _attention(q, k, v, arrays, static)
+_attention_jit = flash_vjp(_forward_padded, _backward)
 
 
 def check_inputs(

@@ -106,14 +106,7 @@ def _backward(
     return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
 
 
-_attention = flash_vjp(_forward_padded, _backward)
-
-
-@functools.partial(jax.jit, static_argnames=("static",))
-def _attention_jit(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
-) -> tuple[jax.Array, jax.Array]:
-    return _attention(q, k, v, arrays, static)
+_attention_jit = flash_vjp(_forward_padded, _backward)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
