@@ -1,5 +1,5 @@
-"""Time each shared Triton kernel (forward, delta, dK/dV, dQ) over candidate launch configs on
-one CUDA GPU, beside FlexAttention on the same problem.
+"""Time each shared Triton kernel (forward, delta, and the backward's dK/dV and dQ programs each
+launched alone) over candidate launch configs on one CUDA GPU, beside FlexAttention.
 
     python experiments/triton_tiles.py --seqlen=32768 --mask=full,causal
 
@@ -11,6 +11,7 @@ dQ 3 per visible (query, key) pair and head dim), so the kernels' rates are comp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -135,26 +136,26 @@ def sweep_mask(name: str, emit) -> None:
             call = launch.delta_call(shape)
             args = (out, dout, dlse)
             return (lambda: front._launch(kern.attn_bwd_delta_kernel, call, args, (delta,))), ()
+        # dQ shares the backward launch's warps and stages, so a dQ candidate sets both parts'.
+        shared = dataclasses.replace(
+            default.dkdv, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
         tab = tables_for(
             launch.LaunchConfigs(
                 default.fwd,
-                cfg if which == "dkdv" else default.dkdv,
+                cfg if which == "dkdv" else shared,
                 cfg if which == "dq" else default.dq,
             )
         )
-        common = (q, k, v, dout, lse, delta, tab["lo"], tab["hi"])
-        if which == "dkdv":
-            dk, dv = torch.empty_like(k), torch.empty_like(v)
-            call = launch.dkdv_call(shape, tab["host"], scale, False)
-            arrays = (*common, *tab["dkdv"])
-            return (lambda: front._launch(kern.attn_bwd_dkdv_kernel, call, arrays, (dk, dv))), (
-                dk,
-                dv,
-            )
-        dq = torch.empty_like(q)
-        call = launch.dq_call(shape, tab["host"], scale, False)
-        arrays = (*common, *tab["dq"])
-        return (lambda: front._launch(kern.attn_bwd_dq_kernel, call, arrays, (dq,))), (dq,)
+        lists = (*tab["dkdv"], *tab["dq"])
+        arrays = (q, k, v, dout, lse, delta, tab["lo"], tab["hi"], *lists)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        call = launch.bwd_call(shape, tab["host"], scale, False, which == "dkdv", which == "dq")
+
+        def part():
+            front._launch(kern.attn_bwd_kernel, call, arrays, (dq, dk, dv))
+
+        return part, ((dk, dv) if which == "dkdv" else (dq,))
 
     fn, _ = run("delta", None)
     fn()

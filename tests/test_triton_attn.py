@@ -182,6 +182,23 @@ def test_edge_tiles_are_partial():
     assert full[:3, :3].all() and not full[3].any() and not full[:, 3].any()
 
 
+def test_backward_launch_runs_every_dkdv_then_every_dq_program():
+    """One backward launch: dK/dV programs first (their count is a kernel argument), then dQ;
+    each part can be launched alone, and dQ must share dK/dV's warps and stages."""
+    dkdv, dq = launch.LaunchConfig(64, 128, 8, 3), launch.LaunchConfig(128, 64, 8, 3)
+    configs = launch.LaunchConfigs(dkdv, dkdv, dq)
+    tables = launch.mask_tables(make_mask("causal", 1000), configs)
+    shape = launch.Shape(2, 1000, 1000, 12, 4, 64)
+    dkdv_programs, dq_programs = 8 * 2 * 4, 8 * 2 * 12  # ceil(1000 / 128) tiles of each
+    both = launch.bwd_call(shape, tables, 0.1, False)
+    assert both.grid == (dkdv_programs + dq_programs, 1) and both.scalars[6] == dkdv_programs
+    assert launch.bwd_call(shape, tables, 0.1, False, dq=False).grid == (dkdv_programs, 1)
+    alone = launch.bwd_call(shape, tables, 0.1, False, dkdv=False)
+    assert alone.grid == (dq_programs, 1) and alone.scalars[6] == 0
+    with pytest.raises(ValueError, match=r"\(4, 3\) must equal dK/dV's \(8, 3\)"):
+        launch.LaunchConfigs(dkdv, dkdv, launch.LaunchConfig(128, 64, 4, 3))
+
+
 # ---------------------------------------------------------------- JAX front end (jax_triton)
 
 
@@ -282,8 +299,7 @@ def test_both_front_ends_compute_the_same_bits(monkeypatch, dtype_name, head_dim
     assert [r[0] for r in launches["jax"]] == [
         "attn_fwd_kernel",
         "attn_bwd_delta_kernel",
-        "attn_bwd_dkdv_kernel",
-        "attn_bwd_dq_kernel",
+        "attn_bwd_kernel",
     ]
     assert launches["jax"] == launches["torch"]
 

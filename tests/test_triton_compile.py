@@ -41,11 +41,7 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 TRITON_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 STAT_POINTERS = ("lse_ptr", "delta_ptr", "dlse_ptr")
 INDEX_POINTERS = ("lo_ptr", "hi_ptr")
-KERNELS = {
-    "fwd": kernels.attn_fwd_kernel,
-    "dkdv": kernels.attn_bwd_dkdv_kernel,
-    "dq": kernels.attn_bwd_dq_kernel,
-}
+KERNELS = {"fwd": kernels.attn_fwd_kernel, "bwd": kernels.attn_bwd_kernel}
 # Triton's own ptxas flags for sm_90 (backends/nvidia/compiler.py), so counts match its cubin.
 PTXAS_FLAGS = ("-v", "-lineinfo", "--regAllocOptLevel=2", "--gpu-name=sm_90a")
 CASES = [
@@ -57,8 +53,12 @@ CASES = [
     (256, "float32"),
 ]
 SPILL_CHECKED = {(64, "bfloat16"), (64, "float16"), (128, "bfloat16"), (128, "float16")}
-# DIV16 at the benchmark shapes (16K-1M tokens, 64:8 heads, tile lists of 16 or more entries).
-BENCH_DIV16 = launch.div16((16384, 16384, 64, 8, 256))
+# DIV16 at the benchmark shapes (16K-1M tokens, 64:8 heads, tile lists of 16 or more entries,
+# and for the backward 1024 dK/dV programs).
+BENCH_DIV16 = {
+    "fwd": launch.div16((16384, 16384, 64, 8, 256)),
+    "bwd": launch.div16((16384, 16384, 64, 8, 256, 256, 1024)),
+}
 TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])  # "3.9.0" -> "3.9"
 
 
@@ -81,20 +81,29 @@ def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
     return sig
 
 
+def _tile_meta(which: str, configs: launch.LaunchConfigs) -> tuple[dict, launch.LaunchConfig]:
+    """(tile constexprs, the config giving warps and stages) of kernel `which`."""
+    if which == "fwd":
+        return {"BLOCK_M": configs.fwd.block_q, "BLOCK_N": configs.fwd.block_k}, configs.fwd
+    k, q = configs.dkdv, configs.dq
+    tiles = {"DKDV_BLOCK_M": k.block_q, "DKDV_BLOCK_N": k.block_k}
+    return {**tiles, "DQ_BLOCK_M": q.block_q, "DQ_BLOCK_N": q.block_k}, k
+
+
 @functools.cache
-def compile_kernel(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> Any:
-    """Kernel `which` compiled for sm_90 at `cfg` (GQA group 8, two mask intervals), as either
-    front end launches it at a benchmark shape (aligned arrays, BENCH_DIV16)."""
+def compile_kernel(which: str, head_dim: int, dtype: str, configs: launch.LaunchConfigs) -> Any:
+    """Kernel `which` ("fwd" or "bwd") compiled for sm_90 at `configs` (GQA group 8, two mask
+    intervals), as either front end launches it at a benchmark shape (aligned arrays, DIV16)."""
     fn = KERNELS[which]
+    tiles, cfg = _tile_meta(which, configs)
     meta = {
         "GROUP": 8,
         "NUM_INTERVALS": 2,
-        "BLOCK_M": cfg.block_q,
-        "BLOCK_N": cfg.block_k,
+        **tiles,
         "BLOCK_D": launch.block_d(head_dim),
         "HEAD_DIM": head_dim,
         "IEEE": dtype == "float32",
-        "DIV16": BENCH_DIV16,
+        "DIV16": BENCH_DIV16[which],
     }
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
     sig = _signature(fn, dtype, meta)
@@ -134,17 +143,11 @@ def ptxas_usage(ptx: str) -> tuple[int, int] | None:
     return int(regs.group(1)), int(spills.group(1))
 
 
-def kernel_config(configs: launch.LaunchConfigs, which: str) -> launch.LaunchConfig:
-    """The config launch uses for kernel `which`."""
-    return {"fwd": configs.fwd, "dkdv": configs.dkdv, "dq": configs.dq}[which]
-
-
 @pytest.mark.parametrize("head_dim,dtype", CASES)
 @pytest.mark.parametrize("which", list(KERNELS))
 def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype):
-    itemsize = 4 if dtype == "float32" else 2
-    cfg = kernel_config(launch.default_configs(head_dim, itemsize), which)
-    compiled = compile_kernel(which, head_dim, dtype, cfg)
+    configs = launch.default_configs(head_dim, 4 if dtype == "float32" else 2)
+    compiled = compile_kernel(which, head_dim, dtype, configs)
     assert compiled.asm["cubin"], "no cubin produced"
     assert 0 < compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
 
@@ -158,12 +161,12 @@ def test_kernel_compiles_for_hopper_within_shared_memory(which, head_dim, dtype)
 @pytest.mark.parametrize("head_dim,dtype", sorted(SPILL_CHECKED))
 @pytest.mark.parametrize("which", list(KERNELS))
 def test_default_config_spills_no_registers(which, head_dim, dtype):
-    cfg = kernel_config(launch.default_configs(head_dim, 2), which)
-    usage = ptxas_usage(compile_kernel(which, head_dim, dtype, cfg).asm["ptx"])
+    configs = launch.default_configs(head_dim, 2)
+    usage = ptxas_usage(compile_kernel(which, head_dim, dtype, configs).asm["ptx"])
     if usage is None:
         pytest.skip("no ptxas shipped with Triton accepts the PTX it generates")
     regs, spilled = usage
-    assert spilled == 0, f"{which} D={head_dim} {dtype} {cfg}: {regs} regs, {spilled} B spilled"
+    assert spilled == 0, f"{which} D={head_dim} {dtype} {configs}: {regs} regs, {spilled} B spilled"
 
 
 # An instruction, after its optional predicate (@%p1 or @!%p1).
@@ -205,8 +208,7 @@ def _launches(head_dim: int, dtype: str) -> dict[str, tuple[Any, launch.Call]]:
     return {
         "fwd": (kernels.attn_fwd_kernel, launch.fwd_call(shape, tables, 0.1, ieee)),
         "delta": (kernels.attn_bwd_delta_kernel, launch.delta_call(shape)),
-        "dkdv": (kernels.attn_bwd_dkdv_kernel, launch.dkdv_call(shape, tables, 0.1, ieee)),
-        "dq": (kernels.attn_bwd_dq_kernel, launch.dq_call(shape, tables, 0.1, ieee)),
+        "bwd": (kernels.attn_bwd_kernel, launch.bwd_call(shape, tables, 0.1, ieee)),
     }
 
 
@@ -221,7 +223,7 @@ def test_both_front_ends_compile_one_kernel(head_dim, dtype):
         torch_ptx = front_end_ptx(fn, call, dtype, "torch")
         assert torch_ptx == front_end_ptx(fn, call, dtype, "jax"), f"{which}: PTX differs"
     if (head_dim, dtype) == (128, "bfloat16"):  # the facts are what makes the two equal
-        fn, call = _launches(head_dim, dtype)["dkdv"]
+        fn, call = _launches(head_dim, dtype)["bwd"]
         bare = dataclasses.replace(call, meta={**call.meta, "DIV16": 0})
         assert front_end_ptx(fn, bare, dtype, "torch") != front_end_ptx(fn, bare, dtype, "jax")
 
@@ -254,7 +256,7 @@ def test_delta_kernel_compiles_with_wide_loads(dtype, head_dim):
 
 def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> str:
     """One CSV row: kernel, head dim, dtype, config, registers, spill bytes, shared memory."""
-    compiled = compile_kernel(which, head_dim, dtype, cfg)
+    compiled = compile_kernel(which, head_dim, dtype, launch.LaunchConfigs(cfg, cfg, cfg))
     usage = ptxas_usage(compiled.asm["ptx"]) or (-1, -1)
     fields = (which, head_dim, dtype, cfg.block_q, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return ",".join(map(str, (*fields, *usage, compiled.metadata.shared)))

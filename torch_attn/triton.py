@@ -2,7 +2,8 @@
 
 The same @triton.jit kernels as jax_attn's impl "triton" (triton_attn.kernels), launched with
 `kernel[grid](...)`; the backward is a torch.autograd.Function running the delta
-(rowsum(out * dout) - dlse), dK/dV and dQ kernels from the saved LSE (so a returned LSE is
+(rowsum(out * dout) - dlse) kernel and the backward kernel (dK/dV and dQ programs in one launch)
+from the saved LSE (so a returned LSE is
 differentiable too). The mask tables (tiles from triton_attn.launch) are built on the host once
 per (mask, device, configs). CUDA GPUs (compute capability >= 8.0); on CPU only when the kernels
 were imported under TRITON_INTERPRET=1 (Triton's interpreter, for tests).
@@ -118,7 +119,7 @@ def backward(
     dlse: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward's residuals: the delta, dK/dV and dQ kernels."""
+    """(dq, dk, dv) from the forward's residuals: the delta kernel, then one dK/dV + dQ launch."""
     mod, _ = kernels()
     shape = _shape(q, k)
     ieee = q.dtype == torch.float32
@@ -131,15 +132,14 @@ def backward(
     with _device_guard(q.device):
         rows = (out.contiguous(), dout, dlse)
         _launch(mod.attn_bwd_delta_kernel, launch.delta_call(shape), rows, (delta,))
-        call = launch.dkdv_call(shape, host, scale, ieee)
-        _launch(mod.attn_bwd_dkdv_kernel, call, (*common, *tables["dkdv"]), (dk, dv))
-        call = launch.dq_call(shape, host, scale, ieee)
-        _launch(mod.attn_bwd_dq_kernel, call, (*common, *tables["dq"]), (dq,))
+        call = launch.bwd_call(shape, host, scale, ieee)
+        lists = (*tables["dkdv"], *tables["dq"])
+        _launch(mod.attn_bwd_kernel, call, (*common, *lists), (dq, dk, dv))
     return dq, dk, dv
 
 
 class _Attention(torch.autograd.Function):
-    """Forward kernel; backward by the dK/dV and dQ kernels (out and lse both differentiable)."""
+    """Forward kernel; backward by the delta and backward kernels (out and lse differentiable)."""
 
     @staticmethod
     def forward(ctx, q, k, v, tables, scale):

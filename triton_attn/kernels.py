@@ -5,18 +5,19 @@ fp32. Query head h reads KV head h // GROUP (GQA without repeating K/V). D is pa
 power of two BLOCK_D inside (masked loads); sequence ends are masked likewise, so no length
 needs padding on the host.
 
-Each program walks a compacted tile list built on the host (triton_attn.launch): the forward
-and dQ kernels the non-empty k tiles of their q tile, the dK/dV kernel the non-empty q tiles of
-its k tile, for every query head of its GQA group in turn (so it owns its dK/dV tile: no
-atomics). A FULL tile is used unmasked; a PARTIAL tile is masked from the per-row key intervals
-lo/hi (Sq, NUM_INTERVALS): row i sees key j iff lo[i, r] <= j < hi[i, r] for some r. Edge tiles
-are always PARTIAL (launch.py clears their full flag), which masks keys beyond Sk.
+Each program walks a compacted tile list built on the host (triton_attn.launch): a forward or dQ
+program the non-empty k tiles of its q tile, a dK/dV program the non-empty q tiles of its k tile,
+for every query head of its GQA group in turn (so it owns its dK/dV tile: no atomics). The backward
+is one launch whose first programs are dK/dV and the rest dQ, as FlexAttention's. A FULL tile is
+used unmasked; a PARTIAL tile is masked from the per-row key intervals lo/hi (Sq, NUM_INTERVALS):
+row i sees key j iff lo[i, r] <= j < hi[i, r] for some r. Edge tiles are always PARTIAL (launch.py
+clears their full flag), which masks keys beyond Sk.
 
 Softmax runs in base 2 (exp2) in fp32; the stored LSE is natural log, -inf on rows that see no
 key (their output is 0). The backward takes delta = rowsum(out * dout) - dlse precomputed, so
 it needs only the LSE and delta of the forward (a ring can pass merged statistics). delta has its
 own kernel here, so both front ends sum each row in the same order: a framework's own reduction
-(XLA's or torch's) sums in another order, and the dK and dQ kernels then see other bits.
+(XLA's or torch's) sums in another order, and the dK and dQ programs then see other bits.
 
 The kernel signatures put arrays and runtime scalars first, then the outputs, then constexprs,
 which is the order jax_triton.triton_call passes them; the torch front end uses the same order.
@@ -182,7 +183,7 @@ def attn_fwd_kernel(
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(
+def _dkdv_program(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -202,6 +203,8 @@ def attn_bwd_dkdv_kernel(
     scale,
     dk_ptr,
     dv_ptr,
+    k_tile,
+    bh,
     GROUP: tl.constexpr,
     NUM_INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -209,14 +212,8 @@ def attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
-    DIV16: tl.constexpr,
 ):
     """One (k tile, batch x KV head): dK and dV over the listed q tiles of every group head."""
-    seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
-        seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16
-    )
-    k_tile = tl.program_id(0)
-    bh = tl.program_id(1)
     b = (bh // heads_kv).to(tl.int64)
     kvh = bh % heads_kv
     cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,7 +267,7 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def attn_bwd_dq_kernel(
+def _dq_program(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -289,6 +286,8 @@ def attn_bwd_dq_kernel(
     list_width,
     scale,
     dq_ptr,
+    q_tile,
+    bh,
     GROUP: tl.constexpr,
     NUM_INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -296,14 +295,8 @@ def attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
-    DIV16: tl.constexpr,
 ):
     """One (q tile, batch x query head): dQ over the listed k tiles."""
-    seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
-        seqlen_q, seqlen_k, heads_q, heads_kv, list_width, DIV16
-    )
-    q_tile = tl.program_id(0)
-    bh = tl.program_id(1)
     b = (bh // heads_q).to(tl.int64)
     h = bh % heads_q
     kvh = h // GROUP
@@ -348,6 +341,120 @@ def attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def attn_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    lo_ptr,
+    hi_ptr,
+    q_index_ptr,
+    q_count_ptr,
+    q_full_ptr,
+    kv_index_ptr,
+    kv_count_ptr,
+    kv_full_ptr,
+    seqlen_q,
+    seqlen_k,
+    heads_q,
+    heads_kv,
+    dkdv_width,
+    dq_width,
+    dkdv_programs,
+    scale,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    GROUP: tl.constexpr,
+    NUM_INTERVALS: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr,
+    DKDV_BLOCK_N: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
+    DIV16: tl.constexpr,
+):
+    """The backward in one launch: programs below dkdv_programs each own a (k tile, batch x KV
+    head) dK/dV tile, the rest a (q tile, batch x query head) dQ tile. The dQ programs fill the
+    SMs that the longest dK/dV lists (a question every answer reads, the first causal k tiles)
+    would leave idle at the end of a dK/dV-only launch."""
+    seqlen_q, seqlen_k, heads_q, heads_kv, dkdv_width = _sizes(
+        seqlen_q, seqlen_k, heads_q, heads_kv, dkdv_width, DIV16
+    )
+    dq_width = _div16(dq_width, DIV16, 5)
+    dkdv_programs = _div16(dkdv_programs, DIV16, 6)
+    pid = tl.program_id(0)
+    if pid < dkdv_programs:
+        k_tiles = tl.cdiv(seqlen_k, DKDV_BLOCK_N)
+        _dkdv_program(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            lo_ptr,
+            hi_ptr,
+            q_index_ptr,
+            q_count_ptr,
+            q_full_ptr,
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            heads_kv,
+            dkdv_width,
+            scale,
+            dk_ptr,
+            dv_ptr,
+            pid % k_tiles,
+            pid // k_tiles,
+            GROUP,
+            NUM_INTERVALS,
+            DKDV_BLOCK_M,
+            DKDV_BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            IEEE,
+        )
+    else:
+        q_tiles = tl.cdiv(seqlen_q, DQ_BLOCK_M)
+        p = pid - dkdv_programs
+        _dq_program(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            lo_ptr,
+            hi_ptr,
+            kv_index_ptr,
+            kv_count_ptr,
+            kv_full_ptr,
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            heads_kv,
+            dq_width,
+            scale,
+            dq_ptr,
+            p % q_tiles,
+            p // q_tiles,
+            GROUP,
+            NUM_INTERVALS,
+            DQ_BLOCK_M,
+            DQ_BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            IEEE,
+        )
 
 
 @triton.jit

@@ -34,17 +34,25 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class LaunchConfigs:
-    """The launch configs of the forward, dK/dV and dQ kernels (dQ takes dK/dV's when not
-    given)."""
+    """The launch configs of the forward and of the backward's dK/dV and dQ programs (dQ takes
+    dK/dV's when not given)."""
 
     fwd: LaunchConfig
     dkdv: LaunchConfig
     dq: LaunchConfig | None = None
 
     def __post_init__(self) -> None:
-        """Give dQ the dK/dV config when it has none of its own."""
+        """Give dQ the dK/dV config when it has none of its own; the two share one launch, so
+        their warps and stages must agree."""
         if self.dq is None:
             object.__setattr__(self, "dq", self.dkdv)
+        mine = (self.dq.num_warps, self.dq.num_stages)
+        theirs = (self.dkdv.num_warps, self.dkdv.num_stages)
+        if mine != theirs:
+            raise ValueError(
+                f"dQ and dK/dV run in one launch: dQ's (num_warps, num_stages) {mine} must "
+                f"equal dK/dV's {theirs}"
+            )
 
 
 @dataclass(frozen=True)
@@ -116,9 +124,10 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
 # Elsewhere: the largest tiles that ptxas compiles for sm_90 without register spills, or the
 # least spilling where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV). Data in
 # triton_attn/NOTES.md. Register use depends on the compiler: measured with this Triton release.
+# dK/dV and dQ share one backward launch, so dQ takes dK/dV's warps and stages.
 TUNED_WITH_TRITON = "3.9"
 _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
-    (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)),
+    (64, False): ((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2)),
     (128, False): ((128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
     (256, False): ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
     (64, True): ((128, 32, 8, 1), (32, 32, 8, 1), (64, 32, 8, 1)),
@@ -162,27 +171,15 @@ def mask_tables(mask: Mask, configs: LaunchConfigs) -> MaskTables:
     )
 
 
-def _meta(shape: Shape, tables: MaskTables, cfg: LaunchConfig, ieee: bool) -> dict[str, Any]:
+def _meta(shape: Shape, tables: MaskTables, ieee: bool) -> dict[str, Any]:
+    """The constexprs every attention kernel takes (tiles and DIV16 are added per kernel)."""
     return {
         "GROUP": shape.heads_q // shape.heads_kv,
         "NUM_INTERVALS": tables.num_intervals,
-        "BLOCK_M": cfg.block_q,
-        "BLOCK_N": cfg.block_k,
         "BLOCK_D": block_d(shape.head_dim),
         "HEAD_DIM": shape.head_dim,
         "IEEE": bool(ieee),
     }
-
-
-def _scalars(shape: Shape, width: int, scale: float) -> tuple[Any, ...]:
-    return (
-        shape.seqlen_q,
-        shape.seqlen_k,
-        shape.heads_q,
-        shape.heads_kv,
-        width,
-        float(scale),
-    )
 
 
 def div16(scalars: tuple[Any, ...]) -> int:
@@ -196,45 +193,68 @@ def div16(scalars: tuple[Any, ...]) -> int:
     )
 
 
-def _call(
-    shape: Shape,
-    tables: MaskTables,
-    cfg: LaunchConfig,
-    lists: TileList,
-    grid: tuple[int, int],
-    scale: float,
-    ieee: bool,
-) -> Call:
-    """The launch of one kernel: its grid, runtime scalars, constexprs, warps and stages."""
-    scalars = _scalars(shape, lists.width, scale)
+def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
+    """attn_fwd_kernel: one program per (q tile, batch x query head)."""
+    cfg = tables.configs.fwd
+    scalars = (
+        shape.seqlen_q,
+        shape.seqlen_k,
+        shape.heads_q,
+        shape.heads_kv,
+        tables.fwd.width,
+        float(scale),
+    )
+    meta = {
+        **_meta(shape, tables, ieee),
+        "BLOCK_M": cfg.block_q,
+        "BLOCK_N": cfg.block_k,
+        "DIV16": div16(scalars),
+    }
     return Call(
-        grid=grid,
+        grid=(cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q),
         scalars=scalars,
-        meta={**_meta(shape, tables, cfg, ieee), "DIV16": div16(scalars)},
+        meta=meta,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
 
-def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
-    """attn_fwd_kernel: one program per (q tile, batch x query head)."""
-    cfg = tables.configs.fwd
-    grid = (cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q)
-    return _call(shape, tables, cfg, tables.fwd, grid, scale, ieee)
-
-
-def dkdv_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
-    """attn_bwd_dkdv_kernel: one program per (k tile, batch x KV head)."""
-    cfg = tables.configs.dkdv
-    grid = (cdiv(shape.seqlen_k, cfg.block_k), shape.batch * shape.heads_kv)
-    return _call(shape, tables, cfg, tables.dkdv, grid, scale, ieee)
-
-
-def dq_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call:
-    """attn_bwd_dq_kernel: one program per (q tile, batch x query head)."""
-    cfg = tables.configs.dq
-    grid = (cdiv(shape.seqlen_q, cfg.block_q), shape.batch * shape.heads_q)
-    return _call(shape, tables, cfg, tables.dq, grid, scale, ieee)
+def bwd_call(
+    shape: Shape, tables: MaskTables, scale: float, ieee: bool, dkdv: bool = True, dq: bool = True
+) -> Call:
+    """attn_bwd_kernel: one program per (k tile, batch x KV head) for dK/dV, then one per
+    (q tile, batch x query head) for dQ; `dkdv` / `dq` False leaves that part out (the tile
+    sweep times each part alone). Warps and stages are the dK/dV config's (LaunchConfigs makes
+    dQ's the same)."""
+    k_cfg, q_cfg = tables.configs.dkdv, tables.configs.dq
+    dkdv_programs = cdiv(shape.seqlen_k, k_cfg.block_k) * shape.batch * shape.heads_kv
+    dq_programs = cdiv(shape.seqlen_q, q_cfg.block_q) * shape.batch * shape.heads_q
+    dkdv_programs *= dkdv
+    scalars = (
+        shape.seqlen_q,
+        shape.seqlen_k,
+        shape.heads_q,
+        shape.heads_kv,
+        tables.dkdv.width,
+        tables.dq.width,
+        dkdv_programs,
+        float(scale),
+    )
+    meta = {
+        **_meta(shape, tables, ieee),
+        "DKDV_BLOCK_M": k_cfg.block_q,
+        "DKDV_BLOCK_N": k_cfg.block_k,
+        "DQ_BLOCK_M": q_cfg.block_q,
+        "DQ_BLOCK_N": q_cfg.block_k,
+        "DIV16": div16(scalars),
+    }
+    return Call(
+        grid=(dkdv_programs + dq_programs * dq, 1),
+        scalars=scalars,
+        meta=meta,
+        num_warps=k_cfg.num_warps,
+        num_stages=k_cfg.num_stages,
+    )
 
 
 DELTA_ROWS, DELTA_WARPS = 64, 4  # attn_bwd_delta_kernel streams out and dout once

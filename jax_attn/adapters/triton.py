@@ -1,12 +1,11 @@
 """Impl "triton": triton_attn's block-sparse flash kernels launched from JAX by jax_triton.
 
 The same @triton.jit kernels as torch_attn's impl "triton" (triton_attn.kernels), called with
-`jax_triton.triton_call`; jax.custom_vjp runs the delta (rowsum(out * dout) - dlse), dK/dV and
-dQ kernels from the saved LSE, which is also the residual backward (attention_bwd). Mask
-tables (tiles from triton_attn.launch) are built on the host once per (mask, configs) and passed
-as arrays. CUDA GPUs only (jax_triton has no CPU path); import-guarded, so without jax-triton
-supports() says so.
-"""
+`jax_triton.triton_call`; jax.custom_vjp runs the delta (rowsum(out * dout) - dlse) kernel and the
+backward kernel (dK/dV and dQ programs in one launch) from the saved LSE, which is also the residual
+backward (attention_bwd). Mask tables (tiles from triton_attn.launch) are built on the host once per
+(mask, configs) and passed as arrays. CUDA GPUs only (jax_triton has no CPU path); import-guarded,
+so without jax-triton supports() says so."""
 
 from __future__ import annotations
 
@@ -217,17 +216,10 @@ def _backward(tables: _Tables, scale: float, q, k, v, arrays: dict, out, lse, do
     )
     common = (q, k, v, dout, lse, delta, arrays["lo"], arrays["hi"])
     kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    call = launch.dkdv_call(shape, tables.host, scale, ieee)
-    dk, dv = _call(
-        kernels.attn_bwd_dkdv_kernel, call, (*common, *arrays["dkdv"]), (kv_shape, kv_shape)
-    )
-    call = launch.dq_call(shape, tables.host, scale, ieee)
-    (dq,) = _call(
-        kernels.attn_bwd_dq_kernel,
-        call,
-        (*common, *arrays["dq"]),
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),),
-    )
+    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), kv_shape, kv_shape)
+    call = launch.bwd_call(shape, tables.host, scale, ieee)
+    lists = (*arrays["dkdv"], *arrays["dq"])
+    dq, dk, dv = _call(kernels.attn_bwd_kernel, call, (*common, *lists), out_shape)
     return dq, dk, dv
 
 
