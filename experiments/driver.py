@@ -262,10 +262,14 @@ def _lazy_runner(make):
     return runner_for
 
 
-def _jax_runner(rtol: float | None, sim_baseline_max_seqlen: int | None = None):
+def _jax_runner(settings: Settings):
     from experiments.runners.jax_runner import JaxRunner
 
-    return JaxRunner(rtol_override=rtol, sim_baseline_max_seqlen=sim_baseline_max_seqlen)
+    return JaxRunner(
+        rtol_override=settings.check_rtol,
+        sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
+        sim_timed_calls=settings.sim_timed_calls,
+    )
 
 
 def _torch_runner(rtol: float | None):
@@ -490,7 +494,7 @@ def _sweep(settings: Settings, run_plan: Plan, writer: bool, say) -> None:
     progress = Progress(total, total - len(todo)) if writer else None
     sweep.run_points(
         [p for p in todo if p.framework == "jax"],
-        _lazy_runner(lambda: _jax_runner(settings.check_rtol, settings.sim_baseline_max_seqlen)),
+        _lazy_runner(lambda: _jax_runner(settings)),
         store=store if writer else None,
         progress=progress,
         provenance=prov,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cp_cases import named_mask
+from cp_cases import named_mask, random_slices_mask
 
 import shard_strategies as ss
 from attn_masks import from_slices
@@ -191,7 +191,7 @@ def test_link_model_node_boundaries_and_spec():
 # ------------------------------------------------------------------------------- JAX runner
 
 
-def _point(strategy, n, mode, link, mask="causal_document", layout="zigzag"):
+def _point(strategy, n, mode, link, mask="causal_document", layout="zigzag", seqlen=16):
     from experiments.core.points import Grid, expand
 
     grid = Grid(
@@ -200,7 +200,7 @@ def _point(strategy, n, mode, link, mask="causal_document", layout="zigzag"):
         layouts=(layout,),
         impls=("default",),
         masks=(mask,),
-        seqlens=(16,),
+        seqlens=(seqlen,),
         heads=((HQ, HKV),),
         head_dim=D,
         dtype="fp32",
@@ -291,6 +291,52 @@ def _row_check(runner, monkeypatch) -> None:
     assert result["masks"][0]["simulation"]["check_ranks"] == [0, 3]
 
 
+def _tile_time(args) -> float:
+    """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one,
+    counted by walking the piece's forward tile lists (1 ms for a call without a piece)."""
+    from jax_attn.mask_arrays import MaskArrays
+
+    piece = next((a for a in args if isinstance(a, MaskArrays)), None)
+    if piece is None:
+        return 1.0
+    count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
+    listed = partial = 0
+    for row, n in enumerate(count):
+        listed += int(n)
+        partial += sum(1 for i in range(int(n)) if not full[row, i])
+    return 0.5 + 0.01 * listed + 0.02 * partial
+
+
+def _modelled_equals_timed(monkeypatch) -> None:
+    """With times linear in the tiles, a point whose calls are mostly predicted from a few
+    timed ones (--sim_timed_calls) gets the compute of timing every call, and says how many it
+    modelled and the held-out error (0 here)."""
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    def fake(fn, args, *, warmup, iters, flush=None, barrier=None):
+        return [_tile_time(args)] * iters
+
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", fake)
+    # random slices: many distinct pieces per class of calls (named masks this small have few)
+    monkeypatch.setattr(
+        cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
+    )
+    point = _point("ring", 8, "fwd_bwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
+    sims = {}
+    for k in (0, 3):
+        result = JaxRunner(sim_timed_calls=k).run(point)
+        assert result["check"]["ok"]
+        sims[k] = result["masks"][0]["simulation"]
+    every, model = sims[0]["calls"], sims[3]["calls"]
+    assert every["timed"] == every["distinct"] and every["modelled"] == 0 and "model" not in every
+    assert model["distinct"] == every["distinct"]
+    assert model["modelled"] > 0 and model["timed"] + model["modelled"] == model["distinct"]
+    assert model["model"]["held_out_calls"] >= 4 and model["model"]["max_error_pct"] < 1e-6
+    assert sims[3]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
+    assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
+
+
 def test_simulated_points_on_one_cpu_device(monkeypatch):
     """The runner end to end (one test, so its compiled step functions are shared)."""
     from experiments.runners.jax_runner import JaxRunner
@@ -300,6 +346,8 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
     with monkeypatch.context() as m:
         _row_check(runner, m)
     _parts_add_up(JaxRunner(), monkeypatch)  # fresh timings: every call faked
+    with monkeypatch.context() as m:
+        _modelled_equals_timed(m)
 
 
 # ------------------------------------------------------------------------------- driver
@@ -338,8 +386,24 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "## Predicted context parallelism" in report
     assert "| causal | 4 | unsup. |" in report
+    assert "Cost model: not used (every distinct call was timed)." in report
     assert run.run_cli([*args[1:], "--framework=torch"]) != 0
     assert "use --framework=jax (got --framework=torch)" in capsys.readouterr().err
+
+
+def test_report_states_the_cost_models_error():
+    from experiments.reports import report_sim
+
+    model = {"held_out_calls": 4, "p90_error_pct": 2.5, "max_error_pct": 3.25}
+    records = [
+        {"masks": [{"simulation": {"calls": {"modelled": 30, "timed": 10, "model": model}}}]},
+        {"masks": [{"simulation": {"calls": {"modelled": 0, "timed": 5}}}]},
+        {"status": "error", "masks": None},
+    ]
+    line = report_sim.model_error(records)[0]
+    assert "30 calls predicted from their tiles, 15 timed; on 4 timed calls held out" in line
+    assert "at most 2.5% at the 90th percentile" in line and "(largest single error 3.2%)" in line
+    assert report_sim.model_error(records[1:])[0].startswith("Cost model: not used")
 
 
 def test_bad_simulation_flags_fail_in_one_line(tmp_path):
@@ -355,6 +419,7 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
         ("--link_p2p_gbps=0", "bad --link_p2p_gbps=0: expected GB/s > 0"),
         ("--link_latency_us=-2", "bad --link_latency_us=-2"),
         ("--gpus_per_node=0", "bad --gpus_per_node=0: expected an integer from 1"),
+        ("--sim_timed_calls=-1", "--sim_timed_calls=-1: -1 is not a non-negative integer"),
     ]:
         with pytest.raises(Exception, match=re.escape(expected)):
             run.run_cli([bad, f"--out_dir={tmp_path}"])

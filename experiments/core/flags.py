@@ -111,7 +111,9 @@ def _check_gpus_per_node(value: int) -> bool:
     return True
 
 
-def _check_max_seqlen(value: str) -> bool:
+def _check_max_seqlen(value: str | None) -> bool:
+    if value is None:
+        return True
     try:
         parse_seqlen(value)
     except ValueError as e:
@@ -155,9 +157,18 @@ def _define_simulation_flags() -> None:
         flags.register_validator(name, lambda v, n=name: _check_latency(n, v))
     flags.DEFINE_string(
         "sim_baseline_max_seqlen",
-        "512K",
+        None,
         "Longest whole sequence timed on one device as a simulated point's efficiency baseline "
-        "(longer: efficiency not given).",
+        "(longer: efficiency not given). Default: 512K on a GPU, 8K on a CPU, whose dense "
+        "reference impl needs minutes and gigabytes per call beyond that.",
+    )
+    flags.DEFINE_integer(
+        "sim_timed_calls",
+        8,
+        "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
+        "piece differs) to fit its cost model; the rest are predicted from their tiles, and 4 "
+        "more timed calls per class measure the model's error. 0 times every distinct call.",
+        lower_bound=0,
     )
     flags.register_validator("simulate_devices", _check_simulate_devices)
     flags.register_validator("gpus_per_node", _check_gpus_per_node)
@@ -338,6 +349,7 @@ class Settings:
     simulate_devices: tuple[int, ...] = ()
     link: str = ""
     sim_baseline_max_seqlen: int | None = None
+    sim_timed_calls: int = 0
     allow_slow: bool = False
 
 
@@ -417,7 +429,12 @@ def settings() -> Settings:
         flag_values={n: FLAGS[n].value for n in sorted(names)},
         simulate_devices=tuple(dict.fromkeys(int(n) for n in FLAGS.simulate_devices or ())),
         link=link_model().spec(),
-        sim_baseline_max_seqlen=parse_seqlen(FLAGS.sim_baseline_max_seqlen),
+        sim_baseline_max_seqlen=(
+            None
+            if FLAGS.sim_baseline_max_seqlen is None
+            else parse_seqlen(FLAGS.sim_baseline_max_seqlen)
+        ),
+        sim_timed_calls=FLAGS.sim_timed_calls,
         allow_slow=FLAGS.allow_slow,
     )
 

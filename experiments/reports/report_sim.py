@@ -51,6 +51,8 @@ COLUMNS = (
     "comm_bytes",
     "distinct_calls",
     "calls",
+    "modelled_calls",
+    "model_p90_error_pct",
     "check_kind",
     "err_out",
     "error",
@@ -108,6 +110,8 @@ def flat_row(rec: dict) -> dict:
         "comm_bytes": report_cp.comm_bytes(masks[0].get("comm"), p["mode"]),
         "distinct_calls": (s.get("calls") or {}).get("distinct"),
         "calls": (s.get("calls") or {}).get("total"),
+        "modelled_calls": (s.get("calls") or {}).get("modelled"),
+        "model_p90_error_pct": ((s.get("calls") or {}).get("model") or {}).get("p90_error_pct"),
         "check_kind": check.get("kind"),
         "err_out": (check.get("max_errors") or {}).get("out"),
         "error": rec.get("reason"),
@@ -226,6 +230,27 @@ def compare(simulated: list[dict], measured: list[dict]) -> list[dict]:
     return out
 
 
+def model_error(records: list[dict]) -> list[str]:
+    """One paragraph on the per-call cost model: how many calls it predicted and its error on
+    the timed calls held out of its fits (every simulated mask of every record)."""
+    masks = [m for r in records for m in r.get("masks") or []]
+    calls = [(m.get("simulation") or {}).get("calls") or {} for m in masks]
+    modelled = sum(c.get("modelled") or 0 for c in calls)
+    if not modelled:
+        return ["Cost model: not used (every distinct call was timed).", ""]
+    held = [c["model"] for c in calls if c.get("model")]
+    n = sum(h["held_out_calls"] for h in held)
+    timed = sum(c.get("timed") or 0 for c in calls)
+    worst = max(h["p90_error_pct"] for h in held)
+    top = max(h["max_error_pct"] for h in held)
+    return [
+        f"Cost model: {modelled} calls predicted from their tiles, {timed} timed; on {n} timed "
+        f"calls held out of the fits its error is at most {worst:.1f}% at the 90th percentile of "
+        f"a point (largest single error {top:.1f}%).",
+        "",
+    ]
+
+
 def write_sim_report(
     records: list[dict], out_dir: Path, compare_with: Sequence[str] = ()
 ) -> dict[str, object]:
@@ -247,6 +272,7 @@ def write_sim_report(
         "Best tables: the slowest rank's compute, the communication it does not hide, and the "
         "dispatch, summed over steps.",
         "",
+        *model_error(sims),
         *tables(rows),
     ]
     comparison = compare(sims, read_results(list(compare_with))) if compare_with else []

@@ -21,11 +21,14 @@ import numpy as np
 
 from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import checks, frameworks, measure, timing
+from experiments.runners import call_model, checks, frameworks, measure, timing
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD
 from shard_strategies.strategies import RING_CORE
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
+# Longest whole mask timed on one device as the efficiency baseline, unless given: on a CPU the
+# dense reference impl takes minutes and gigabytes per call beyond 8K tokens.
+BASELINE_MAX_SEQLEN = {"gpu": 512 * 1024, "cpu": 8 * 1024}
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
 
 
@@ -317,11 +320,17 @@ def check_ranks(
 class CPSimulator:
     """Runs simulated points for a JaxRunner (its device, L2 flush, inputs and kernel points)."""
 
-    def __init__(self, runner, *, baseline_max_seqlen: int | None = None):
+    def __init__(
+        self, runner, *, baseline_max_seqlen: int | None = None, timed_calls: int = 0
+    ) -> None:
         self.runner = runner
+        if baseline_max_seqlen is None:
+            baseline_max_seqlen = BASELINE_MAX_SEQLEN["gpu" if runner.on_gpu else "cpu"]
         self.baseline_max_seqlen = baseline_max_seqlen
+        self.timed_calls = timed_calls  # calibration calls per class of calls; 0: time them all
         self._baselines: dict[str, dict] = {}
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
+        self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result}), run once
@@ -388,15 +397,21 @@ class CPSimulator:
             raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
 
     def _time_calls(self, ranks: _Ranks, sched, point: Point) -> tuple[dict, dict]:
-        """({quantile: (P, N) compute ms}, {distinct, timed}): each distinct call (kind, shapes,
-        mask arrays) timed once, here or by an earlier point, and used by every (rank, step)
-        making it."""
+        """({quantile: (P, N) compute ms}, counts): every (rank, step) call's time statistics.
+
+        A distinct call (kind, shapes, mask arrays) is timed once, here or by an earlier point.
+        With --sim_timed_calls=k > 0, a class of calls (kind and shapes; only the mask piece
+        differs) with more untimed calls than k + call_model.VALIDATION_CALLS is timed on a
+        calibration sample spanning its pieces' work and the rest predicted by the class's
+        cost model (experiments/runners/call_model.py), whose error on further timed,
+        held-out calls the counts report."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
-        compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
+        features = call_model.piece_features(ranks.arrays.kv, plan.piece_area)
         shapes = (point.batch, plan.shard_len, len(ranks.q_heads[0]), len(ranks.kv_heads[0]))
         common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
-        used, timed = set(), 0
+        uses: list[tuple[int, int, tuple]] = []  # (phase, ring rank, call key)
+        classes: dict[tuple, dict[tuple, tuple]] = {}  # class -> {key: (call args, features)}
         for p, ph in enumerate(sched.phases):
             if ph.call is None:
                 continue
@@ -404,19 +419,78 @@ class CPSimulator:
             for r in range(plan.ring_size):
                 keys = len(plan.key_positions(r, ph.step))
                 call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
-                key = (*common, *call, keys, ranks.fingerprint(r, ph.step))
-                if key not in self._timings:
-                    fn, args = ranks.call(ph.call, r, ph.step, ph.group_start)
-                    ranks.jax.block_until_ready(fn(*args))  # compiled and run once, untimed
-                    times = timing.jax_time_calls(
-                        fn, args, warmup=point.warmup, iters=point.iters, flush=self.runner.flush
-                    )
-                    self._timings[key] = timing.time_stats(times)
-                    timed += 1
-                used.add(key)
-                for q in QUANTILES:
-                    compute[q][p, ring_of == r] = self._timings[key][q]
-        return compute, {"distinct": len(used), "timed": timed}
+                cls = (*common, *call, keys)
+                key = (*cls, ranks.fingerprint(r, ph.step))
+                classes.setdefault(cls, {})[key] = (
+                    (ph.call, r, ph.step, ph.group_start),
+                    features[r, ph.step],
+                )
+                uses.append((p, r, key))
+        stats: dict[tuple, dict] = {}
+        counts = {"distinct": sum(map(len, classes.values())), "timed": 0, "modelled": 0}
+        held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
+        for cls, members in classes.items():
+            timed, predicted, errors = self._class_stats(ranks, point, cls, members)
+            counts["timed"] += timed
+            counts["modelled"] += len(predicted)
+            held_out += errors
+            stats.update(predicted)
+            stats.update({key: self._timings[key] for key in members if key in self._timings})
+        if held_out:
+            pred, meas = zip(*held_out)
+            counts["model"] = call_model.held_out_error(pred, meas).as_dict()
+        compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
+        for p, r, key in uses:
+            for q in QUANTILES:
+                compute[q][p, ring_of == r] = stats[key][q]
+        return compute, counts
+
+    def _time(self, ranks: _Ranks, point: Point, key: tuple, call: tuple) -> None:
+        """Time one distinct call (compiled and run once untimed first) into self._timings."""
+        fn, args = ranks.call(*call)
+        ranks.jax.block_until_ready(fn(*args))
+        times = timing.jax_time_calls(
+            fn, args, warmup=point.warmup, iters=point.iters, flush=self.runner.flush
+        )
+        self._timings[key] = timing.time_stats(times)
+
+    def _class_stats(
+        self, ranks: _Ranks, point: Point, cls: tuple, members: dict[tuple, tuple]
+    ) -> tuple[int, dict[tuple, dict], list[tuple[float, float]]]:
+        """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
+        one class of calls: all timed, or a calibration sample timed and the rest modelled."""
+        keys = list(members)
+        untimed = [k for k in keys if k not in self._timings]
+        k = self.timed_calls
+        if k == 0 or len(untimed) <= k + call_model.VALIDATION_CALLS:
+            for key in untimed:
+                self._time(ranks, point, key, members[key][0])
+            return len(untimed), {}, []
+        x = np.array([members[key][1] for key in keys])
+        calibrate = [keys[i] for i in call_model.calibration_picks(x, k)]
+        rest = [key for key in untimed if key not in set(calibrate)]
+        rng = np.random.default_rng(point.seed + len(self._timings))
+        held = [rest[i] for i in rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)]
+        fresh = [key for key in calibrate if key not in self._timings] + held
+        for key in fresh:
+            self._time(ranks, point, key, members[key][0])
+        known = self._fitted.setdefault(cls, {})
+        known.update({key: members[key][1] for key in calibrate})
+        fit_keys = list(known)
+        fx = np.array([known[key] for key in fit_keys])
+        coef = {
+            q: call_model.fit(fx, [self._timings[key][q] for key in fit_keys]) for q in QUANTILES
+        }
+        errors = [
+            (float(members[key][1] @ coef["median"]), self._timings[key]["median"]) for key in held
+        ]
+        known.update({key: members[key][1] for key in held})
+        predicted = {
+            key: {q: float(members[key][1] @ coef[q]) for q in QUANTILES}
+            for key in rest
+            if key not in self._timings
+        }
+        return len(fresh), predicted, errors
 
     def _run_mask(self, point: Point, mask, index: int, impl: str, base: dict) -> dict:
         from shard_strategies import simulate

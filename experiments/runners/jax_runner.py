@@ -32,7 +32,11 @@ class JaxRunner:
     """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
 
     def __init__(
-        self, *, rtol_override: float | None = None, sim_baseline_max_seqlen: int | None = None
+        self,
+        *,
+        rtol_override: float | None = None,
+        sim_baseline_max_seqlen: int | None = None,
+        sim_timed_calls: int = 0,
     ) -> None:
         import jax
 
@@ -44,6 +48,7 @@ class JaxRunner:
         self._meshes: dict = {}
         self._input_cache: dict = {}
         self._sim_baseline_max_seqlen = sim_baseline_max_seqlen
+        self._sim_timed_calls = sim_timed_calls
         self._simulator = None
 
     def mesh(self, point: Point):
@@ -171,8 +176,11 @@ class JaxRunner:
             if self._simulator is None:
                 from experiments.runners.cp_simulate import CPSimulator
 
-                cap = self._sim_baseline_max_seqlen
-                self._simulator = CPSimulator(self, baseline_max_seqlen=cap)
+                self._simulator = CPSimulator(
+                    self,
+                    baseline_max_seqlen=self._sim_baseline_max_seqlen,
+                    timed_calls=self._sim_timed_calls,
+                )
             return self._simulator.run(point)
         capacity, host = memory.jax_capacity()
         memory.require_fits(point, capacity, host=host)

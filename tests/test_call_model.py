@@ -1,0 +1,67 @@
+"""The CP predictor's per-call cost model (experiments/runners/call_model.py): features counted
+from tile lists, non-negative fits, calibration samples that span the work, held-out error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attn_masks import make_mask
+from attn_masks.tiles import block_map
+from experiments.runners import call_model
+from jax_attn.mask_arrays import prepare_mask, stack_mask_arrays
+
+FULL, PARTIAL = 2, 1  # attn_masks tile kinds (EMPTY is 0)
+
+
+def test_features_count_the_full_and_partial_tiles_of_each_piece():
+    """Stacked pieces of unequal lists: the counts match the tile kinds of each mask's block map
+    (the lists' source; a kernel makes ragged-edge FULL tiles partial at run time)."""
+    masks = [
+        make_mask("causal_document", 200, seed=3),
+        make_mask("sliding_window", 200, window=40),
+        make_mask("full", 200),
+        make_mask("share_question", 200, seed=1),
+    ]
+    arrays = stack_mask_arrays([prepare_mask(m, 32, 16) for m in masks])
+    area = np.array([m.area() for m in masks])
+    x = call_model.piece_features(arrays.kv, area)
+    assert x.shape == (4, 3)
+    for m, row in zip(masks, x):
+        kinds = block_map(m, 32, 16)
+        assert row.tolist() == [1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], m.name
+    dense = call_model.piece_features(None, area.reshape(2, 2))
+    assert dense.shape == (2, 2, 2) and dense[..., 1].ravel().tolist() == area.tolist()
+
+
+def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
+    rng = np.random.default_rng(7)
+    x = np.column_stack([np.ones(40), rng.integers(0, 500, 40), rng.integers(0, 80, 40)])
+    truth = np.array([0.3, 0.011, 0.027])
+    y = x @ truth * (1 + 0.002 * rng.standard_normal(40))
+    np.testing.assert_allclose(call_model.fit(x, y), truth, rtol=0.05)
+    # times that fall with the partial tiles: that cost is dropped (0), not made negative
+    y = 1.0 + 0.01 * x[:, 1] - 0.001 * x[:, 2]
+    coef = call_model.fit(x, y)
+    assert coef[2] == 0 and (coef >= 0).all()
+    assert np.abs(x @ coef - y).max() < np.abs(y - y.mean()).max()
+    with pytest.raises(ValueError, match="n >= 1"):
+        call_model.fit(np.ones((0, 3)), np.ones(0))
+
+
+def test_calibration_spans_every_feature_and_then_the_work():
+    rng = np.random.default_rng(3)
+    x = np.column_stack([np.ones(50), rng.permutation(50), rng.permutation(50) % 7])
+    picks = call_model.calibration_picks(x, 8)
+    assert len(picks) == len(set(picks.tolist())) == 8
+    for j in (1, 2):
+        assert x[picks, j].min() == x[:, j].min() and x[picks, j].max() == x[:, j].max()
+    assert call_model.calibration_picks(x[:5], 8).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="k=0"):
+        call_model.calibration_picks(x, 0)
+
+
+def test_held_out_error_is_relative_to_the_measured_time():
+    err = call_model.held_out_error([1.1, 2.0, 2.7, 4.0], [1.0, 2.0, 3.0, 4.0])
+    assert err.calls == 4 and err.max_pct == pytest.approx(10.0)
+    assert err.as_dict()["p90_error_pct"] == pytest.approx(np.percentile([10, 0, 10, 0], 90))
