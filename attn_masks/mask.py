@@ -246,29 +246,33 @@ class Mask:
         q_runs = _runs(qp)
         k_runs = _runs(kp)
         lo_off, hi_off = self.bands
+        # every (query run, slice) pair that meets, then every key run each pair meets, all at
+        # once (a CP plan restricts a long mask thousands of times, each over hundreds of runs)
+        qg, ql, qn = q_runs
+        a0 = np.maximum(self.q_ranges[None, :, 0], qg[:, None])
+        a1 = np.minimum(self.q_ranges[None, :, 1], (qg + qn)[:, None])
+        q_run, s = np.nonzero(a0 < a1)
+        a0, a1 = a0[q_run, s], a1[q_run, s]
+        kg, kl, kn = k_runs
+        b0 = np.maximum(self.k_ranges[None, s, 0], kg[:, None])
+        b1 = np.minimum(self.k_ranges[None, s, 1], (kg + kn)[:, None])
+        k_run, pair = np.nonzero(b0 < b1)
+        # in the order of query run, then key run, then slice
+        order = np.lexsort((s[pair], k_run, q_run[pair]))
+        k_run, pair = k_run[order], pair[order]
+        sl = s[pair]
+        dq = (qg - ql)[q_run[pair]]
+        dk = (kg - kl)[k_run]
         parts = []
-        for qg, ql, qn in zip(*q_runs):
-            a0 = np.maximum(self.q_ranges[:, 0], qg)
-            a1 = np.minimum(self.q_ranges[:, 1], qg + qn)
-            hit = np.nonzero(a0 < a1)[0]
-            if hit.size == 0:
-                continue
-            # every (key run, slice) pair at once, in key-run-major order
-            b0 = np.maximum(self.k_ranges[hit, 0][None, :], k_runs[0][:, None])
-            b1 = np.minimum(self.k_ranges[hit, 1][None, :], (k_runs[0] + k_runs[2])[:, None])
-            run, j = np.nonzero(b0 < b1)
-            if run.size == 0:
-                continue
-            s = hit[j]
-            dq, dk = qg - ql, k_runs[0][run] - k_runs[1][run]
+        if pair.size:
             parts.append(
                 (
-                    a0[hit][j] - dq,
-                    a1[hit][j] - dq,
-                    b0[run, j] - dk,
-                    b1[run, j] - dk,
-                    np.where(lo_off[s] <= -INF, -INF, lo_off[s] - dk + dq),
-                    np.where(hi_off[s] >= INF, INF, hi_off[s] - dk + dq),
+                    a0[pair] - dq,
+                    a1[pair] - dq,
+                    b0[k_run, pair] - dk,
+                    b1[k_run, pair] - dk,
+                    np.where(lo_off[sl] <= -INF, -INF, lo_off[sl] - dk + dq),
+                    np.where(hi_off[sl] >= INF, INF, hi_off[sl] - dk + dq),
                 )
             )
         if parts:
