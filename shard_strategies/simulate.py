@@ -248,7 +248,7 @@ def _sizes(plan: CPPlan) -> dict[str, float]:
 
 
 def _ring(b: _Builder, direction: str, sizes: dict[str, float]) -> None:
-    """The ring / double ring core as jax_ring walks it: the next inner block posted before the
+    """The ring / double ring core as jax_cp's ring walks it: the next inner block posted before the
     current step computes, the next window's block posted when an outer step starts; backward
     also sends the fp32 dK/dV accumulator behind its block and home at the end."""
     plan = b.plan

@@ -60,27 +60,29 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
     """The executor's per-rank step functions, jitted once per impl and scale."""
     import jax
 
-    from shard_strategies import jax_ring
-    from shard_strategies.jax_local import local_attention
+    from shard_strategies import jax_cp
 
     def first_bwd(q, k, v, a, out, lse, dout, dlse):
-        rowdot, dq = jax_ring.backward_start(q, out, dout)
+        rowdot, dq = jax_cp.backward_start(q, out, dout)
         res = (out, lse, dout, dlse, rowdot)
-        return jax_ring.backward_step(q, k, v, a, impl, scale, res, dq, None)
+        return jax_cp.backward_step(q, k, v, a, impl, scale, res, dq, None)
 
     def once_vjp(q, k, v, a):
-        return jax.vjp(lambda q_, k_, v_: local_attention(q_, k_, v_, a, impl, scale), q, k, v)
+        def attend(q_, k_, v_):
+            return jax_cp.local_attention(q_, k_, v_, a, impl, scale)
+
+        return jax.vjp(attend, q, k, v)
 
     return SimpleNamespace(
-        fwd=jax.jit(lambda q, k, v, a, o, s: jax_ring.forward_step(q, k, v, a, impl, scale, o, s)),
-        start=jax.jit(jax_ring.backward_start),
+        fwd=jax.jit(lambda q, k, v, a, o, s: jax_cp.forward_step(q, k, v, a, impl, scale, o, s)),
+        start=jax.jit(jax_cp.backward_start),
         first_bwd=jax.jit(first_bwd),
         bwd=jax.jit(
-            lambda q, k, v, a, res, dq, dkv: jax_ring.backward_step(
+            lambda q, k, v, a, res, dq, dkv: jax_cp.backward_step(
                 q, k, v, a, impl, scale, res, dq, dkv
             )
         ),
-        once=jax.jit(lambda q, k, v, a: local_attention(q, k, v, a, impl, scale)),
+        once=jax.jit(lambda q, k, v, a: jax_cp.local_attention(q, k, v, a, impl, scale)),
         once_vjp=jax.jit(once_vjp),
         pullback=jax.jit(lambda f, cts: f(cts)),
     )
@@ -360,7 +362,7 @@ class CPSimulator:
 
     def run(self, point: Point) -> dict:
         """Metrics (predicted), check and per-mask detail of a simulated point."""
-        from shard_strategies.jax_local import resolve_impl
+        from shard_strategies.jax_cp import resolve_impl
 
         impl = resolve_impl(None if point.impl == DEFAULT_IMPL else point.impl)
         masks = frameworks.make_masks(point)

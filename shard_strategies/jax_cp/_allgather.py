@@ -10,7 +10,7 @@ import jax
 
 from jax_attn.mask_arrays import MaskArrays
 
-from .jax_local import local_attention
+from ._local import local_attention
 
 
 def allgather_attention(

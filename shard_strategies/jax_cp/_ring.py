@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jax_attn.mask_arrays import MaskArrays
 
-from .jax_local import local_attention, local_attention_vjp, merge
-from .schedules import StepIndex, group_by_outer, inner_perm, outer_perm
+from ..schedules import StepIndex, group_by_outer, inner_perm, outer_perm
+from ._local import local_attention, local_attention_vjp, merge
 
 Tree = Any  # a pytree of arrays (a K/V pair, or its dK/dV)
 

@@ -12,7 +12,7 @@ import jax_attn
 from attn_masks import Mask
 from jax_attn.mask_arrays import MaskArrays
 
-from .plan import default_local_impl
+from ..plan import default_local_impl
 
 REFERENCE = "reference"
 

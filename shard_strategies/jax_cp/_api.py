@@ -1,18 +1,5 @@
-"""JAX context-parallel attention: a CPPlan run with shard_map over a device mesh.
-
-Inputs and outputs are global arrays in global token order; the executor pads and permutes
-tokens into the plan's layout, runs the strategy per device (Ulysses all-to-all, then ring /
-double ring / all-gather / local attention) with that device's stacked per-step MaskArrays, and
-permutes back. The mesh is 1-D (axis `axis`) or 2-D with axes "ulysses" and "ring"; the last
-mesh axis is made of consecutive devices (the "intra-node" one).
-
-When the length splits evenly over the devices, the permutation runs on the contiguous
-sequence sharding (device i of the mesh's flattened order holding tokens [i S/N, (i+1) S/N)):
-a few ppermute rounds move each device only the tokens its layout shard needs
-(shard_strategies/exchange.py), and the output comes back in that sharding. Otherwise the
-global arrays are gathered into the layout (XLA: an all-gather of each input, an all-reduce of
-the output). Inputs sharded on a mesh with Explicit axes are run under auto_axes.
-"""
+"""jax_cp's executor: the plan bound to a mesh, shard_map over it, and the public entry points
+(attention, build, executor_plan); the per-device strategy bodies are in the sibling modules."""
 
 from __future__ import annotations
 
@@ -32,14 +19,14 @@ from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
 from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
 
-from .exchange import Exchange, plan_exchanges
-from .jax_allgather import allgather_attention
-from .jax_local import REFERENCE, local_attention, piece_arrays, resolve_impl
-from .jax_ring import make_ring, step_arrays
-from .jax_ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
-from .plan import CPPlan, make_plan
-from .schedules import StepIndex
-from .strategies import ALLGATHER_CORE, NO_ULYSSES, RING_CORE, STRATEGY
+from ..exchange import Exchange, plan_exchanges
+from ..plan import CPPlan, make_plan
+from ..schedules import StepIndex
+from ..strategies import ALLGATHER_CORE, NO_ULYSSES, RING_CORE, STRATEGY
+from ._allgather import allgather_attention
+from ._local import REFERENCE, local_attention, piece_arrays, resolve_impl
+from ._ring import make_ring, step_arrays
+from ._ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
 
 ULYSSES, RING = "ulysses", "ring"
 _CACHE_SIZE = 16
