@@ -1,11 +1,13 @@
-"""One forward+backward of the shared Triton kernels through one front end, for Nsight Compute.
+"""One forward+backward of the shared Triton kernels through one front end (or of torch's
+FlexAttention, --impl=flex, to compare with), for Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --metrics <list> --csv \
         python experiments/profile_triton_call.py --front_end=jax
 
 Two untimed calls compile and warm up; the third runs between cudaProfilerStart and Stop, so ncu
 sees exactly that call's kernels. --dkdv overrides the dK/dV launch config (half precision at
-the head dim given) to compare one kernel's configs from both front ends.
+the head dim given; dQ takes its warps and stages, as the one backward launch needs) to compare
+one kernel's configs from both front ends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ flags.DEFINE_integer("seqlen", 16384, "Query and key length.", lower_bound=128)
 flags.DEFINE_string("heads", "64:8", "Query heads:KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.", lower_bound=32, upper_bound=256)
 flags.DEFINE_list("dkdv", None, "dK/dV launch config block_q,block_k,num_warps,num_stages.")
+flags.DEFINE_enum("impl", "triton", ["triton", "flex"], "triton, or flex (torch only).")
 
 
 def _override_dkdv(config: list[str]) -> None:
@@ -34,7 +37,8 @@ def _override_dkdv(config: list[str]) -> None:
 
     key = (max(64, launch.block_d(FLAGS.head_dim)), False)
     fwd, _, dq = launch._DEFAULTS[key]
-    launch._DEFAULTS[key] = (fwd, tuple(int(c) for c in config), dq)
+    dkdv = tuple(int(c) for c in config)
+    launch._DEFAULTS[key] = (fwd, dkdv, (*dq[:2], *dkdv[2:]))
 
 
 def _call(mask, arrays):
@@ -63,7 +67,7 @@ def _call(mask, arrays):
     td = torch.tensor(dout, device="cuda").bfloat16()
 
     def run() -> None:
-        torch_attn.attention(tq, tk, tv, mask, impl="triton").backward(td)
+        torch_attn.attention(tq, tk, tv, mask, impl=FLAGS.impl).backward(td)
         torch.cuda.synchronize()
 
     return run
@@ -76,6 +80,8 @@ def main(argv: list[str]) -> None:
 
     from attn_masks import make_mask
 
+    if FLAGS.impl == "flex" and FLAGS.front_end != "torch":
+        raise app.UsageError(f"--impl=flex runs in torch; got --front_end={FLAGS.front_end}")
     if not torch.cuda.is_available():
         raise app.UsageError("needs a CUDA GPU")
     if FLAGS.dkdv:
