@@ -246,31 +246,27 @@ class Mask:
         q_runs = _runs(qp)
         k_runs = _runs(kp)
         lo_off, hi_off = self.bands
-        # every (query run, slice) pair that meets, then every key run each pair meets, all at
-        # once (a CP plan restricts a long mask thousands of times, each over hundreds of runs)
+        # every (query run, slice) pair that meets, then every key run each pair meets, in work
+        # proportional to the pieces found (a CP plan restricts a long mask thousands of times,
+        # each over hundreds to thousands of position runs)
         qg, ql, qn = q_runs
-        a0 = np.maximum(self.q_ranges[None, :, 0], qg[:, None])
-        a1 = np.minimum(self.q_ranges[None, :, 1], (qg + qn)[:, None])
-        q_run, s = np.nonzero(a0 < a1)
-        a0, a1 = a0[q_run, s], a1[q_run, s]
+        q_run, s = _run_overlaps(qg, qn, self.q_ranges[:, 0], self.q_ranges[:, 1])
         kg, kl, kn = k_runs
-        b0 = np.maximum(self.k_ranges[None, s, 0], kg[:, None])
-        b1 = np.minimum(self.k_ranges[None, s, 1], (kg + kn)[:, None])
-        k_run, pair = np.nonzero(b0 < b1)
+        k_run, pair = _run_overlaps(kg, kn, self.k_ranges[s, 0], self.k_ranges[s, 1])
         # in the order of query run, then key run, then slice
         order = np.lexsort((s[pair], k_run, q_run[pair]))
         k_run, pair = k_run[order], pair[order]
-        sl = s[pair]
-        dq = (qg - ql)[q_run[pair]]
+        sl, qi = s[pair], q_run[pair]
+        dq = (qg - ql)[qi]
         dk = (kg - kl)[k_run]
         parts = []
         if pair.size:
             parts.append(
                 (
-                    a0[pair] - dq,
-                    a1[pair] - dq,
-                    b0[k_run, pair] - dk,
-                    b1[k_run, pair] - dk,
+                    np.maximum(self.q_ranges[sl, 0], qg[qi]) - dq,
+                    np.minimum(self.q_ranges[sl, 1], (qg + qn)[qi]) - dq,
+                    np.maximum(self.k_ranges[sl, 0], kg[k_run]) - dk,
+                    np.minimum(self.k_ranges[sl, 1], (kg + kn)[k_run]) - dk,
                     np.where(lo_off[sl] <= -INF, -INF, lo_off[sl] - dk + dq),
                     np.where(hi_off[sl] >= INF, INF, hi_off[sl] - dk + dq),
                 )
@@ -289,6 +285,25 @@ def _positions(p: Any, n: int, what: str) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() >= n):
         raise ValueError(f"{what} must lie in [0, {n}), got values in [{arr.min()}, {arr.max()}]")
     return arr
+
+
+def _run_overlaps(
+    start: np.ndarray, length: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(run, item) index pairs where run [start, start + length) meets item [lo, hi). Runs of
+    distinct positions are disjoint, so sorted by start the runs an item meets are one
+    contiguous stretch: found by two binary searches, in work proportional to the pairs."""
+    order = np.argsort(start, kind="stable")
+    first_pos, end = start[order], (start + length)[order]
+    if np.any(end[:-1] > first_pos[1:]):  # repeated positions: runs overlap, test every pair
+        meets = (start[:, None] < hi[None, :]) & ((start + length)[:, None] > lo[None, :])
+        return np.nonzero(meets)
+    first = np.searchsorted(end, lo, side="right")
+    counts = np.where(hi > lo, np.searchsorted(first_pos, hi, side="left") - first, 0)
+    counts = np.maximum(counts, 0)
+    item = np.repeat(np.arange(len(lo)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return order[np.repeat(first, counts) + offset], item
 
 
 def _runs(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

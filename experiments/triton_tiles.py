@@ -4,7 +4,7 @@ launched alone) over candidate launch configs on one CUDA GPU, beside FlexAttent
     python experiments/triton_tiles.py --seqlen=32768 --mask=full,causal
 
 Each candidate runs through the torch front end (the JAX front end compiles the same kernel) and
-its output is compared with the default config's; a time is printed only next to a passing
+its output is compared with the first candidate's; a time is printed only next to a passing
 check. FLOPs count the matmuls each kernel does on the mask's visible area (forward 2, dK/dV 4,
 dQ 3 per visible (query, key) pair and head dim), so the kernels' rates are comparable.
 """
@@ -32,8 +32,8 @@ flags.DEFINE_list("kernel", ["fwd", "dkdv", "dq"], "Kernels to sweep.")
 flags.DEFINE_integer("iters", 5, "Timed calls per config (median reported).", lower_bound=1)
 flags.DEFINE_string("out", None, "Append one JSON line per measurement to this file.")
 
-# (block_q, block_k, num_warps, num_stages) candidates per kernel, half precision; the first
-# entry of each list is compared with launch.default_configs.
+# (block_q, block_k, num_warps, num_stages) candidates per kernel, half precision; every
+# candidate's output is compared with the first one's that runs.
 CANDIDATES = {
     "fwd": [
         (128, 64, 8, 2),
@@ -136,15 +136,13 @@ def sweep_mask(name: str, emit) -> None:
             call = launch.delta_call(shape)
             args = (out, dout, dlse)
             return (lambda: front._launch(kern.attn_bwd_delta_kernel, call, args, (delta,))), ()
-        # dQ shares the backward launch's warps and stages, so a dQ candidate sets both parts'.
-        shared = dataclasses.replace(
-            default.dkdv, num_warps=cfg.num_warps, num_stages=cfg.num_stages
-        )
+        # dK/dV and dQ share the backward launch's warps and stages: a candidate sets both parts'
+        warps = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         tab = tables_for(
             launch.LaunchConfigs(
                 default.fwd,
-                cfg if which == "dkdv" else shared,
-                cfg if which == "dq" else default.dq,
+                cfg if which == "dkdv" else dataclasses.replace(default.dkdv, **warps),
+                cfg if which == "dq" else dataclasses.replace(default.dq, **warps),
             )
         )
         lists = (*tab["dkdv"], *tab["dq"])

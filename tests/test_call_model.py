@@ -35,6 +35,8 @@ def test_features_count_the_full_and_partial_tiles_of_each_piece():
 
 
 def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
+    """Recovers the costs under 0.2% noise; a cost the data make negative is dropped; the fit
+    minimises relative error, so a small call is not sacrificed to large ones."""
     rng = np.random.default_rng(7)
     x = np.column_stack([np.ones(40), rng.integers(0, 500, 40), rng.integers(0, 80, 40)])
     truth = np.array([0.3, 0.011, 0.027])
@@ -45,6 +47,10 @@ def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
     coef = call_model.fit(x, y)
     assert coef[2] == 0 and (coef >= 0).all()
     assert np.abs(x @ coef - y).max() < np.abs(y - y.mean()).max()
+    x2 = np.array([[1.0, 1.0], [1.0, 100.0], [1.0, 101.0]])
+    y2 = np.array([0.1, 10.0, 10.3])  # not quite linear: the small call's error stays small
+    small = abs(x2[0] @ call_model.fit(x2, y2) - 0.1) / 0.1
+    assert small < 0.05
     with pytest.raises(ValueError, match="n >= 1"):
         call_model.fit(np.ones((0, 3)), np.ones(0))
 
@@ -57,11 +63,35 @@ def test_calibration_spans_every_feature_and_then_the_work():
     for j in (1, 2):
         assert x[picks, j].min() == x[:, j].min() and x[picks, j].max() == x[:, j].max()
     assert call_model.calibration_picks(x[:5], 8).tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match="k=0"):
-        call_model.calibration_picks(x, 0)
+    # the slots after the extremes go to evenly spaced work quantiles, the top ones included
+    work = (x[:, 1] - x[:, 1].min()) / np.ptp(x[:, 1]) + (x[:, 2] - x[:, 2].min()) / np.ptp(x[:, 2])
+    rank = np.argsort(np.argsort(work, kind="stable"), kind="stable") / (len(x) - 1)
+    interior = sorted(rank[picks][rank[picks] % 1 > 0])
+    assert len(interior) >= 2 and interior[-1] > 0.6 and interior[0] < 0.4
+    # pieces on a line of (full, partial) but one: the sample still resolves all three costs
+    line = np.column_stack([np.ones(30), np.arange(30), 2 * np.arange(30)])
+    line[17, 2] = 5
+    picks = call_model.calibration_picks(line, 3)
+    assert 17 in picks.tolist() and np.linalg.matrix_rank(line[picks]) == 3
+    with pytest.raises(ValueError, match="at least 3 timed calls, got k=2"):
+        call_model.calibration_picks(x, 2)
 
 
 def test_held_out_error_is_relative_to_the_measured_time():
     err = call_model.held_out_error([1.1, 2.0, 2.7, 4.0], [1.0, 2.0, 3.0, 4.0])
     assert err.calls == 4 and err.max_pct == pytest.approx(10.0)
-    assert err.as_dict()["p90_error_pct"] == pytest.approx(np.percentile([10, 0, 10, 0], 90))
+    record = err.as_dict()
+    assert record["error_quantile"] == call_model.ERROR_QUANTILE == 90
+    assert record["quantile_error_pct"] == pytest.approx(np.percentile([10, 0, 10, 0], 90))
+
+
+def test_other_quantiles_follow_the_median_in_order():
+    stats = [
+        {"min": 0.9, "p20": 0.95, "median": 1.0, "p80": 1.1, "max": 1.3},
+        {"min": 1.7, "p20": 1.9, "median": 2.0, "p80": 2.1, "max": 2.2},
+        {"min": 2.4, "p20": 2.85, "median": 3.0, "p80": 3.3, "max": 3.9},
+    ]
+    ratios = call_model.quantile_ratios(stats, ("min", "p20", "median", "p80", "max"))
+    assert ratios["median"] == 1.0 and ratios["min"] == pytest.approx(0.85)
+    got = call_model.scaled_quantiles(5.0, ratios)
+    assert got["median"] == 5.0 and got["min"] <= got["p20"] <= 5.0 <= got["p80"] <= got["max"]

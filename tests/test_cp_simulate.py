@@ -394,14 +394,20 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
 def test_report_states_the_cost_models_error():
     from experiments.reports import report_sim
 
-    model = {"held_out_calls": 4, "p90_error_pct": 2.5, "max_error_pct": 3.25}
+    model = {
+        "held_out_calls": 4,
+        "error_quantile": 90,
+        "quantile_error_pct": 2.5,
+        "max_error_pct": 3.25,
+    }
     records = [
         {"masks": [{"simulation": {"calls": {"modelled": 30, "timed": 10, "model": model}}}]},
         {"masks": [{"simulation": {"calls": {"modelled": 0, "timed": 5}}}]},
         {"status": "error", "masks": None},
     ]
     line = report_sim.model_error(records)[0]
-    assert "30 calls predicted from their tiles, 15 timed; on 4 timed calls held out" in line
+    assert "30 distinct calls predicted from their tiles" in line
+    assert "15 timed for it or alone; on 4 timed calls held out" in line
     assert "at most 2.5% at the 90th percentile" in line and "(largest single error 3.2%)" in line
     assert report_sim.model_error(records[1:])[0].startswith("Cost model: not used")
 
@@ -420,6 +426,7 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
         ("--link_latency_us=-2", "bad --link_latency_us=-2"),
         ("--gpus_per_node=0", "bad --gpus_per_node=0: expected an integer from 1"),
         ("--sim_timed_calls=-1", "--sim_timed_calls=-1: -1 is not a non-negative integer"),
+        ("--sim_timed_calls=2", "bad --sim_timed_calls=2: expected 0 (time every call) or at"),
     ]:
         with pytest.raises(Exception, match=re.escape(expected)):
             run.run_cli([bad, f"--out_dir={tmp_path}"])

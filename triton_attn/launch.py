@@ -119,8 +119,8 @@ def check(head_dim: int | None, dtype: str | None) -> str | None:
 
 
 # (padded head dim, fp32) -> (forward, dK/dV, dQ) as (block_q, block_k, num_warps, num_stages).
-# Half precision D=128: the fastest of each kernel timed on an H200 (experiments/triton_tiles.py;
-# its dK/dV spills a few hundred bytes and still runs 2.2-2.6x the spill-free 64x64 w8 s1).
+# Half precision D=128: the fastest of each kernel timed on an H200 (experiments/triton_tiles.py,
+# triton 3.6; its dK/dV ran 2.2-2.6x the 64x64 w8 s1 config; under triton 3.9 none spills).
 # Elsewhere: the largest tiles that ptxas compiles for sm_90 without register spills, or the
 # least spilling where none is spill-free (D=256 dK/dV and dQ, fp32 D=64 dK/dV). Data in
 # triton_attn/NOTES.md. Register use depends on the compiler: measured with this Triton release.

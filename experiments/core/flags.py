@@ -111,6 +111,14 @@ def _check_gpus_per_node(value: int) -> bool:
     return True
 
 
+def _check_timed_calls(value: int) -> bool:
+    if value in (1, 2):
+        raise flags.ValidationError(
+            f"bad --sim_timed_calls={value}: expected 0 (time every call) or at least 3"
+        )
+    return True
+
+
 def _check_max_seqlen(value: str | None) -> bool:
     if value is None:
         return True
@@ -167,9 +175,11 @@ def _define_simulation_flags() -> None:
         8,
         "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
         "piece differs) to fit its cost model; the rest are predicted from their tiles, and 4 "
-        "more timed calls per class measure the model's error. 0 times every distinct call.",
+        "more timed calls per class measure the model's error. 0 times every distinct call; "
+        "otherwise at least 3 (one per feature of the model).",
         lower_bound=0,
     )
+    flags.register_validator("sim_timed_calls", _check_timed_calls)
     flags.register_validator("simulate_devices", _check_simulate_devices)
     flags.register_validator("gpus_per_node", _check_gpus_per_node)
     flags.register_validator("sim_baseline_max_seqlen", _check_max_seqlen)

@@ -52,7 +52,7 @@ COLUMNS = (
     "distinct_calls",
     "calls",
     "modelled_calls",
-    "model_p90_error_pct",
+    "model_error_pct",
     "check_kind",
     "err_out",
     "error",
@@ -111,7 +111,7 @@ def flat_row(rec: dict) -> dict:
         "distinct_calls": (s.get("calls") or {}).get("distinct"),
         "calls": (s.get("calls") or {}).get("total"),
         "modelled_calls": (s.get("calls") or {}).get("modelled"),
-        "model_p90_error_pct": ((s.get("calls") or {}).get("model") or {}).get("p90_error_pct"),
+        "model_error_pct": ((s.get("calls") or {}).get("model") or {}).get("quantile_error_pct"),
         "check_kind": check.get("kind"),
         "err_out": (check.get("max_errors") or {}).get("out"),
         "error": rec.get("reason"),
@@ -241,12 +241,14 @@ def model_error(records: list[dict]) -> list[str]:
     held = [c["model"] for c in calls if c.get("model")]
     n = sum(h["held_out_calls"] for h in held)
     timed = sum(c.get("timed") or 0 for c in calls)
-    worst = max(h["p90_error_pct"] for h in held)
+    worst = max(h["quantile_error_pct"] for h in held)
+    quantile = held[0]["error_quantile"]
     top = max(h["max_error_pct"] for h in held)
     return [
-        f"Cost model: {modelled} calls predicted from their tiles, {timed} timed; on {n} timed "
-        f"calls held out of the fits its error is at most {worst:.1f}% at the 90th percentile of "
-        f"a point (largest single error {top:.1f}%).",
+        f"Cost model: {modelled} distinct calls predicted from their tiles (counted in every "
+        f"point that makes them), {timed} timed for it or alone; on {n} timed calls held out of "
+        f"the fits its error is at most {worst:.1f}% at the {quantile}th "
+        f"percentile of a point (largest single error {top:.1f}%).",
         "",
     ]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
+MIN_CALIBRATION = 3  # at least one timed call per feature of the tile model
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 
 
@@ -35,16 +36,19 @@ def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
 
 
 def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least-squares coefficients of y ~ x @ coef: columns whose unconstrained
-    coefficient goes negative are dropped one at a time (the most negative first) and the rest
-    refitted, so a feature the sample cannot resolve costs nothing instead of a negative time."""
+    """Non-negative coefficients of y ~ x @ coef minimising the squared relative error (the
+    error a record reports): columns whose coefficient goes negative are dropped one at a time
+    (the most negative first) and the rest refitted, so a feature the sample cannot resolve
+    costs nothing instead of a negative time."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if x.ndim != 2 or len(x) != len(y) or not len(y):
         raise ValueError(f"fit needs x (n, F) and y (n,) with n >= 1, got {x.shape}, {y.shape}")
+    weight = 1.0 / np.maximum(np.abs(y), 1e-12)
+    xw, yw = x * weight[:, None], y * weight
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
         if (sol >= 0).all():
             coef[active] = sol
             return coef
@@ -53,21 +57,31 @@ def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def calibration_picks(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of up to k rows of x whose work spans the rest: each feature's smallest and
-    largest, then rows at evenly spaced quantiles of the summed, scale-free work."""
+    """Indices of about k rows of x whose work spans the rest: each feature's smallest and
+    largest (up to k of them), then rows at evenly spaced interior quantiles of the summed,
+    scale-free work for the slots left, then (past k) rows until they span all of x's."""
     x = np.asarray(x, np.float64)
-    if k < 1:
-        raise ValueError(f"calibration needs at least 1 timed call, got k={k}")
+    if k < MIN_CALIBRATION:
+        raise ValueError(f"calibration needs at least {MIN_CALIBRATION} timed calls, got k={k}")
     if len(x) <= k:
         return np.arange(len(x))
     spread = x.max(axis=0) - x.min(axis=0)
     varying = np.flatnonzero(spread > 0)
-    picks = [int(i) for j in varying for i in (np.argmin(x[:, j]), np.argmax(x[:, j]))]
+    extremes = [int(i) for j in varying for i in (np.argmin(x[:, j]), np.argmax(x[:, j]))]
+    picks = list(dict.fromkeys(extremes))[:k]
     work = ((x[:, varying] - x[:, varying].min(axis=0)) / spread[varying]).sum(axis=1)
     order = np.argsort(work, kind="stable")
-    for q in np.linspace(0, len(x) - 1, k):
+    slots = k - len(picks)
+    for q in np.linspace(0, len(x) - 1, slots + 2)[1:-1]:
         picks.append(int(order[int(round(q))]))
-    return np.array(list(dict.fromkeys(picks))[:k])
+    picks = list(dict.fromkeys(picks))
+    # a sample on a line (or plane) of feature space cannot resolve every cost: add the row
+    # farthest from its span until it spans what all rows span
+    while np.linalg.matrix_rank(x[picks]) < np.linalg.matrix_rank(x):
+        basis, *_ = np.linalg.lstsq(x[picks].T, x.T, rcond=None)
+        residual = np.linalg.norm(x.T - x[picks].T @ basis, axis=0)
+        picks.append(int(np.argmax(residual)))
+    return np.array(picks)
 
 
 @dataclass(frozen=True)
@@ -81,9 +95,21 @@ class ModelError:
     def as_dict(self) -> dict:
         return {
             "held_out_calls": self.calls,
-            f"p{ERROR_QUANTILE}_error_pct": round(self.quantile_pct, 3),
+            "error_quantile": ERROR_QUANTILE,
+            "quantile_error_pct": round(self.quantile_pct, 3),
             "max_error_pct": round(self.max_pct, 3),
         }
+
+
+def scaled_quantiles(median_ms: float, ratios: dict[str, float]) -> dict[str, float]:
+    """A predicted call's time statistics: the modelled median and the other quantiles at the
+    calibration calls' median ratio to their median (so min <= p20 <= median <= p80 <= max)."""
+    return {q: median_ms * r for q, r in ratios.items()}
+
+
+def quantile_ratios(stats: list[dict[str, float]], quantiles: tuple[str, ...]) -> dict[str, float]:
+    """Each quantile's median ratio to the median over timed calls' statistics."""
+    return {q: float(np.median([s[q] / max(s["median"], 1e-12) for s in stats])) for q in quantiles}
 
 
 def held_out_error(predicted: np.ndarray, measured: np.ndarray) -> ModelError:

@@ -478,21 +478,23 @@ class CPSimulator:
             self._time(ranks, point, key, members[key][0])
         known = self._fitted.setdefault(cls, {})
         known.update({key: members[key][1] for key in calibrate})
-        fit_keys = list(known)
-        fx = np.array([known[key] for key in fit_keys])
-        coef = {
-            q: call_model.fit(fx, [self._timings[key][q] for key in fit_keys]) for q in QUANTILES
-        }
-        errors = [
-            (float(members[key][1] @ coef["median"]), self._timings[key]["median"]) for key in held
-        ]
-        known.update({key: members[key][1] for key in held})
+        coef = self._fit(known)
+        errors = [(float(members[key][1] @ coef), self._timings[key]["median"]) for key in held]
+        known.update({key: members[key][1] for key in held})  # then fitted on them too
+        coef = self._fit(known)
+        ratios = call_model.quantile_ratios([self._timings[key] for key in known], QUANTILES)
         predicted = {
-            key: {q: float(members[key][1] @ coef[q]) for q in QUANTILES}
+            key: call_model.scaled_quantiles(float(members[key][1] @ coef), ratios)
             for key in rest
             if key not in self._timings
         }
         return len(fresh), predicted, errors
+
+    def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
+        """The tile model's coefficients of the median times of the calls in `known`."""
+        keys = list(known)
+        x = np.array([known[key] for key in keys])
+        return call_model.fit(x, [self._timings[key]["median"] for key in keys])
 
     def _run_mask(self, point: Point, mask, index: int, impl: str, base: dict) -> dict:
         from shard_strategies import simulate
