@@ -139,31 +139,29 @@ def test_explicit_mesh_and_lse():
         assert_close(got, want, name)
 
 
+def check_replicated(mask, mesh, seed):
+    """Ring/zigzag on replicated (global) q, k, v against the reference; returns the executor
+    that jax_cp.build makes for the same placement."""
+    host = host_inputs(seed, mask.seqlen_q, 4, 2)
+    rep = [jax.device_put(x, NamedSharding(mesh, P())) for x in host]
+    assert_reference(forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep), host, mask, "")
+    return jax_cp.build(
+        mask, mesh=mesh, strategy="ring", layout="zigzag", num_heads_q=4, num_heads_kv=2, head_dim=D
+    )
+
+
 def test_uneven_length_falls_back_to_the_global_dispatch():
     """S = 100 does not split over 8 devices: the executor gathers global arrays as before, on an
     Explicit-axis mesh too (replicated inputs, replicated output)."""
-    mask = make_mask("causal", 100)
-    mesh = explicit_mesh()
-    host = host_inputs(7, 100, 4, 2)
-    rep = [jax.device_put(x, NamedSharding(mesh, P())) for x in host]
-    assert_reference(forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep), host, mask, "")
-    ex = jax_cp.build(
-        mask, mesh=mesh, strategy="ring", layout="zigzag", num_heads_q=4, num_heads_kv=2, head_dim=D
-    )
+    ex = check_replicated(make_mask("causal", 100), explicit_mesh(), seed=7)
     assert not ex.splits_evenly
 
 
 def test_replicated_inputs_and_methods():
     """Global (replicated) inputs still work; dispatch / undispatch on sharded arrays match the
     plan's order and round-trip (padding dropped)."""
-    mask = named_mask("causal_document", 200)
     mesh = flat_mesh()
-    host = host_inputs(6, 200, 4, 2)
-    rep = [jax.device_put(x, NamedSharding(mesh, P())) for x in host]
-    assert_reference(forward_backward(cp_fn(mask, mesh, "ring", "zigzag"))(*rep), host, mask, "")
-    ex = jax_cp.build(
-        mask, mesh=mesh, strategy="ring", layout="zigzag", num_heads_q=4, num_heads_kv=2, head_dim=D
-    )
+    ex = check_replicated(named_mask("causal_document", 200), mesh, seed=6)
     assert ex.splits_evenly
     pos = np.arange(200, dtype=np.float32).reshape(1, 200, 1, 1) + 1
     xd = ex.dispatch(seq_sharded([pos], mesh)[0])

@@ -227,7 +227,9 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
     distinct: list[MaskArrays] = []
     index = []
     for piece in (p for row in plan.pieces for p in row):
-        key = (piece.seqlen_q, piece.seqlen_k, *(a.tobytes() for a in _slices(piece)))
+        # a Mask compares by identity: pieces are the same when their typed slices are
+        slices = (piece.q_ranges, piece.k_ranges, piece.types)
+        key = (piece.seqlen_q, piece.seqlen_k, *(a.tobytes() for a in slices))
         if key not in built:
             built[key] = len(distinct)
             distinct.append(piece_arrays(piece, impl, head_dim, dtype))
@@ -237,11 +239,6 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
     stacked = jax.tree.map(lambda x: x[np.array(index)], stack_mask_arrays([*distinct, widest]))
     lead = (plan.ring_size, plan.num_steps)
     return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
-
-
-def _slices(piece: Mask) -> tuple[np.ndarray, ...]:
-    """What a piece is: its typed slices (a Mask compares by identity)."""
-    return (piece.q_ranges, piece.k_ranges, piece.types)
 
 
 def _pad_multiple(impl: str, head_dim: int, dtype: Any) -> int:
