@@ -229,18 +229,29 @@ def _launch_record(kernel, grid, args, num_warps, num_stages, meta) -> tuple:
 
 def _interpreted_triton_call(record, *args, kernel, out_shape, grid, num_warps, num_stages, **meta):
     """jax_triton.triton_call's contract (arrays and scalars, then outputs, then constexprs),
-    run by Triton's interpreter on CPU: the JAX front end's launches through the same kernels."""
+    run by Triton's interpreter on CPU from a host callback, so it works under jit as the real
+    call does: the JAX front end's launches through the same kernels."""
     import jax
 
-    def host(x):
-        if isinstance(x, jax.Array):
-            return torch.from_numpy(np.array(x))
-        return x.item() if isinstance(x, np.generic) else x
+    is_array = [isinstance(x, jax.Array) for x in args]
 
-    outs = [torch.empty(o.shape, dtype=getattr(torch, np.dtype(o.dtype).name)) for o in out_shape]
-    record.append(_launch_record(kernel, grid, (*args, *outs), num_warps, num_stages, meta))
-    kernel[grid](*map(host, args), *outs, num_warps=num_warps, num_stages=num_stages, **meta)
-    return tuple(jax.numpy.asarray(o.numpy()) for o in outs)
+    def run(*arrays):
+        given = iter(arrays)
+        host = [
+            torch.from_numpy(np.array(next(given)))
+            if array
+            else (x.item() if isinstance(x, np.generic) else x)
+            for x, array in zip(args, is_array)
+        ]
+        outs = [
+            torch.empty(o.shape, dtype=getattr(torch, np.dtype(o.dtype).name)) for o in out_shape
+        ]
+        record.append(_launch_record(kernel, grid, (*host, *outs), num_warps, num_stages, meta))
+        kernel[grid](*host, *outs, num_warps=num_warps, num_stages=num_stages, **meta)
+        return tuple(o.numpy() for o in outs)
+
+    arrays = [x for x, array in zip(args, is_array) if array]
+    return jax.pure_callback(run, tuple(out_shape), *arrays)
 
 
 @pytest.mark.skipif(CUDA or not KERNELS_HERE, reason="the kernels run interpreted on CPU only")

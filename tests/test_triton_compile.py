@@ -93,7 +93,8 @@ def _tile_meta(which: str, configs: launch.LaunchConfigs) -> tuple[dict, launch.
 @functools.cache
 def compile_kernel(which: str, head_dim: int, dtype: str, configs: launch.LaunchConfigs) -> Any:
     """Kernel `which` ("fwd" or "bwd") compiled for sm_90 at `configs` (GQA group 8, two mask
-    intervals), as either front end launches it at a benchmark shape (aligned arrays, DIV16)."""
+    intervals), as either front end launches it at a benchmark shape (aligned arrays, DIV16,
+    sequence lengths that are multiples of every tile)."""
     fn = KERNELS[which]
     tiles, cfg = _tile_meta(which, configs)
     meta = {
@@ -104,6 +105,8 @@ def compile_kernel(which: str, head_dim: int, dtype: str, configs: launch.Launch
         "HEAD_DIM": head_dim,
         "IEEE": dtype == "float32",
         "DIV16": BENCH_DIV16[which],
+        "EVEN_Q": True,
+        "EVEN_K": True,
     }
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
     sig = _signature(fn, dtype, meta)
@@ -224,8 +227,37 @@ def test_both_front_ends_compile_one_kernel(head_dim, dtype):
         assert torch_ptx == front_end_ptx(fn, call, dtype, "jax"), f"{which}: PTX differs"
     if (head_dim, dtype) == (128, "bfloat16"):  # the facts are what makes the two equal
         fn, call = _launches(head_dim, dtype)["bwd"]
-        bare = dataclasses.replace(call, meta={**call.meta, "DIV16": 0})
+        assert call.meta["EVEN_Q"] and call.meta["EVEN_K"]
+        # Lengths off the tiles (predicated loads) but multiples of 16, without DIV16:
+        ragged = {"DIV16": 0, "EVEN_Q": False, "EVEN_K": False}
+        bare = dataclasses.replace(call, meta={**call.meta, **ragged})
         assert front_end_ptx(fn, bare, dtype, "torch") != front_end_ptx(fn, bare, dtype, "jax")
+
+
+def test_lengths_on_the_tiles_drop_the_load_predicates():
+    """EVEN_Q / EVEN_K hold exactly when every tile of the kernel lies inside its sequence, and
+    then the compiled forward guards fewer memory operations (one loop's K/V loads and the Q
+    load and output store lose their bounds checks)."""
+    configs = launch.default_configs(128, 2)
+    mask = make_mask("causal", 4096)
+    tables = launch.mask_tables(mask, configs)
+
+    def fwd(sq: int, sk: int) -> launch.Call:
+        return launch.fwd_call(launch.Shape(1, sq, sk, 64, 8, 128), tables, 0.1, False)
+
+    assert (fwd(4096, 4096).meta["EVEN_Q"], fwd(4096, 4096).meta["EVEN_K"]) == (True, True)
+    assert (fwd(4160, 4096).meta["EVEN_Q"], fwd(4096, 4160).meta["EVEN_K"]) == (False, True)
+    bwd = launch.bwd_call(launch.Shape(1, 4096, 4160, 64, 8, 128), tables, 0.1, False)
+    assert (bwd.meta["EVEN_Q"], bwd.meta["EVEN_K"]) == (True, False)  # dK/dV tiles: 128 keys
+
+    call = fwd(4096, 4096)
+    ragged = dataclasses.replace(call, meta={**call.meta, "EVEN_Q": False, "EVEN_K": False})
+
+    def guarded(c: launch.Call) -> int:
+        ptx = front_end_ptx(kernels.attn_fwd_kernel, c, "bfloat16", "torch")
+        return len(re.findall(r"^\s*@!?%p\d+\s+(?:ld|st|cp)\.", ptx, re.M))
+
+    assert guarded(call) < guarded(ragged)
 
 
 def test_div16_marks_exactly_the_integer_multiples_of_16():

@@ -43,6 +43,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _below(idx, limit, ALWAYS: tl.constexpr):
+    """idx < limit, or constant true when the launch knows it always holds (ALWAYS): the
+    compiler then drops the predicates of the loads and stores it guards."""
+    if ALWAYS:
+        ok = tl.full(idx.shape, 1, tl.int1)
+    else:
+        ok = idx < limit
+    return ok
+
+
+@triton.jit
 def _hit(lo_ptr, hi_ptr, row_ok, cols, r, KEYS_FIRST: tl.constexpr):
     """Whether key cols fall in interval r of query rows ((cols, rows) when KEYS_FIRST)."""
     lo = tl.load(lo_ptr + r, mask=row_ok, other=0)
@@ -68,10 +79,20 @@ def _visible(
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N: tl.constexpr):
+def _load_kv_tile(
+    k_ptr,
+    v_ptr,
+    k_tile,
+    kv_off,
+    dim_ok,
+    seqlen_k,
+    k_row,
+    BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """(key positions, K tile, V tile) of key tile k_tile; keys past seqlen_k load as zeros."""
     cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_mask = (cols < seqlen_k)[:, None] & dim_ok[None, :]
+    kv_mask = _below(cols, seqlen_k, EVEN_K)[:, None] & dim_ok[None, :]
     kv_start = k_tile.to(tl.int64) * BLOCK_N * k_row
     k = tl.load((k_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
     v = tl.load((v_ptr + kv_start) + kv_off, mask=kv_mask, other=0.0)
@@ -126,6 +147,8 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     DIV16: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One (q tile, batch x query head): out tile and its LSE over the listed k tiles."""
     seqlen_q, seqlen_k, heads_q, heads_kv, list_width = _sizes(
@@ -138,8 +161,8 @@ def attn_fwd_kernel(
     kvh = h // GROUP
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seqlen_q
-    dim_ok = dims < HEAD_DIM
+    row_ok = _below(rows, seqlen_q, EVEN_Q)
+    dim_ok = _below(dims, HEAD_DIM, HEAD_DIM == BLOCK_D)
     q_row = heads_q * HEAD_DIM
     k_row = heads_kv * HEAD_DIM
     # Batch, head and tile starts go into the scalar pointers in int64 (long sequences stay
@@ -163,7 +186,9 @@ def attn_fwd_kernel(
     for n in range(0, count):
         k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
-        cols, k, v = _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N)
+        cols, k, v = _load_kv_tile(
+            k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N, EVEN_K
+        )
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         if full == 0:
             vis = _visible(lo_ptr, hi_ptr, rows, row_ok, cols, NUM_INTERVALS, False)
@@ -212,14 +237,16 @@ def _dkdv_program(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One (k tile, batch x KV head): dK and dV over the listed q tiles of every group head."""
     b = (bh // heads_kv).to(tl.int64)
     kvh = bh % heads_kv
     cols = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    col_ok = cols < seqlen_k
-    dim_ok = dims < HEAD_DIM
+    col_ok = _below(cols, seqlen_k, EVEN_K)
+    dim_ok = _below(dims, HEAD_DIM, HEAD_DIM == BLOCK_D)
     q_row = heads_q * HEAD_DIM
     k_row = heads_kv * HEAD_DIM
     # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
@@ -245,7 +272,7 @@ def _dkdv_program(
             q_tile = tl.load(q_index_ptr + k_tile * list_width + n)
             full = tl.load(q_full_ptr + k_tile * list_width + n)
             rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < seqlen_q
+            row_ok = _below(rows, seqlen_q, EVEN_Q)
             q_start = q_head + q_tile.to(tl.int64) * BLOCK_M * q_row
             q_mask = row_ok[:, None] & dim_ok[None, :]
             q = tl.load((q_ptr + q_start) + q_off, mask=q_mask, other=0.0)
@@ -295,6 +322,8 @@ def _dq_program(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One (q tile, batch x query head): dQ over the listed k tiles."""
     b = (bh // heads_q).to(tl.int64)
@@ -302,8 +331,8 @@ def _dq_program(
     kvh = h // GROUP
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seqlen_q
-    dim_ok = dims < HEAD_DIM
+    row_ok = _below(rows, seqlen_q, EVEN_Q)
+    dim_ok = _below(dims, HEAD_DIM, HEAD_DIM == BLOCK_D)
     q_row = heads_q * HEAD_DIM
     k_row = heads_kv * HEAD_DIM
     # int64 batch/head/tile starts in the scalar pointers, int32 in-tile offset tensors.
@@ -331,7 +360,9 @@ def _dq_program(
     for n in range(0, count):
         k_tile = tl.load(kv_index_ptr + q_tile * list_width + n)
         full = tl.load(kv_full_ptr + q_tile * list_width + n)
-        cols, k, v = _load_kv_tile(k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N)
+        cols, k, v = _load_kv_tile(
+            k_ptr, v_ptr, k_tile, kv_off, dim_ok, seqlen_k, k_row, BLOCK_N, EVEN_K
+        )
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if full == 0:
@@ -380,6 +411,8 @@ def attn_bwd_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     DIV16: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """The backward in one launch: programs below dkdv_programs each own a (k tile, batch x KV
     head) dK/dV tile, the rest a (q tile, batch x query head) dQ tile. The dQ programs fill the
@@ -422,6 +455,8 @@ def attn_bwd_kernel(
             BLOCK_D,
             HEAD_DIM,
             IEEE,
+            EVEN_Q,
+            EVEN_K,
         )
     else:
         q_tiles = tl.cdiv(seqlen_q, DQ_BLOCK_M)
@@ -454,6 +489,8 @@ def attn_bwd_kernel(
             BLOCK_D,
             HEAD_DIM,
             IEEE,
+            EVEN_Q,
+            EVEN_K,
         )
 
 

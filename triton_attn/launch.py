@@ -171,14 +171,20 @@ def mask_tables(mask: Mask, configs: LaunchConfigs) -> MaskTables:
     )
 
 
-def _meta(shape: Shape, tables: MaskTables, ieee: bool) -> dict[str, Any]:
-    """The constexprs every attention kernel takes (tiles and DIV16 are added per kernel)."""
+def _meta(
+    shape: Shape, tables: MaskTables, ieee: bool, configs: tuple[LaunchConfig, ...]
+) -> dict[str, Any]:
+    """The constexprs every attention kernel takes (tiles and DIV16 are added per kernel).
+    EVEN_Q / EVEN_K: every query / key tile of `configs` (the kernel's) lies inside the sequence,
+    so the kernel loads and stores those rows unpredicated."""
     return {
         "GROUP": shape.heads_q // shape.heads_kv,
         "NUM_INTERVALS": tables.num_intervals,
         "BLOCK_D": block_d(shape.head_dim),
         "HEAD_DIM": shape.head_dim,
         "IEEE": bool(ieee),
+        "EVEN_Q": all(shape.seqlen_q % c.block_q == 0 for c in configs),
+        "EVEN_K": all(shape.seqlen_k % c.block_k == 0 for c in configs),
     }
 
 
@@ -205,7 +211,7 @@ def fwd_call(shape: Shape, tables: MaskTables, scale: float, ieee: bool) -> Call
         float(scale),
     )
     meta = {
-        **_meta(shape, tables, ieee),
+        **_meta(shape, tables, ieee, (cfg,)),
         "BLOCK_M": cfg.block_q,
         "BLOCK_N": cfg.block_k,
         "DIV16": div16(scalars),
@@ -241,7 +247,7 @@ def bwd_call(
         float(scale),
     )
     meta = {
-        **_meta(shape, tables, ieee),
+        **_meta(shape, tables, ieee, (k_cfg, q_cfg)),
         "DKDV_BLOCK_M": k_cfg.block_q,
         "DKDV_BLOCK_N": k_cfg.block_k,
         "DQ_BLOCK_M": q_cfg.block_q,

@@ -1,11 +1,11 @@
 """Impl "triton": triton_attn's block-sparse flash kernels launched from JAX by jax_triton.
 
 The same @triton.jit kernels as torch_attn's impl "triton" (triton_attn.kernels), called with
-`jax_triton.triton_call`; jax.custom_vjp runs the delta (rowsum(out * dout) - dlse) kernel and the
-backward kernel (dK/dV and dQ programs in one launch) from the saved LSE, which is also the residual
-backward (attention_bwd). Mask tables (tiles from triton_attn.launch) are built on the host once per
-(mask, configs) and passed as arrays. CUDA GPUs only (jax_triton has no CPU path); import-guarded,
-so without jax-triton supports() says so."""
+`jax_triton.triton_call`; the shared flash VJP (jax_attn.flash_vjp) runs the delta
+(rowsum(out * dout) - dlse) kernel and the backward kernel (dK/dV and dQ programs in one launch)
+from the saved LSE, which is also the residual backward (attention_bwd). Mask tables (tiles from
+triton_attn.launch) are built on the host once per (mask, configs) and passed as arrays. CUDA GPUs
+only (jax_triton has no CPU path); import-guarded, so without jax-triton supports() says so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import importlib.metadata
 import itertools
 import os
 from dataclasses import dataclass
-from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +25,7 @@ from attn_masks import Mask
 from attn_masks.cache import MaskCache
 from triton_attn import launch
 
+from ..flash_vjp import flash_vjp
 from .common import Adapter, Request, Unsupported, first_reason, needs_cuda, needs_static_mask
 
 _LISTS = ("fwd", "dq", "dkdv")
@@ -189,7 +189,9 @@ def _call(kernel, call: launch.Call, arrays: tuple, out_shape: tuple) -> Any:
     )
 
 
-def _forward(tables: _Tables, scale: float, q, k, v, arrays: dict):
+def _forward(q, k, v, arrays: dict, static: tuple[_Tables, float]):
+    """(out, lse, lse): the forward kernel's output and LSE, which is also the saved residual."""
+    tables, scale = static
     _, kernels, _ = modules()
     shape = _shape(q, k)
     call = launch.fwd_call(shape, tables.host, scale, q.dtype == jnp.float32)
@@ -199,10 +201,12 @@ def _forward(tables: _Tables, scale: float, q, k, v, arrays: dict):
     )
     inputs = (q, k, v, arrays["lo"], arrays["hi"], *arrays["fwd"])
     out, lse = _call(kernels.attn_fwd_kernel, call, inputs, out_shape)
-    return out, lse
+    return out, lse, lse
 
 
-def _backward(tables: _Tables, scale: float, q, k, v, arrays: dict, out, lse, dout, dlse):
+def _backward(q, k, v, arrays: dict, out, lse, dout, dlse, static: tuple[_Tables, float]):
+    """(dq, dk, dv): the delta kernel, then the backward kernel from the saved LSE."""
+    tables, scale = static
     _, kernels, _ = modules()
     shape = _shape(q, k)
     ieee = q.dtype == jnp.float32
@@ -223,35 +227,18 @@ def _backward(tables: _Tables, scale: float, q, k, v, arrays: dict, out, lse, do
     return dq, dk, dv
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(tables: _Tables, scale: float, q, k, v, arrays: dict):
-    return _forward(tables, scale, q, k, v, arrays)
-
-
-def _attention_fwd(tables: _Tables, scale: float, q, k, v, arrays: dict):
-    out, lse = _forward(tables, scale, q, k, v, arrays)
-    return (out, lse), (q, k, v, arrays, out, lse)
-
-
-def _attention_bwd(tables: _Tables, scale: float, res, cotangents):
-    q, k, v, arrays, out, lse = res
-    dout, dlse = cotangents
-    dq, dk, dv = _backward(tables, scale, q, k, v, arrays, out, lse, dout, dlse)
-    return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _backward)
 
 
 def _run(q, k, v, mask: Mask, *, scale: float, return_lse: bool):
     tables = _tables(mask, _configs(q.shape[-1], q.dtype))
-    out, lse = _attention(tables, float(scale), q, k, v, tables.arrays)
+    out, lse = _attention(q, k, v, tables.arrays, (tables, float(scale)))
     return out, (lse if return_lse else None)
 
 
 def _residual_backward(q, k, v, mask: Mask, out, lse, dout, dlse, *, scale: float):
     tables = _tables(mask, _configs(q.shape[-1], q.dtype))
-    return _backward(tables, float(scale), q, k, v, tables.arrays, out, lse, dout, dlse)
+    return _backward(q, k, v, tables.arrays, out, lse, dout, dlse, (tables, float(scale)))
 
 
 TRITON = Adapter("triton", _check, _run, tiles=_tiles, backward=_residual_backward)
