@@ -60,13 +60,14 @@ from ._api import (
 )
 from ._comm import reset_sent_bytes, sent_bytes
 from ._launch import init_distributed
-from ._local import LseMerge, default_impl
+from ._local import LseMerge, acc_dtype, default_impl
 from ._steps import Cotangents, Piece, add_grads, backward_step, forward_step
 
 __all__ = [
     "Cotangents",
     "LseMerge",
     "Piece",
+    "acc_dtype",
     "add_grads",
     "attention",
     "backward_step",
