@@ -13,6 +13,21 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from experiments.core.points import Point
+from experiments.runners import frameworks
+
+
+def plan_settings(point: Point) -> dict:
+    """The plan keywords both executors take from a point (strategy, layout, sizes, placement)."""
+    return {
+        "world_size": point.num_devices,
+        "strategy": point.cp,
+        "layout": point.layout,
+        "ulysses_size": point.ulysses_size,
+        "inner_axis": frameworks.inner_axis(point.ulysses_intra_node),
+        "num_heads_q": point.heads_q,
+        "num_heads_kv": point.heads_kv,
+        "head_dim": point.head_dim,
+    }
 
 
 class Ranks(ABC):

@@ -13,7 +13,7 @@ import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, frameworks, timing
-from experiments.runners.cp_ranks import Ranks
+from experiments.runners.cp_ranks import Ranks, plan_settings
 from shard_strategies.strategies import RING_CORE
 
 
@@ -95,19 +95,8 @@ class JaxRanks(Ranks):
     def executor_plan(point: Point, mask, impl: str):
         from shard_strategies import jax_cp
 
-        return jax_cp.executor_plan(
-            mask,
-            point.num_devices,
-            point.cp,
-            point.layout,
-            point.ulysses_size,
-            impl=impl,
-            num_heads_q=point.heads_q,
-            num_heads_kv=point.heads_kv,
-            head_dim=point.head_dim,
-            dtype=frameworks.framework_dtype("jax", point.dtype),
-            inner_axis=frameworks.inner_axis(point.ulysses_intra_node),
-        )
+        dtype = frameworks.framework_dtype("jax", point.dtype)
+        return jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
 
     @property
     def ring_core(self) -> bool:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, frameworks, timing
-from experiments.runners.cp_ranks import Ranks
+from experiments.runners import call_model, timing
+from experiments.runners.cp_ranks import Ranks, plan_settings
 from shard_strategies import simulate
 from shard_strategies.strategies import LOCAL_CORE, RING_CORE
 
@@ -51,18 +51,7 @@ class TorchRanks(Ranks):
         """torch_cp.get_plan with what torch_cp.attention passes it (no padding to tiles)."""
         from shard_strategies import torch_cp
 
-        return torch_cp.get_plan(
-            mask,
-            point.num_devices,
-            point.cp,
-            point.layout,
-            point.ulysses_size,
-            num_windows=None,
-            inner_axis=frameworks.inner_axis(point.ulysses_intra_node),
-            num_heads_q=point.heads_q,
-            num_heads_kv=point.heads_kv,
-            head_dim=point.head_dim,
-        )
+        return torch_cp.get_plan(mask, num_windows=None, **plan_settings(point))
 
     def _take(self, name: str, rows: np.ndarray, heads: np.ndarray):
         """Input `name` at token positions `rows` (past its end: padding, zeros) and `heads`."""
