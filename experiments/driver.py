@@ -223,13 +223,19 @@ def _simulated_points(
 
 
 def _check_simulation(settings: Settings, simulate: bool) -> None:
-    """Simulated CP runs JAX's kernels on this device, and replaces --num_devices."""
+    """Simulated CP runs one framework's executor on this one device, and replaces
+    --num_devices."""
     if not simulate:
         return
-    if settings.frameworks != ("jax",):
+    if len(settings.frameworks) != 1:
+        got = "/".join(settings.frameworks)
         raise app.UsageError(
-            "--simulate_devices times the JAX executor's local work: use --framework=jax "
-            f"(got --framework={'/'.join(settings.frameworks)})"
+            "--simulate_devices predicts one framework's executor at a time: use "
+            f"--framework=jax or --framework=torch (got --framework={got})"
+        )
+    if _torch_launched(settings):
+        raise app.UsageError(
+            "--simulate_devices runs on one device: start it without torchrun/srun"
         )
     if settings.num_devices:
         raise app.UsageError(
@@ -272,10 +278,14 @@ def _jax_runner(settings: Settings):
     )
 
 
-def _torch_runner(rtol: float | None):
+def _torch_runner(settings: Settings):
     from experiments.runners.torch_runner import TorchRunner
 
-    return TorchRunner(rtol_override=rtol)
+    return TorchRunner(
+        rtol_override=settings.check_rtol,
+        sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
+        sim_timed_calls=settings.sim_timed_calls,
+    )
 
 
 def _todo(points: list[Point], store: ResultsStore, retry_errors: bool) -> list[Point]:
@@ -324,12 +334,15 @@ def _check_launch(settings: Settings) -> None:
 def _run_torch(
     settings: Settings, points: list[Point], store: ResultsStore, progress, prov: dict, total: int
 ) -> None:
-    """Torch kernel points in this process, CP points (all points under torchrun) on ranks."""
-    on_ranks = points if _torch_launched(settings) else [p for p in points if p.is_cp]
-    if not _torch_launched(settings):
+    """Torch kernel and simulated CP points in this process, CP points (all points under
+    torchrun) on ranks."""
+    launched = _torch_launched(settings)
+    here = [p for p in points if not launched and (not p.is_cp or p.simulated)]
+    on_ranks = [p for p in points if launched or (p.is_cp and not p.simulated)]
+    if here:
         sweep.run_points(
-            [p for p in points if not p.is_cp],
-            _lazy_runner(lambda: _torch_runner(settings.check_rtol)),
+            here,
+            _lazy_runner(lambda: _torch_runner(settings)),
             store=store,
             progress=progress,
             provenance=prov,

@@ -1,9 +1,11 @@
 """Predicted time of one context-parallel call on N ranks from per-(rank, step) compute times
 (numpy only; docs/context_parallel.md, Predicting N GPUs from one).
 
-`schedule(plan, mode)` lists what the JAX executor runs, in program order: phases (a kernel call
+`schedule(plan, mode)` lists what an executor runs, in program order: phases (a kernel call
 every rank makes at one step, or a collective every rank waits for) and the transfers between
-them, each with the bytes a rank sends and the points where it is posted and awaited.
+them, each with the bytes a rank sends and the points where it is posted and awaited. The JAX
+and PyTorch executors walk the same ring chains and collectives; their global entry points
+differ (`entry`: EXCHANGE for JAX, REPLICATED for PyTorch).
 `predict(schedule, compute_ms, link)` replays that list: ranks advance in lock step (a phase
 starts when the slowest rank finished the previous one), a transfer takes latency + bytes /
 bandwidth of the links it crosses, and a rank waits for a transfer only where the executor
@@ -38,6 +40,12 @@ RING_STEPS = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2}  # ring passes of
 # The compute of a phase: one ring step forward (merged into the running result) or backward
 # (accumulated), or the single attention call of the all-gather and Ulysses cores.
 ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD = "attend", "attend_bwd", "once", "once_bwd"
+# How global arrays reach the layout and come back. EXCHANGE (jax_cp): inputs sharded along the
+# sequence move by the exchange's ppermute rounds (gathered when the length does not split).
+# REPLICATED (torch_cp): every rank holds the global inputs and slices its shard; the output is
+# all-gathered, and the backward all-gathers dq, dk and dv in one collective.
+EXCHANGE, REPLICATED = "exchange", "replicated"
+ENTRIES = (EXCHANGE, REPLICATED)
 Event = tuple[str, int]  # (WAIT | POST | SERIAL, transfer index)
 
 
@@ -350,26 +358,36 @@ def _exchange_phase(
 
 
 def schedule(
-    plan: CPPlan, mode: str, *, itemsize: int = 2, batch: int = 1, dispatch: bool = True
+    plan: CPPlan,
+    mode: str,
+    *,
+    itemsize: int = 2,
+    batch: int = 1,
+    dispatch: bool = True,
+    entry: str = EXCHANGE,
 ) -> Schedule:
     """The executor's phases and transfers for `plan` in `mode` (fwd, bwd or fwd_bwd).
 
-    dispatch: include the permutation of global arrays into the layout's order and back, as the
-    executor's global entry point runs it. When the length splits evenly over the ranks (the
-    driver's inputs are then sharded along the sequence) that is the exchange's ppermute rounds
-    for q, k, v and out (backward: their transposes for dout, dq, dk, dv); otherwise XLA
-    partitions the gathers of global arrays as an all-gather of each input and an all-reduce of
-    each output.
+    dispatch: include the movement of global arrays into the layout's order and back, as the
+    executor's global entry point (`entry`) runs it. EXCHANGE: when the length splits evenly
+    over the ranks (the driver's inputs are then sharded along the sequence) the exchange's
+    ppermute rounds for q, k, v and out (backward: their transposes for dout, dq, dk, dv);
+    otherwise XLA partitions the gathers of global arrays as an all-gather of each input and an
+    all-reduce of each output. REPLICATED: an all-gather of the output shards (backward: one of
+    the dq, dk, dv shards); taking a shard of replicated inputs moves nothing.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if entry not in ENTRIES:
+        raise ValueError(f"unknown entry {entry!r}; valid: {', '.join(ENTRIES)}")
     if plan.num_heads_q is None or plan.num_heads_kv is None or plan.head_dim is None:
         raise ValueError("schedule needs a plan made with num_heads_q, num_heads_kv, head_dim")
     sizes = _sizes(plan)
     b = _Builder(plan, itemsize, batch)
     u = plan.ulysses_size
     q, kv = sizes["a2a_q"], sizes["a2a_kv"]
-    edge = _dispatch_edges(b, sizes) if dispatch else lambda name: None
+    edges = _dispatch_edges if entry == EXCHANGE else _replicated_edges
+    edge = edges(b, sizes) if dispatch else lambda name: None
     if mode != "bwd":
         edge("dispatch q, k, v")
         if u > 1:
@@ -392,7 +410,7 @@ def schedule(
 
 
 def _dispatch_edges(b: _Builder, sizes: dict[str, float]):
-    """A function adding the named dispatch step of the executor's global entry point: the
+    """A function adding the named dispatch step of jax_cp's global entry point: the
     exchange's ppermute rounds when the length splits evenly over the ranks (forward exchange in,
     its transpose out; the backward runs them transposed), else the collectives XLA makes of
     gathering global arrays."""
@@ -428,6 +446,26 @@ def _dispatch_edges(b: _Builder, sizes: dict[str, float]):
             b.collectives(name, direction, gathered, op, "world", DISPATCH)
         else:
             _exchange_phase(b, name, direction, exchanges[which], items, reverse=reverse)
+
+    return edge
+
+
+def _replicated_edges(b: _Builder, sizes: dict[str, float]):
+    """A function adding the named dispatch step of an entry point on replicated inputs: the
+    all-gather of the output shards, and in the backward of the dq, dk, dv shards (padding
+    included, as the shards hold it); the inputs and dout are sliced where they lie."""
+    plan = b.plan
+    shards = (plan.world_size - 1) * plan.local_len * plan.head_dim
+    hq, hkv = plan.num_heads_q, plan.num_heads_kv
+    gathers = {
+        "undispatch out": ("fwd", [("out", shards * hq)]),
+        "undispatch dq, dk, dv": ("bwd", [("dq, dk, dv", shards * (hq + 2 * hkv))]),
+    }
+
+    def edge(name: str) -> None:
+        if name in gathers:
+            direction, items = gathers[name]
+            b.collectives(name, direction, items, ALL_GATHER, "world", DISPATCH)
 
     return edge
 

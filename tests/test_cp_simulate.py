@@ -191,7 +191,9 @@ def test_link_model_node_boundaries_and_spec():
 # ------------------------------------------------------------------------------- JAX runner
 
 
-def _point(strategy, n, mode, link, mask="causal_document", layout="zigzag", seqlen=16):
+def _point(
+    strategy, n, mode, link, mask="causal_document", layout="zigzag", seqlen=16, framework="jax"
+):
     from experiments.core.points import Grid, expand
 
     grid = Grid(
@@ -209,7 +211,13 @@ def _point(strategy, n, mode, link, mask="causal_document", layout="zigzag", seq
         iters=2,
     )
     (p,) = expand(
-        grid, "jax", ("default",), seed=0, num_devices=n, ulysses_size=None, ulysses_intra_node=True
+        grid,
+        framework,
+        ("default",),
+        seed=0,
+        num_devices=n,
+        ulysses_size=None,
+        ulysses_intra_node=True,
     )
     return dataclasses.replace(p, simulated=True, link=link.spec())
 
@@ -350,6 +358,174 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
         _modelled_equals_timed(m)
 
 
+# ----------------------------------------------------------------------------- torch runner
+
+
+def _documents(monkeypatch) -> None:
+    """Points get their named mask with four uneven documents (the generator's draw at these
+    lengths is one document)."""
+    from experiments.runners import cp_simulate
+
+    monkeypatch.setattr(
+        cp_simulate.frameworks, "make_masks", lambda p: [named_mask(p.mask, p.seqlen_total)]
+    )
+
+
+def _torch_point(strategy, mode, mask, seqlen=64, **kw):
+    """A simulated torch point on 4 devices with fresh inputs (seed 3)."""
+    p = _point(strategy, 4, mode, sim.LinkModel(), mask, seqlen=seqlen, framework="torch", **kw)
+    return dataclasses.replace(p, seed=3)
+
+
+def _dense_out(q, k, v, mask) -> np.ndarray:
+    """Float64 attention output by a dense softmax (GQA: query head h reads K/V head h // g)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = (np.repeat(x.astype(np.float64), g, axis=2) for x in (k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
+    s = np.where(mask.dense()[None, None], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    p /= np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def test_torch_ranks_are_the_torch_executors_work(monkeypatch):
+    """Every rank of ring, all-gather, Ulysses and USP on 4 simulated devices, causal and a
+    document mask, forward and backward: the record's check of the whole problem against float64
+    attention passes, and each rank's output rows equal a dense float64 softmax of its own rows
+    and heads; every non-empty piece of every rank is one call per direction, empty ones none."""
+    from experiments.runners.cp_ranks_torch import TorchRanks
+    from experiments.runners.torch_runner import TorchRunner
+
+    _documents(monkeypatch)
+    runner = TorchRunner()
+    for strategy in ("ring", "allgather", "ulysses", "usp"):
+        for mask_name in ("causal", "causal_document"):
+            point = _torch_point(strategy, "fwd_bwd", mask_name)
+            result = runner.run(point)
+            check, s = result["check"], result["masks"][0]["simulation"]
+            assert check["ok"] and check["kind"] == "full", (strategy, mask_name, check)
+            assert set(check["max_errors"]) == {"out", "dq", "dk", "dv"}
+            assert max(check["max_errors"].values()) < 1e-5
+            assert s["check_ranks"] == [0, 1, 2, 3] and s["impl"] == "naive"
+            mask = named_mask(mask_name, point.seqlen_total)
+            plan = TorchRanks.executor_plan(point, mask, "naive")
+            ranks = TorchRanks(plan, "naive", point, 0, runner)
+            calls = sum(p is not None for row in ranks.pieces for p in row)
+            assert s["calls"]["total"] == 2 * calls * plan.ulysses_size
+            for g in range(plan.world_size):
+                r, u = plan.ring_rank(g), plan.ulysses_rank(g)
+                pos = plan.layout.positions[r]
+                real = pos[pos < mask.seqlen_q]
+                q, k, v = (ranks.host(n) for n in ("q", "k", "v"))
+                want = _dense_out(q, k, v, mask)[:, real][:, :, ranks.q_heads[u]]
+                got = ranks.emulate(r, u)["out"][:, pos < mask.seqlen_q]
+                assert np.abs(got - want).max() < 1e-5, (strategy, mask_name, g)
+
+
+def test_torch_rows_check_and_empty_pieces(monkeypatch):
+    """Above the whole-check size the torch ranks are checked at sampled rows; a mask with empty
+    rows and pieces (some steps of some ranks make no call) still passes."""
+    from experiments.runners import checks
+    from experiments.runners.torch_runner import TorchRunner
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    result = TorchRunner().run(_torch_point("ring", "fwd_bwd", "causal", layout="contiguous"))
+    assert result["check"]["ok"] and result["check"]["kind"] == "rows"
+    assert result["masks"][0]["simulation"]["check_ranks"] == [0, 3]
+    monkeypatch.undo()
+    from experiments.runners import cp_simulate
+
+    monkeypatch.setattr(
+        cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
+    )
+    result = TorchRunner().run(_torch_point("ring", "fwd_bwd", "causal", layout="contiguous"))
+    sim_ = result["masks"][0]["simulation"]
+    assert result["check"]["ok"] and result["check"]["kind"] == "full"
+    assert 0 < sim_["calls"]["total"] < 2 * 4 * result["masks"][0]["plan"]["num_steps"]
+
+
+def test_a_wrong_torch_step_makes_the_point_wrong(monkeypatch):
+    """The check checks: a forward step that drops a rank's first piece, or a backward step
+    whose dq is off by 1%, makes the simulated point wrong before anything is timed."""
+    from experiments.core.outcomes import WRONG, PointFailure
+    from experiments.runners.cp_ranks_torch import TorchRanks
+    from experiments.runners.torch_runner import TorchRunner
+    from shard_strategies import torch_cp
+
+    def untimed(*args):
+        raise AssertionError("no call of a wrong point is timed")
+
+    forward, backward = torch_cp.forward_step, torch_cp.backward_step
+    seen = []
+
+    def drop_first(merge, q, kv, piece, scale, impl):
+        seen.append(piece)
+        if len(seen) > 1:
+            forward(merge, q, kv, piece, scale, impl)
+
+    def off_dq(*args):
+        grads = backward(*args)
+        return None if grads is None else (grads[0] * 1.01, grads[1])
+
+    for name, fake, mode, tensor in (
+        ("forward_step", drop_first, "fwd", "out"),
+        ("backward_step", off_dq, "fwd_bwd", "dq"),
+    ):
+        with monkeypatch.context() as m:
+            m.setattr(torch_cp, name, fake)
+            m.setattr(TorchRanks, "time", untimed)
+            with pytest.raises(PointFailure) as e:
+                TorchRunner().run(_torch_point("ring", mode, "causal"))
+        assert e.value.status == WRONG and tensor in e.value.reason, e.value.reason
+        assert not e.value.details["check"]["ok"]
+
+
+def test_torch_and_jax_predict_the_same_strategy_schedule():
+    """On a CPU both executors plan without tile padding: for every strategy the torch and JAX
+    executors' plans hold the same tokens and pieces, and their schedules the same strategy
+    phases (calls per rank and step) and transfers; only the global entry point differs (torch:
+    the output, and the gradients in one collective, all-gathered from replicated inputs)."""
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.cp_ranks_torch import TorchRanks
+
+    n, itemsize, batch = 4, 4, 1
+    for strategy in ("ring", "allgather", "ulysses", "usp", "double_ring"):
+        point = _point(strategy, n, "fwd_bwd", sim.LinkModel(), seqlen=32, framework="torch")
+        mask = named_mask("causal_document", point.seqlen_total)
+        jp = JaxRanks.executor_plan(point, mask, "reference")
+        tp = TorchRanks.executor_plan(point, mask, "naive")
+        assert np.array_equal(jp.positions, tp.positions)
+        assert [(s.outer, s.inner) for s in jp.steps] == [(s.outer, s.inner) for s in tp.steps]
+        assert np.array_equal(jp.piece_area, tp.piece_area)
+        scheds = [
+            sim.schedule(p, "fwd_bwd", itemsize=itemsize, entry=e)
+            for p, e in ((jp, sim.EXCHANGE), (tp, sim.REPLICATED))
+        ]
+        own = [
+            [
+                (ph.name, ph.call, ph.step, ph.group_start)
+                + tuple(
+                    tuple((kind, sc.transfers[k]) for kind, k in ev) for ev in (ph.before, ph.after)
+                )
+                for ph in sc.phases
+                if ph.part == sim.STRATEGY
+            ]
+            for sc in scheds
+        ]
+        assert own[0] == own[1] and own[0]
+        moved = [[t for t in sc.transfers if t.part == sim.STRATEGY] for sc in scheds]
+        assert moved[0] == moved[1]
+        torch_entry = [t for t in scheds[1].transfers if t.part == sim.DISPATCH]
+        assert [(t.op, t.group, t.direction) for t in torch_entry] == [
+            (sim.ALL_GATHER, "world", "fwd"),
+            (sim.ALL_GATHER, "world", "bwd"),
+        ]
+        shards = (n - 1) * tp.local_len * D * itemsize * batch
+        assert torch_entry[0].nbytes == shards * HQ
+        assert torch_entry[1].nbytes == shards * (HQ + 2 * HKV)
+
+
 # ------------------------------------------------------------------------------- driver
 
 
@@ -373,22 +549,27 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         "--simulate_devices=2,4",
         f"--out_dir={tmp_path}",
     ]
-    assert run.run_cli(args) == 0
-    recs = {
-        (r["point"]["cp"], r["point"]["num_devices"]): r
-        for r in read_records(tmp_path / "results.jsonl")
-    }
-    assert set(recs) == {("ulysses", 2), ("ulysses", 4)}
-    for (_, n), r in recs.items():
-        assert r["simulated"] is True and r["point"]["simulated"] is True
-        assert r["point"]["seqlen_total"] == 16 * n and "-sim-g8-" in r["key"]
-        assert r["status"] == ("unsupported" if n == 4 else "ok"), r["reason"]
-    report = (tmp_path / "report.md").read_text()
-    assert "## Predicted context parallelism" in report
-    assert "| causal | 4 | unsup. |" in report
-    assert "Cost model: not used (every distinct call was timed)." in report
-    assert run.run_cli([*args[1:], "--framework=torch"]) != 0
-    assert "use --framework=jax (got --framework=torch)" in capsys.readouterr().err
+    for fw in ("jax", "torch"):
+        out = tmp_path / fw
+        assert run.run_cli([*args[1:-1], f"--framework={fw}", f"--out_dir={out}"]) == 0
+        recs = {
+            (r["point"]["cp"], r["point"]["num_devices"]): r
+            for r in read_records(out / "results.jsonl")
+        }
+        assert set(recs) == {("ulysses", 2), ("ulysses", 4)}
+        for (_, n), r in recs.items():
+            assert r["simulated"] is True and r["point"]["simulated"] is True
+            assert r["point"]["framework"] == fw
+            assert r["point"]["seqlen_total"] == 16 * n and "-sim-g8-" in r["key"]
+            assert r["status"] == ("unsupported" if n == 4 else "ok"), r["reason"]
+            assert r["status"] != "ok" or r["check"]["ok"]
+        report = (out / "report.md").read_text()
+        assert "## Predicted context parallelism" in report
+        assert "| causal | 4 | unsup. |" in report
+        assert "Cost model: not used (every distinct call was timed)." in report
+    assert run.run_cli([*args[1:-1], "--framework=both", f"--out_dir={tmp_path}"]) != 0
+    err = capsys.readouterr().err
+    assert "use --framework=jax or --framework=torch (got --framework=jax/torch)" in err
 
 
 def test_report_states_the_cost_models_error():

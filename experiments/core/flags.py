@@ -139,7 +139,8 @@ def _define_simulation_flags() -> None:
         None,
         "Predict CP on these device counts (list, 2-128) from this one device: every rank's "
         "local work of every step is run and timed here, communication is modelled by the "
-        "--link_* flags. JAX only. Default: the preset's (cp_predict: 8,16,32,64), else none.",
+        "--link_* flags. One --framework at a time. Default: the preset's (cp_predict: "
+        "8,16,32,64), else none.",
     )
     flags.DEFINE_integer(
         "gpus_per_node",

@@ -9,6 +9,8 @@ import numpy as np
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
+from experiments.runners.cp_ranks_jax import JaxRanks
+from experiments.runners.cp_simulate import CPSimulator
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:
@@ -47,9 +49,12 @@ class JaxRunner:
         self.rtol_override = rtol_override
         self._meshes: dict = {}
         self._input_cache: dict = {}
-        self._sim_baseline_max_seqlen = sim_baseline_max_seqlen
-        self._sim_timed_calls = sim_timed_calls
-        self._simulator = None
+        self.simulator = CPSimulator(
+            self,
+            JaxRanks,
+            baseline_max_seqlen=sim_baseline_max_seqlen,
+            timed_calls=sim_timed_calls,
+        )
 
     def mesh(self, point: Point):
         """A 1-D 'cp' mesh over the point's first num_devices devices."""
@@ -173,15 +178,7 @@ class JaxRunner:
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
         if point.simulated:
-            if self._simulator is None:
-                from experiments.runners.cp_simulate import CPSimulator
-
-                self._simulator = CPSimulator(
-                    self,
-                    baseline_max_seqlen=self._sim_baseline_max_seqlen,
-                    timed_calls=self._sim_timed_calls,
-                )
-            return self._simulator.run(point)
+            return self.simulator.run(point)
         capacity, host = memory.jax_capacity()
         memory.require_fits(point, capacity, host=host)
         masks = frameworks.make_masks(point)

@@ -14,18 +14,35 @@ import numpy as np
 from experiments.core.outcomes import OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
+from experiments.runners.cp_ranks_torch import TorchRanks
+from experiments.runners.cp_simulate import CPSimulator
 
 
 class TorchRunner:
     """Device, process group and tolerance shared by the torch points of a sweep."""
 
-    def __init__(self, *, device=None, group=None, rtol_override: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        device=None,
+        group=None,
+        rtol_override: float | None = None,
+        sim_baseline_max_seqlen: int | None = None,
+        sim_timed_calls: int = 0,
+    ) -> None:
         import torch
 
         self.torch = torch
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.on_gpu = self.device.type == "cuda"
         self.group = group
         self.rtol_override = rtol_override
+        self.simulator = CPSimulator(
+            self,
+            TorchRanks,
+            baseline_max_seqlen=sim_baseline_max_seqlen,
+            timed_calls=sim_timed_calls,
+        )
 
     # ------------------------------------------------------------------ collective helpers
 
@@ -127,7 +144,7 @@ class TorchRunner:
         out, (dq, dk, dv) = fwd_bwd()
         return fwd_bwd, {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
-    def _inputs(self, point: Point, index: int) -> dict:
+    def inputs(self, point: Point, index: int) -> dict:
         """q, k, v, dout in the point's dtype on this rank's device (same on every rank)."""
         dtype = frameworks.framework_dtype("torch", point.dtype)
         sizes = inputs.shapes(
@@ -156,7 +173,7 @@ class TorchRunner:
                 got,
                 fetch=self._fetch,
                 finite=lambda x: bool(self.torch.isfinite(x).all()),
-                on_gpu=self.device.type == "cuda",
+                on_gpu=self.on_gpu,
                 rtol_override=self.rtol_override,
             ).as_dict()
 
@@ -171,7 +188,7 @@ class TorchRunner:
 
     def _run_mask(self, point: Point, mask, index: int) -> dict:
         """Build, check, then time one mask of a point (collectively under CP)."""
-        args = self._inputs(point, index)
+        args = self.inputs(point, index)
         plan = self._phase(lambda: frameworks.cp_plan_info(point, mask)) if point.is_cp else None
         attn = frameworks.attention_fn("torch", point, mask, group=self.group)
         fn, got = self._phase(lambda: self._callable(point.mode, attn, args))
@@ -198,6 +215,8 @@ class TorchRunner:
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
+        if point.simulated:
+            return self.simulator.run(point)
         capacity, host = memory.torch_capacity(self.device)
         memory.require_fits(point, capacity, host=host)
         masks = self._phase(lambda: frameworks.make_masks(point))

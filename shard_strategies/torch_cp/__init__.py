@@ -36,6 +36,10 @@ Gradients of `attention`: the dispatch backward all-gathers the shards' gradient
 `out.backward(dout)` every rank holds the full global dq/dk/dv (the same on every rank), given
 that every rank back-propagates the same dout.
 
+The per-rank step functions (forward_step, backward_step, add_grads, local_core with Cotangents,
+LseMerge and plan_pieces, the executor's split of the plan into trimmed pieces) are exported for
+the CP predictor, which runs them rank by rank on one device.
+
 Launch (one process per GPU; `init_distributed` reads the variables either launcher sets):
     torchrun --standalone --nproc-per-node=8 experiments/run.py --framework=torch --preset=cp_bench
     torchrun --nnodes=$NNODES --nproc-per-node=8 --rdzv-backend=c10d \\
@@ -44,16 +48,37 @@ Launch (one process per GPU; `init_distributed` reads the variables either launc
         python experiments/run.py --framework=torch --preset=cp_bench  # MASTER_ADDR: node 0
 """
 
-from ._api import attention, bind, dispatch, get_plan, shard_attention, undispatch
+from ._api import (
+    attention,
+    bind,
+    dispatch,
+    get_plan,
+    local_core,
+    plan_pieces,
+    shard_attention,
+    undispatch,
+)
 from ._comm import reset_sent_bytes, sent_bytes
 from ._launch import init_distributed
+from ._local import LseMerge, acc_dtype, default_impl
+from ._steps import Cotangents, Piece, add_grads, backward_step, forward_step
 
 __all__ = [
+    "Cotangents",
+    "LseMerge",
+    "Piece",
+    "acc_dtype",
+    "add_grads",
     "attention",
+    "backward_step",
     "bind",
+    "default_impl",
     "dispatch",
+    "forward_step",
     "get_plan",
     "init_distributed",
+    "local_core",
+    "plan_pieces",
     "reset_sent_bytes",
     "sent_bytes",
     "shard_attention",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ._comm import all_gather, reduce_scatter
 from ._local import LseMerge, acc_dtype
-from ._steps import Cotangents, Piece, backward_step, forward_step
+from ._steps import Cotangents, Piece, add_grads, backward_step, forward_step
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -38,9 +38,7 @@ class AllGatherAttention(torch.autograd.Function):
         grads = backward_step(q, full, ctx.piece, cot, ctx.scale, ctx.impl)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         dkv = torch.zeros_like(full)
-        if grads is not None:
-            dq[:, ctx.piece.rows] = grads[0].to(dq.dtype)
-            dkv[:, :, ctx.piece.cols] = grads[1].to(dkv.dtype)
+        add_grads(dq, dkv, ctx.piece, grads)
         n = dist.get_world_size(ctx.group)
         two, b, total, h, d = dkv.shape
         per_member = dkv.reshape(two, b, n, total // n, h, d).permute(2, 0, 1, 3, 4, 5)

@@ -94,18 +94,24 @@ def _ring(plan: CPPlan, groups: Groups, pieces: tuple[Piece | None, ...]) -> Rin
     return Ring(tuple((o, tuple(i)) for o, i in steps.items()), pieces, mover)
 
 
-def bind(plan: CPPlan, group: dist.ProcessGroup | None, impl: str) -> Binding:
-    """Groups and per-step pieces of `plan` for this rank (cached per plan, group and impl).
+def plan_pieces(plan: CPPlan, impl: str) -> tuple[tuple[Piece | None, ...], ...]:
+    """(R, T) the piece every ring rank computes at every kept step (None: the step is empty).
 
     Pieces are trimmed to the rows/columns that see anything, except for flex, which skips
     empty tiles itself and would otherwise compile one kernel per distinct trimmed shape.
     """
+    trim = impl != "flex"
+    return tuple(tuple(_piece(m, trim) for m in row) for row in plan.pieces)
+
+
+def bind(plan: CPPlan, group: dist.ProcessGroup | None, impl: str) -> Binding:
+    """Groups and per-step pieces (plan_pieces) of `plan` for this rank (cached per plan, group
+    and impl)."""
     per_plan = _BINDINGS.setdefault(plan, {})
     key = (dist.group.WORLD if group is None else group, impl)
     if key not in per_plan:
         groups = plan_groups(plan, group)
-        trim = impl != "flex"
-        grid = [[_piece(m, trim) for m in row] for row in plan.pieces]
+        grid = plan_pieces(plan, impl)
         mine = tuple(grid[plan.ring_rank(groups.rank)])
         every = tuple(p.mask for row in grid for p in row if p is not None)
         ring = _ring(plan, groups, mine) if plan.core == RING_CORE else None
@@ -137,7 +143,15 @@ def _check_supported(b: Binding, qkv: tuple[torch.Tensor, ...], heads_q: int, he
     b.checked.add(key)
 
 
-def _local_core(q, k, v, piece: Piece | None, plan: CPPlan, scale: float, impl: str):
+def local_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    piece: Piece | None,
+    plan: CPPlan,
+    scale: float,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """R = 1 (plain Ulysses): one call on the whole shard, autograd straight through the impl."""
     if piece is None:
         return torch_attn.attention(
@@ -192,7 +206,7 @@ def shard_attention(
     elif b.core == ALLGATHER_CORE:
         out, lse = AllGatherAttention.apply(q, k, v, b.groups.ring, b.piece, scale, impl)
     else:
-        out, lse = _local_core(q, k, v, b.piece, plan, scale, impl)
+        out, lse = local_core(q, k, v, b.piece, plan, scale, impl)
     if u > 1:
         (out,) = HeadsToSeq.apply(b.groups, "", out)
         if return_lse:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._comm import Exchange, shift
 from ._local import LseMerge, acc_dtype
-from ._steps import Cotangents, Piece, backward_step, forward_step
+from ._steps import Cotangents, Piece, add_grads, backward_step, forward_step
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,7 @@ def ring_backward(
         acc = _settle(pending, None)
         if acc is None:
             acc = torch.zeros(kv.shape, dtype=dt, device=kv.device)
-        if grads is not None:
-            piece = ring.pieces[t]
-            dq[:, piece.rows] += grads[0].to(dt)
-            acc[:, :, piece.cols] += grads[1].to(dt)
+        add_grads(dq, acc, ring.pieces[t], grads)
         if step is not None:
             pending = mv.inner(acc, step, "bwd")
             continue

@@ -97,3 +97,17 @@ def backward_step(
         )
         dq, dk, dv = torch.autograd.grad((out, lse), (qs, ks, vs), (g_out, g_lse))
     return dq, torch.stack([dk, dv])
+
+
+def add_grads(
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+    piece: Piece | None,
+    grads: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Add one step's gradients into the accumulators: dq (B,L,H,D) at the piece's rows, dkv
+    (2,B,L,H,D) at its columns (nothing for an empty step)."""
+    if grads is None:
+        return
+    dq[:, piece.rows] += grads[0].to(dq.dtype)
+    dkv[:, :, piece.cols] += grads[1].to(dkv.dtype)

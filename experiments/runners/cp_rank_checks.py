@@ -1,0 +1,98 @@
+"""The CP predictor's correctness check: emulated ranks put back together and compared with
+float64 attention before any of their calls is timed (any framework's Ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from experiments.core.points import Point
+from experiments.runners import checks
+from experiments.runners.cp_ranks import Ranks
+
+
+def _merge_checks(results: list[tuple[int, checks.CheckResult]]) -> checks.CheckResult:
+    """One result of several ranks' row checks: the worst error per tensor."""
+    errors: dict[str, float] = {}
+    for _, c in results:
+        for n, e in c.errors.items():
+            errors[n] = max(errors.get(n, 0.0), e)
+    bad = [f"rank {g}: {c.message}" for g, c in results if not c.ok]
+    return checks.CheckResult(
+        ok=not bad,
+        kind="rows",
+        errors=errors,
+        rtol=results[0][1].rtol,
+        rows=sum(c.rows or 0 for _, c in results),
+        unchecked=sorted({n for _, c in results for n in c.unchecked}),
+        message="; ".join(bad),
+    )
+
+
+def _full_check(ranks: Ranks, mask, grads: bool, rtol: float) -> checks.CheckResult:
+    """Every rank emulated, its output rows (and dq rows, dK/dV of every block it saw) put back
+    in global order, and the whole compared with float64 attention."""
+    plan, s = ranks.plan, mask.seqlen_q
+    host = {n: ranks.host(n) for n in ("q", "k", "v", "dout")}
+    got = {n: np.zeros(host["q"].shape) for n in ("out", "dq")}
+    got.update({n: np.zeros(host["k"].shape) for n in ("dk", "dv")})
+    for g in range(plan.world_size):
+        r, u = plan.ring_rank(g), plan.ulysses_rank(g)
+        res = ranks.emulate(r, u)
+        pos = plan.layout.positions[r]
+        real = pos < s
+        for n in ("out", "dq") if grads else ("out",):
+            got[n][:, pos[real][:, None], ranks.q_heads[u][None, :]] = res[n][:, real]
+        for t, dk, dv in res.get("dkv", []):
+            keys = plan.key_positions(r, t)
+            seen = keys < s
+            for j, h in enumerate(ranks.kv_heads[u]):
+                got["dk"][:, keys[seen], h] += dk[:, seen, j]
+                got["dv"][:, keys[seen], h] += dv[:, seen, j]
+    inputs = checks.Inputs(**host)
+    return checks.compare(mask, inputs, got, plan=checks.CheckPlan(), grads=grads, rtol=rtol)
+
+
+def _rank_check(
+    ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
+) -> checks.CheckResult:
+    """Rank (r, u) emulated and compared at sampled rows of its own tokens and heads (its
+    blocks' dK/dV: finite only, as a row check of the whole problem would)."""
+    plan = ranks.plan
+    res = ranks.emulate(r, u)
+    pos = plan.layout.positions[r]
+    rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed)
+    order = np.argsort(pos)
+    local = order[np.searchsorted(pos[order], rows_plan.rows)]
+    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
+    inp = checks.Inputs(
+        q=ranks.host("q", rows_plan.rows, qh),
+        k=ranks.host("k", rows_plan.cols, kh),
+        v=ranks.host("v", rows_plan.cols, kh),
+        dout=ranks.host("dout", rows_plan.rows, qh),
+    )
+    parts = res.get("dkv", [])
+    finite = {n: all(np.isfinite(p[i]).all() for p in parts) for i, n in ((1, "dk"), (2, "dv"))}
+    got = {n: res[n][:, local] for n in ("out", "dq") if n in res}
+    return checks.compare(mask, inp, got, plan=rows_plan, grads=grads, rtol=rtol, finite=finite)
+
+
+def check_ranks(
+    ranks: Ranks, point: Point, mask, index: int, rtol: float
+) -> tuple[checks.CheckResult, list[int]]:
+    """(check, global ranks checked): every rank against float64 attention of the whole problem
+    when it is small (checks.FULL_CHECK_ELEMENTS), else the first rank and the first rank of
+    the busiest ring rank, each at sampled rows."""
+    from shard_strategies.simulate import global_rank
+
+    plan, s = ranks.plan, mask.seqlen_q
+    grads = point.mode != "fwd"
+    if point.batch * point.heads_q * s * s <= checks.FULL_CHECK_ELEMENTS:
+        return _full_check(ranks, mask, grads, rtol), list(range(plan.world_size))
+    busiest = int(np.argmax(plan.piece_area.sum(axis=1)))
+    members = sorted({(plan.ring_rank(0), plan.ulysses_rank(0)), (busiest, 0)})
+    seed = point.seed + index
+    results = [
+        (global_rank(plan, r, u), _rank_check(ranks, mask, r, u, grads, rtol, seed))
+        for r, u in members
+    ]
+    return _merge_checks(results), [g for g, _ in results]

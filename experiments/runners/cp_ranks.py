@@ -1,0 +1,84 @@
+"""What the CP predictor asks of a framework: one plan's ranks on this one device.
+
+A subclass per framework (cp_ranks_jax.py, cp_ranks_torch.py) builds the plan its executor
+builds, runs a rank's local work with that executor's own step functions, and times one call;
+everything else (the float64 checks, which calls to time, the cost model, the schedule replay,
+the record) is shared and lives in cp_simulate.py and cp_rank_checks.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from experiments.core.points import Point
+from experiments.runners import frameworks
+
+
+def plan_settings(point: Point) -> dict:
+    """The plan keywords both executors take from a point (strategy, layout, sizes, placement)."""
+    return {
+        "world_size": point.num_devices,
+        "strategy": point.cp,
+        "layout": point.layout,
+        "ulysses_size": point.ulysses_size,
+        "inner_axis": frameworks.inner_axis(point.ulysses_intra_node),
+        "num_heads_q": point.heads_q,
+        "num_heads_kv": point.heads_kv,
+        "head_dim": point.head_dim,
+    }
+
+
+class Ranks(ABC):
+    """The ranks of one plan in one mode on this device: inputs, calls, end to end runs.
+
+    A rank is (ring rank r, Ulysses rank u): the query rows of ring shard r and the heads of
+    Ulysses group position u (K/V heads repeated when U > Hkv, as the all-to-all delivers them).
+    A call is (kind, ring rank, kept step, group start) with a kind of shard_strategies.simulate
+    (ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD), made on rank (r, 0)'s inputs.
+    """
+
+    def __init__(self, plan, impl: str, mode: str) -> None:
+        self.plan, self.impl, self.mode = plan, impl, mode
+        u, hq, rep = plan.ulysses_size, plan.num_heads_q, plan.kv_replication
+        hkv = plan.num_heads_kv * rep
+        self.q_heads = [np.arange(j * hq // u, (j + 1) * hq // u) for j in range(u)]
+        self.kv_heads = [np.arange(j * hkv // u, (j + 1) * hkv // u) // rep for j in range(u)]
+
+    @staticmethod
+    @abstractmethod
+    def resolve_impl(point: Point, runner) -> str:
+        """The local kernel the executor runs for the point's impl on the runner's device."""
+
+    @staticmethod
+    @abstractmethod
+    def executor_plan(point: Point, mask, impl: str):
+        """The CPPlan the executor builds for the point (ValueError when it cannot)."""
+
+    @abstractmethod
+    def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
+        """Float32 host copy of input `name` (q, k, v, dout): all of it, or the given token rows
+        and heads."""
+
+    @abstractmethod
+    def emulate(self, r: int, u: int) -> dict:
+        """Rank (r, u) end to end: its output "out" (and "dq"), and "dkv": (kept step, dK, dV)
+        of every block it saw, over that block's key positions (float32 host arrays)."""
+
+    @abstractmethod
+    def call_shape(self, r: int, t: int) -> tuple | None:
+        """What sets the shapes of ring rank r's call at kept step t beyond the plan's (part of
+        the call's class), or None where the executor makes no call there."""
+
+    @abstractmethod
+    def fingerprint(self, r: int, t: int) -> str:
+        """Identity of the mask piece ring rank r's kernel receives at kept step t."""
+
+    @abstractmethod
+    def features(self) -> np.ndarray:
+        """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
+
+    @abstractmethod
+    def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
+        """Per-call milliseconds of one call, run once untimed first, then with the timing loop."""

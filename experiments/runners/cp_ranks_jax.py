@@ -1,0 +1,212 @@
+"""The CP predictor's JAX ranks: the JAX executor's plan (padded to kernel tiles) and its step
+functions (jax_cp.forward_step, backward_start, backward_step, local_attention), jitted once,
+run on each rank's inputs with the mask piece in the executor's stacked MaskArrays shapes."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import cache
+from types import SimpleNamespace
+
+import numpy as np
+
+from experiments.core.points import DEFAULT_IMPL, Point
+from experiments.runners import call_model, frameworks, timing
+from experiments.runners.cp_ranks import Ranks, plan_settings
+from shard_strategies.strategies import RING_CORE
+
+
+@cache
+def _steps(impl: str, scale: float) -> SimpleNamespace:
+    """The executor's per-rank step functions, jitted once per impl and scale."""
+    import jax
+
+    from shard_strategies import jax_cp
+
+    def first_bwd(q, k, v, a, out, lse, dout, dlse):
+        rowdot, dq = jax_cp.backward_start(q, out, dout)
+        res = (out, lse, dout, dlse, rowdot)
+        return jax_cp.backward_step(q, k, v, a, impl, scale, res, dq, None)
+
+    def once_vjp(q, k, v, a):
+        def attend(q_, k_, v_):
+            return jax_cp.local_attention(q_, k_, v_, a, impl, scale)
+
+        return jax.vjp(attend, q, k, v)
+
+    return SimpleNamespace(
+        fwd=jax.jit(lambda q, k, v, a, o, s: jax_cp.forward_step(q, k, v, a, impl, scale, o, s)),
+        start=jax.jit(jax_cp.backward_start),
+        first_bwd=jax.jit(first_bwd),
+        bwd=jax.jit(
+            lambda q, k, v, a, res, dq, dkv: jax_cp.backward_step(
+                q, k, v, a, impl, scale, res, dq, dkv
+            )
+        ),
+        once=jax.jit(lambda q, k, v, a: jax_cp.local_attention(q, k, v, a, impl, scale)),
+        once_vjp=jax.jit(once_vjp),
+        pullback=jax.jit(lambda f, cts: f(cts)),
+    )
+
+
+@cache
+def _gather():
+    """Jitted (x, rows, heads) -> x at token positions `rows` (positions past its end are
+    padding: zeros) and `heads`."""
+    import jax
+    import jax.numpy as jnp
+
+    def gather(x, rows, heads):
+        real = rows < x.shape[1]
+        picked = jnp.take(jnp.take(x, jnp.where(real, rows, 0), 1), heads, 2)
+        return jnp.where(real[None, :, None, None], picked, jnp.zeros((), x.dtype))
+
+    return jax.jit(gather)
+
+
+class JaxRanks(Ranks):
+    """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
+
+    def __init__(self, plan, impl: str, point: Point, index: int, runner) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from shard_strategies import jax_cp
+
+        super().__init__(plan, impl, point.mode)
+        self.jax, self.jnp = jax, jnp
+        self.flush = runner.flush
+        self._digests: dict[tuple[int, int], str] = {}
+        d = plan.head_dim
+        self.steps = _steps(impl, 1.0 / math.sqrt(d))
+        self.x = runner.inputs(point, index, None)
+        dtype = frameworks.framework_dtype("jax", point.dtype)
+        self.arrays = jax_cp.ring_mask_arrays(plan, impl, d, dtype)
+        self._take = _gather()
+
+    @staticmethod
+    def resolve_impl(point: Point, runner) -> str:
+        from shard_strategies.jax_cp import resolve_impl
+
+        return resolve_impl(None if point.impl == DEFAULT_IMPL else point.impl)
+
+    @staticmethod
+    def executor_plan(point: Point, mask, impl: str):
+        from shard_strategies import jax_cp
+
+        dtype = frameworks.framework_dtype("jax", point.dtype)
+        return jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
+
+    @property
+    def ring_core(self) -> bool:
+        return self.plan.core == RING_CORE
+
+    def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
+        jnp, x = self.jnp, self.x[name]
+        if rows is not None:
+            x = jnp.take(jnp.take(x, jnp.asarray(rows), axis=1), jnp.asarray(heads), axis=2)
+        return np.asarray(x.astype(jnp.float32))
+
+    def piece(self, r: int, t: int):
+        """The executor's MaskArrays of ring rank r at kept step t, on the device."""
+        return self.jax.device_put(self.jax.tree.map(lambda a: a[r, t], self.arrays))
+
+    def call_shape(self, r: int, t: int) -> tuple:
+        """The key block's length (every step of every rank makes its call)."""
+        return (len(self.plan.key_positions(r, t)),)
+
+    def fingerprint(self, r: int, t: int) -> str:
+        """A digest of the arrays the kernel receives."""
+        if (r, t) not in self._digests:
+            h = hashlib.sha1()
+            for leaf in self.jax.tree.leaves(self.jax.tree.map(lambda a: a[r, t], self.arrays)):
+                h.update(np.ascontiguousarray(leaf).tobytes())
+            self._digests[r, t] = h.hexdigest()
+        return self._digests[r, t]
+
+    def features(self) -> np.ndarray:
+        return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
+
+    def queries(self, name: str, r: int, u: int):
+        """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
+        rows = np.asarray(self.plan.layout.positions[r], np.int32)
+        return self._take(self.x[name], rows, self.q_heads[u].astype(np.int32))
+
+    def keys(self, r: int, u: int, t: int):
+        """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
+        rows = np.asarray(self.plan.key_positions(r, t), np.int32)
+        heads = self.kv_heads[u].astype(np.int32)
+        return tuple(self._take(self.x[n], rows, heads) for n in ("k", "v"))
+
+    def _zero_lse(self, q):
+        return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
+
+    def call(self, call: str, r: int, t: int, group_start: bool):
+        """(jitted fn, args) of one timed call, on rank (r, 0)'s inputs.
+
+        Backward steps get the step's own output and LSE as residuals: the kernels' work depends
+        on the mask tiles and shapes, not on these values.
+        """
+        from shard_strategies import simulate
+
+        s, jnp = self.steps, self.jnp
+        q = self.queries("q", r, 0)
+        k, v = self.keys(r, 0, t)
+        a = self.piece(r, t)
+        if call == simulate.ATTEND:
+            if t == 0:
+                return s.fwd, (q, k, v, a, None, None)
+            return s.fwd, (q, k, v, a, *s.fwd(q, k, v, a, None, None))
+        dout = self.queries("dout", r, 0)
+        if call == simulate.ATTEND_BWD:
+            out, lse = s.fwd(q, k, v, a, None, None)
+            out = out.astype(q.dtype)
+            dlse = self._zero_lse(q)
+            if t == 0:
+                return s.first_bwd, (q, k, v, a, out, lse, dout, dlse)
+            rowdot, dq = s.start(q, out, dout)
+            acc = jnp.promote_types(k.dtype, jnp.float32)
+            dkv = None if group_start else (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+            return s.bwd, (q, k, v, a, (out, lse, dout, dlse, rowdot), dq, dkv)
+        if call == simulate.ATTEND_ONCE:
+            return (s.once if self.mode == "fwd" else s.once_vjp), (q, k, v, a)
+        _, pullback = s.once_vjp(q, k, v, a)
+        return s.pullback, (pullback, (dout, self._zero_lse(q)))
+
+    def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
+        fn, args = self.call(*call)
+        self.jax.block_until_ready(fn(*args))
+        return timing.jax_time_calls(fn, args, warmup=warmup, iters=iters, flush=self.flush)
+
+    def emulate(self, r: int, u: int) -> dict:
+        s, jnp = self.steps, self.jnp
+        grads = self.mode != "fwd"
+        q = self.queries("q", r, u)
+        steps = range(self.plan.num_steps) if self.ring_core else range(1)
+        blocks = {t: (*self.keys(r, u, t), self.piece(r, t)) for t in steps}
+        parts = []
+        if self.ring_core:
+            out = lse = None
+            for t in steps:
+                out, lse = s.fwd(q, *blocks[t], out, lse)
+            out = out.astype(q.dtype)
+            if grads:
+                dout = self.queries("dout", r, u)
+                rowdot, dq = s.start(q, out, dout)
+                res = (out, lse, dout, self._zero_lse(q), rowdot)
+                for t in steps:
+                    dq, dkv = s.bwd(q, *blocks[t], res, dq, None)
+                    parts.append((t, dkv))
+        elif not grads:
+            out, _ = s.once(q, *blocks[0])
+        else:
+            (out, _), pullback = s.once_vjp(q, *blocks[0])
+            dq, dk, dv = pullback((self.queries("dout", r, u), self._zero_lse(q)))
+            parts.append((0, (dk, dv)))
+        result = {"out": np.asarray(out.astype(jnp.float32))}
+        if grads:
+            result["dq"] = np.asarray(dq.astype(jnp.float32))
+            f32 = jnp.float32
+            result["dkv"] = [(t, *(np.asarray(g.astype(f32)) for g in kv)) for t, kv in parts]
+        return result
