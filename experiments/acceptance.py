@@ -43,6 +43,7 @@ OWN_KERNELS = {"jax": ("pallas", "mosaic", "triton"), "torch": ("triton",)}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 SEQLEN = 700  # divides neither 64 nor 128: every kernel sees ragged edge tiles
 ALIGNED = 768  # a multiple of every tile: the kernels' unpredicated path (no ragged edge)
+ALIGNED_MASKS = ("causal", "causal_document", "share_question")
 TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks launch
 NAN_MASK = "causal"  # rows before the NaN key cannot see it, rows after it must turn NaN
 # (framework, impl, device) that docs/api.md documents as breaking the NaN contract
@@ -101,7 +102,7 @@ def build_mask(case: Case) -> Mask:
 def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
     """(impl, case) pairs: every impl on five masks (and two in the other half dtype); the own
     kernels on every mask, both half dtypes, D 64 and 128, MHA and GQA, fp32, random slices
-    with Sq != Sk, and two masks at a tile-aligned length. only: these impls."""
+    with Sq != Sk, and three masks at a tile-aligned length. only: these impls."""
     from experiments.runners import frameworks
 
     main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
@@ -120,7 +121,7 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
         out.append((impl, Case("random", **dict(main, seqlen_k=s + s // 5))))
         out.append((impl, Case("random", **dict(other, seqlen_q=s - s // 4))))
         aligned = dict(seqlen_q=ALIGNED, seqlen_k=ALIGNED)
-        out += [(impl, Case(m, **dict(main, **aligned))) for m in ("causal", "causal_document")]
+        out += [(impl, Case(m, **dict(main, **aligned))) for m in ALIGNED_MASKS]
     return [(impl, case) for impl, case in out if not only or impl in only]
 
 
