@@ -205,6 +205,7 @@ HLO_CASES = [
     ("allgather", flat_mesh, 4, 2, "all-gather"),
     ("ulysses", flat_mesh, 8, 2, "all-to-all"),
     ("usp", grid_mesh, 4, 2, "all-to-all"),
+    ("double_ring", grid_mesh, 4, 2, "collective-permute"),
 ]
 
 
