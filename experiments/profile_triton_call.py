@@ -41,44 +41,13 @@ def _override_dkdv(config: list[str]) -> None:
     launch._DEFAULTS[key] = (fwd, dkdv, (*dq[:2], *dkdv[2:]))
 
 
-def _call(mask, arrays):
-    """A function running one forward+backward of bf16 inputs through --front_end, synced."""
-    import torch
-
-    q, k, v, dout = arrays
-    if FLAGS.front_end == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        import jax_attn
-
-        jq, jk, jv, jd = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v, dout))
-
-        def loss(q, k, v):
-            out = jax_attn.attention(q, k, v, mask, impl="triton")
-            return jnp.sum(out.astype(jnp.float32) * jd.astype(jnp.float32))
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        return lambda: jax.block_until_ready(grad(jq, jk, jv))
-
-    import torch_attn
-
-    tq, tk, tv = (torch.tensor(a, device="cuda").bfloat16().requires_grad_() for a in (q, k, v))
-    td = torch.tensor(dout, device="cuda").bfloat16()
-
-    def run() -> None:
-        torch_attn.attention(tq, tk, tv, mask, impl=FLAGS.impl).backward(td)
-        torch.cuda.synchronize()
-
-    return run
-
-
 def main(argv: list[str]) -> None:
     del argv
     import numpy as np
     import torch
 
     from attn_masks import make_mask
+    from experiments.runners import front_end_calls
 
     if FLAGS.impl == "flex" and FLAGS.front_end != "torch":
         raise app.UsageError(f"--impl=flex runs in torch; got --front_end={FLAGS.front_end}")
@@ -91,7 +60,9 @@ def main(argv: list[str]) -> None:
     rng = np.random.default_rng(0)
     shapes = [(1, s, hq, d), (1, s, hkv, d), (1, s, hkv, d), (1, s, hq, d)]
     arrays = [rng.standard_normal(x).astype(np.float32) for x in shapes]
-    run = _call(make_mask(FLAGS.mask, s, seed=42), arrays)
+    run = front_end_calls.call(
+        FLAGS.front_end, make_mask(FLAGS.mask, s, seed=42), arrays, impl=FLAGS.impl, grads=True
+    )
     run()
     run()
     torch.cuda.profiler.start()

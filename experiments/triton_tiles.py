@@ -127,7 +127,7 @@ def sweep_mask(name: str, emit) -> None:
     def run(which, cfg):
         """(a callable running kernel `which` at cfg, the outputs it writes)."""
         if which == "fwd":
-            tab = tables_for(launch.LaunchConfigs(cfg, default.dkdv, default.dq))
+            tab = tables_for(launch.KernelConfigs(cfg, default.dkdv, default.dq))
             o, l_ = torch.empty_like(q), torch.empty_like(lse)
             call = launch.fwd_call(shape, tab["host"], scale, False)
             arrays = (q, k, v, tab["lo"], tab["hi"], *tab["fwd"])
@@ -139,7 +139,7 @@ def sweep_mask(name: str, emit) -> None:
         # dK/dV and dQ share the backward launch's warps and stages: a candidate sets both parts'
         warps = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         tab = tables_for(
-            launch.LaunchConfigs(
+            launch.KernelConfigs(
                 default.fwd,
                 cfg if which == "dkdv" else dataclasses.replace(default.dkdv, **warps),
                 cfg if which == "dq" else dataclasses.replace(default.dq, **warps),
@@ -162,7 +162,7 @@ def sweep_mask(name: str, emit) -> None:
     for which in FLAGS.kernel:
         want = None
         for cand in CANDIDATES[which]:
-            cfg = launch.LaunchConfig(*cand)
+            cfg = launch.KernelConfig(*cand)
             label = f"{cfg.block_q}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             try:
                 fn, outs = run(which, cfg)

@@ -12,12 +12,12 @@ from attn_masks import MaskType, from_slices, make_mask, random_slices, referenc
 from jax_attn.adapters.common import make_request
 from jax_attn.adapters.mosaic import MOSAIC
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
-from jax_attn.mosaic_gpu import MosaicConfig, flash_attention_mosaic
+from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
-SMALL = MosaicConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+SMALL = KernelConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 
 interpreted = pytest.mark.skipif(
     mosaic_api.cpu_device_count() < mosaic_api.INTERPRET_MIN_CPU_DEVICES,
@@ -136,21 +136,21 @@ def test_gradients_through_custom_vjp_gqa(name: str) -> None:
 
 def test_config_validation_names_value_and_range() -> None:
     with pytest.raises(ValueError, match="block_q=32.*must be 64"):
-        MosaicConfig(block_q=32)
+        KernelConfig(block_q=32)
     with pytest.raises(ValueError, match="block_k=96.*64, 128, 192 and 256"):
-        MosaicConfig(block_k=96)
+        KernelConfig(block_k=96)
     with pytest.raises(ValueError, match=r"max_concurrent_steps=5.*\[2, 4\]"):
-        MosaicConfig(max_concurrent_steps=5)
+        KernelConfig(max_concurrent_steps=5)
     with pytest.raises(ValueError, match="head_dim=96.*64 and 128"):
-        MosaicConfig().check(96, jnp.bfloat16)
+        KernelConfig().check(96, jnp.bfloat16)
     with pytest.raises(ValueError, match="float32.*bfloat16 and float16"):
-        MosaicConfig().check(64, jnp.float32)
+        KernelConfig().check(64, jnp.float32)
     with pytest.raises(ValueError, match="shared memory"):
-        MosaicConfig(block_k=256, max_concurrent_steps=4).check(128, jnp.bfloat16)
+        KernelConfig(block_k=256, max_concurrent_steps=4).check(128, jnp.bfloat16)
     with pytest.raises(ValueError, match="block_k_dq=96.*multiple of 64"):
-        MosaicConfig(block_k_dq=96)
+        KernelConfig(block_k_dq=96)
     with pytest.raises(ValueError, match=r"num_stages_bwd=0.*\[1, 4\]"):
-        MosaicConfig(num_stages_bwd=0)
+        KernelConfig(num_stages_bwd=0)
 
 
 def test_wrong_mask_tiles_rejected() -> None:

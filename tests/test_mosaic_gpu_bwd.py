@@ -16,7 +16,7 @@ import pytest
 from attn_masks import MaskType, from_slices, random_slices, reference_attention
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
-from jax_attn.mosaic_gpu import MosaicConfig
+from jax_attn.mosaic_gpu import KernelConfig
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
@@ -104,12 +104,12 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradients(name: str, interpret) -> None:
     case = dict(CASES[name])
-    _check(case.pop("mask"), MosaicConfig(), interpret, **case)
+    _check(case.pop("mask"), KernelConfig(), interpret, **case)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
     """128x128 mask tiles walked as 64-row kernel tiles (and 128-key dQ steps), 3 stages."""
-    config = MosaicConfig(block_k_dq=128, num_stages_bwd=3)
+    config = KernelConfig(block_k_dq=128, num_stages_bwd=3)
     mask = make_mask("causal_document", 320, seed=1)
     _check(mask, config, interpret, tiles=(128, 128), hq=4, hkv=2)
 
@@ -140,7 +140,7 @@ def test_lse_cotangent(interpret) -> None:
         do,
         arrays,
         scale=0.125,
-        config=MosaicConfig(),
+        config=KernelConfig(),
         interpret=interpret,
         dlse=dlse,
     )
@@ -155,7 +155,7 @@ def test_rejects_unsupported(interpret) -> None:
     lse = jnp.zeros((1, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="head_dim"):
         flash_attention_mosaic_bwd(
-            x, x, x, x, lse, x, arrays, scale=1.0, config=MosaicConfig(), interpret=interpret
+            x, x, x, x, lse, x, arrays, scale=1.0, config=KernelConfig(), interpret=interpret
         )
     with pytest.raises(ValueError, match="block_k_dq"):
         y = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
@@ -168,7 +168,7 @@ def test_rejects_unsupported(interpret) -> None:
             y,
             arrays,
             scale=1.0,
-            config=MosaicConfig(block_k_dq=128),
+            config=KernelConfig(block_k_dq=128),
             interpret=None,
         )
 
@@ -177,7 +177,7 @@ def test_rejects_unsupported(interpret) -> None:
 def test_lowers_for_hopper(d: int) -> None:
     """The GPU path (layout hints included, which interpret mode skips) lowers to Mosaic GPU."""
     mask = random_slices(2, 384, 256)
-    config = MosaicConfig(block_k=128, block_k_dq=128)
+    config = KernelConfig(block_k=128, block_k_dq=128)
     arrays = prepare_mask(mask, *config.tiles)
     assert arrays.num_intervals > 1
     q = jnp.zeros((1, mask.seqlen_q, 4, d), jnp.bfloat16)
@@ -192,17 +192,17 @@ def test_lowers_for_hopper(d: int) -> None:
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_lowering_s2048(d: int) -> None:
     """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles."""
-    config = MosaicConfig(block_k=128, num_stages_bwd=2)
+    config = KernelConfig(block_k=128, num_stages_bwd=2)
     mask = make_mask("causal_document", 2048, seed=0)
     _check(mask, config, None, tiles=config.tiles, b=2, hq=4, hkv=2, d=d)
 
 
 @pytest.mark.parametrize(
     "config, heads",
-    [(MosaicConfig(block_k=64), (2, 1)), (MosaicConfig(block_k=128, num_stages_bwd=3), (2, 2))],
+    [(KernelConfig(block_k=64), (2, 1)), (KernelConfig(block_k=128, num_stages_bwd=3), (2, 2))],
     ids=["gqa_2stages", "mha_3stages"],
 )
-def test_no_shared_memory_races(config: MosaicConfig, heads: tuple[int, int]) -> None:
+def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:
     """Forward, dK/dV and dQ under the interpreter's race detector: no warpgroup reads shared
     memory before the TMA copy filling it has been waited for.
 

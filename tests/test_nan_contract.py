@@ -28,7 +28,7 @@ from attn_masks import MaskType, from_slices, reference_attention
 from experiments import acceptance
 from jax_attn.adapters import ADAPTERS
 from jax_attn.mask_arrays import prepare_mask
-from jax_attn.mosaic_gpu import MosaicConfig, flash_attention_mosaic
+from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 
 S, HQ, HKV, D = 128, 4, 2, 32
@@ -187,7 +187,7 @@ def test_torch_triton_in_interpreter():
 def test_mosaic_interpreted_nan_in_k():
     """mosaic, through its CPU interpreter (jax_attn.supports refuses the CPU): one case, a NaN
     in k, bfloat16 (its dtypes), head dim 64, one batch."""
-    config = MosaicConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+    config = KernelConfig(block_q=64, block_k=64, max_concurrent_steps=2)
     x = {n: a.astype(jnp.bfloat16) for n, a in clean_inputs(batch=1, head_dim=64).items()}
     y = with_nans(x, "k")
     out, lse = flash_attention_mosaic(

@@ -30,7 +30,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 KERNELS_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-SMALL = launch.LaunchConfigs(launch.LaunchConfig(32, 16, 4, 1), launch.LaunchConfig(16, 32, 4, 1))
+SMALL = launch.KernelConfigs(launch.KernelConfig(32, 16, 4, 1), launch.KernelConfig(16, 32, 4, 1))
 kernels_here = pytest.mark.skipif(
     not KERNELS_HERE, reason="CPU without TRITON_INTERPRET=1: run by test_cpu_interpreter"
 )
@@ -83,7 +83,7 @@ def _inputs(mask: Mask, hq: int, hkv: int, d: int, dtype: torch.dtype, batch: in
     return [torch.tensor(a).to(dtype).double().numpy() for a in arrays]
 
 
-def _run(mask: Mask, arrays: list, dtype: torch.dtype, configs: launch.LaunchConfigs | None):
+def _run(mask: Mask, arrays: list, dtype: torch.dtype, configs: launch.KernelConfigs | None):
     q, k, v = (torch.tensor(a, dtype=dtype, device=DEVICE, requires_grad=True) for a in arrays[:3])
     d = q.shape[-1]
     out, lse = torch_triton.attention(q, k, v, mask, scale=d**-0.5, configs=configs)
@@ -177,7 +177,7 @@ def test_edge_tiles_are_partial():
     """Tiles on a ragged sequence end never run unmasked (their padding must be masked)."""
     mask = make_mask("full", 100)
     tables = launch.mask_tables(
-        mask, launch.LaunchConfigs(*(launch.LaunchConfig(32, 32, 4, 1),) * 2)
+        mask, launch.KernelConfigs(*(launch.KernelConfig(32, 32, 4, 1),) * 2)
     )
     full = tables.fwd.full[:, :4]
     assert full[:3, :3].all() and not full[3].any() and not full[:, 3].any()
@@ -186,8 +186,8 @@ def test_edge_tiles_are_partial():
 def test_backward_launch_runs_every_dkdv_then_every_dq_program():
     """One backward launch: dK/dV programs first (their count is a kernel argument), then dQ;
     each part can be launched alone, and dQ must share dK/dV's warps and stages."""
-    dkdv, dq = launch.LaunchConfig(64, 128, 8, 3), launch.LaunchConfig(128, 64, 8, 3)
-    configs = launch.LaunchConfigs(dkdv, dkdv, dq)
+    dkdv, dq = launch.KernelConfig(64, 128, 8, 3), launch.KernelConfig(128, 64, 8, 3)
+    configs = launch.KernelConfigs(dkdv, dkdv, dq)
     tables = launch.mask_tables(make_mask("causal", 1000), configs)
     shape = launch.Shape(2, 1000, 1000, 12, 4, 64)
     dkdv_programs, dq_programs = 8 * 2 * 4, 8 * 2 * 12  # ceil(1000 / 128) tiles of each
@@ -197,7 +197,7 @@ def test_backward_launch_runs_every_dkdv_then_every_dq_program():
     alone = launch.bwd_call(shape, tables, 0.1, False, dkdv=False)
     assert alone.grid == (dq_programs, 1) and alone.scalars[6] == 0
     with pytest.raises(ValueError, match=r"\(4, 3\) must equal dK/dV's \(8, 3\)"):
-        launch.LaunchConfigs(dkdv, dkdv, launch.LaunchConfig(128, 64, 4, 3))
+        launch.KernelConfigs(dkdv, dkdv, launch.KernelConfig(128, 64, 4, 3))
 
 
 # ---------------------------------------------------------------- JAX front end (jax_triton)

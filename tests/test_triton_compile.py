@@ -81,7 +81,7 @@ def _signature(fn, dtype: str, meta: dict) -> dict[str, str]:
     return sig
 
 
-def _tile_meta(which: str, configs: launch.LaunchConfigs) -> tuple[dict, launch.LaunchConfig]:
+def _tile_meta(which: str, configs: launch.KernelConfigs) -> tuple[dict, launch.KernelConfig]:
     """(tile constexprs, the config giving warps and stages) of kernel `which`."""
     if which == "fwd":
         return {"BLOCK_M": configs.fwd.block_q, "BLOCK_N": configs.fwd.block_k}, configs.fwd
@@ -91,7 +91,7 @@ def _tile_meta(which: str, configs: launch.LaunchConfigs) -> tuple[dict, launch.
 
 
 @functools.cache
-def compile_kernel(which: str, head_dim: int, dtype: str, configs: launch.LaunchConfigs) -> Any:
+def compile_kernel(which: str, head_dim: int, dtype: str, configs: launch.KernelConfigs) -> Any:
     """Kernel `which` ("fwd" or "bwd") compiled for sm_90 at `configs` (GQA group 8, two mask
     intervals), as either front end launches it at a benchmark shape (aligned arrays, DIV16,
     sequence lengths that are multiples of every tile)."""
@@ -286,9 +286,9 @@ def test_delta_kernel_compiles_with_wide_loads(dtype, head_dim):
     assert any(".v4." in op for op in loads), loads
 
 
-def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.LaunchConfig) -> str:
+def sweep_one(which: str, head_dim: int, dtype: str, cfg: launch.KernelConfig) -> str:
     """One CSV row: kernel, head dim, dtype, config, registers, spill bytes, shared memory."""
-    compiled = compile_kernel(which, head_dim, dtype, launch.LaunchConfigs(cfg, cfg, cfg))
+    compiled = compile_kernel(which, head_dim, dtype, launch.KernelConfigs(cfg, cfg, cfg))
     usage = ptxas_usage(compiled.asm["ptx"]) or (-1, -1)
     fields = (which, head_dim, dtype, cfg.block_q, cfg.block_k, cfg.num_warps, cfg.num_stages)
     return ",".join(map(str, (*fields, *usage, compiled.metadata.shared)))
@@ -298,7 +298,7 @@ def sweep(head_dims: list[int], dtypes: list[str]) -> None:
     """Print registers, spills and shared memory of every candidate config as CSV."""
     tiles, warps, stages = (32, 64, 128), (4, 8), (1, 2, 3, 4)
     jobs = [
-        (which, head_dim, dtype, launch.LaunchConfig(bm, bn, w, s))
+        (which, head_dim, dtype, launch.KernelConfig(bm, bn, w, s))
         for head_dim, dtype, which, bm, bn, w, s in itertools.product(
             head_dims, dtypes, tuple(KERNELS), tiles, tiles, warps, stages
         )

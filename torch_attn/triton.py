@@ -57,7 +57,7 @@ def supports(mask: Mask, problem: Problem) -> bool | str:
     return True if reason is None else reason
 
 
-def _device_tables(mask: Mask, device: torch.device, configs: launch.LaunchConfigs) -> dict:
+def _device_tables(mask: Mask, device: torch.device, configs: launch.KernelConfigs) -> dict:
     def build() -> dict:
         host = launch.mask_tables(mask, configs)
         out = {"host": host}
@@ -164,7 +164,7 @@ def attention(
     mask: Mask,
     *,
     scale: float,
-    configs: launch.LaunchConfigs | None = None,
+    configs: launch.KernelConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq) fp32), differentiable; configs default by head dim."""
     if configs is None:

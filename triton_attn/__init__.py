@@ -9,8 +9,8 @@ torch_attn's and jax_attn's impl "triton"; this package imports neither framewor
 
 from .launch import (
     Call,
-    LaunchConfig,
-    LaunchConfigs,
+    KernelConfig,
+    KernelConfigs,
     MaskTables,
     Shape,
     default_configs,
@@ -19,8 +19,8 @@ from .launch import (
 
 __all__ = [
     "Call",
-    "LaunchConfig",
-    "LaunchConfigs",
+    "KernelConfig",
+    "KernelConfigs",
     "MaskTables",
     "Shape",
     "default_configs",

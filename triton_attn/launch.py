@@ -23,7 +23,7 @@ MIN_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class KernelConfig:
     """One kernel's tile (block_q query rows x block_k keys), warps and pipeline stages."""
 
     block_q: int
@@ -33,13 +33,13 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
-class LaunchConfigs:
+class KernelConfigs:
     """The launch configs of the forward and of the backward's dK/dV and dQ programs (dQ takes
     dK/dV's when not given)."""
 
-    fwd: LaunchConfig
-    dkdv: LaunchConfig
-    dq: LaunchConfig | None = None
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig | None = None
 
     def __post_init__(self) -> None:
         """Give dQ the dK/dV config when it has none of its own; the two share one launch, so
@@ -69,7 +69,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class MaskTables:
-    """Everything the kernels read about a mask for given LaunchConfigs.
+    """Everything the kernels read about a mask for given KernelConfigs.
 
     lo/hi (Sq, K) int32 key intervals per row; fwd: k tiles per forward q tile; dq: k tiles per
     backward q tile; dkdv: q tiles per backward k tile, each in its kernel's tiles, with tiles
@@ -81,7 +81,7 @@ class MaskTables:
     fwd: TileList
     dq: TileList
     dkdv: TileList
-    configs: LaunchConfigs
+    configs: KernelConfigs
 
     @property
     def num_intervals(self) -> int:
@@ -136,13 +136,13 @@ _DEFAULTS: dict[tuple[int, bool], tuple[tuple[int, int, int, int], ...]] = {
 }
 
 
-def default_configs(head_dim: int, itemsize: int) -> LaunchConfigs:
+def default_configs(head_dim: int, itemsize: int) -> KernelConfigs:
     """Per-kernel configs by padded head dim (32 counts as 64) and element size (fp32 or half)."""
     fwd, dkdv, dq = _DEFAULTS[max(64, block_d(head_dim)), itemsize >= 4]
-    return LaunchConfigs(LaunchConfig(*fwd), LaunchConfig(*dkdv), LaunchConfig(*dq))
+    return KernelConfigs(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
-def _kernel_lists(mask: Mask, config: LaunchConfig) -> tuple[TileList, TileList]:
+def _kernel_lists(mask: Mask, config: KernelConfig) -> tuple[TileList, TileList]:
     """(k tiles per q tile, q tiles per k tile) in the config's tiles, as the kernels read them."""
     kinds = padded_block_map(mask, config.block_q, config.block_k)
     lists = block_lists(kinds, config.block_q, config.block_k)
@@ -153,7 +153,7 @@ def _kernel_lists(mask: Mask, config: LaunchConfig) -> tuple[TileList, TileList]
     return as_int32(lists.kv), as_int32(lists.q)
 
 
-def mask_tables(mask: Mask, configs: LaunchConfigs) -> MaskTables:
+def mask_tables(mask: Mask, configs: KernelConfigs) -> MaskTables:
     """Host-side numpy tables of `mask` for the tiles of `configs` (interval arithmetic only)."""
     lo, hi = mask.row_intervals()
     if lo.shape[1] == 0:
@@ -172,7 +172,7 @@ def mask_tables(mask: Mask, configs: LaunchConfigs) -> MaskTables:
 
 
 def _meta(
-    shape: Shape, tables: MaskTables, ieee: bool, configs: tuple[LaunchConfig, ...]
+    shape: Shape, tables: MaskTables, ieee: bool, configs: tuple[KernelConfig, ...]
 ) -> dict[str, Any]:
     """The constexprs every attention kernel takes (tiles and DIV16 are added per kernel).
     EVEN_Q / EVEN_K: every query / key tile of `configs` (the kernel's) lies inside the sequence,
@@ -230,7 +230,7 @@ def bwd_call(
 ) -> Call:
     """attn_bwd_kernel: one program per (k tile, batch x KV head) for dK/dV, then one per
     (q tile, batch x query head) for dQ; `dkdv` / `dq` False leaves that part out (the tile
-    sweep times each part alone). Warps and stages are the dK/dV config's (LaunchConfigs makes
+    sweep times each part alone). Warps and stages are the dK/dV config's (KernelConfigs makes
     dQ's the same)."""
     k_cfg, q_cfg = tables.configs.dkdv, tables.configs.dq
     dkdv_programs = cdiv(shape.seqlen_k, k_cfg.block_k) * shape.batch * shape.heads_kv

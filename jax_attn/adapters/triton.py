@@ -139,7 +139,7 @@ class _Tables:
 _TABLES = MaskCache()
 
 
-def _tables(mask: Mask, configs: launch.LaunchConfigs) -> _Tables:
+def _tables(mask: Mask, configs: launch.KernelConfigs) -> _Tables:
     """Tables of `mask` for `configs`, built and put on the device once per mask object."""
 
     def build() -> _Tables:
@@ -156,7 +156,7 @@ def _tables(mask: Mask, configs: launch.LaunchConfigs) -> _Tables:
     return _TABLES.get(mask, configs, build)
 
 
-def _configs(head_dim: int, dtype: Any) -> launch.LaunchConfigs:
+def _configs(head_dim: int, dtype: Any) -> launch.KernelConfigs:
     return launch.default_configs(head_dim, np.dtype(dtype).itemsize)
 
 

@@ -14,7 +14,7 @@ from ..flash_vjp import flash_vjp
 from ..kernel_inputs import TilePadding, pad_axis, padded_intervals, query_tile_walk
 from ..mask_arrays import MaskArrays
 from .backward import flash_attention_mosaic_bwd
-from .config import CONSUMER_WARPGROUPS, MosaicConfig, default_config
+from .config import CONSUMER_WARPGROUPS, KernelConfig, default_config
 from .forward import forward
 from .interpret import interpret_params
 
@@ -34,7 +34,7 @@ class _Static:
     """The compile-time part of a call (hashable: a jit static argument)."""
 
     scale: float
-    config: MosaicConfig
+    config: KernelConfig
     interpret: Any  # False (the GPU) or the InterpretGPUParams to run the CPU interpreter with
 
 
@@ -101,7 +101,7 @@ _attention_jit = flash_vjp(_forward_padded, _backward)
 
 
 def check_inputs(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, config: MosaicConfig
+    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, config: KernelConfig
 ) -> None:
     """ValueError unless the kernel with `config` can run these inputs and mask arrays."""
     check_attention_shapes(q.shape, k.shape, v.shape, arrays)
@@ -118,7 +118,7 @@ def check_inputs(
         )
 
 
-def resolve_config(q: jax.Array, config: MosaicConfig | None) -> MosaicConfig:
+def resolve_config(q: jax.Array, config: KernelConfig | None) -> KernelConfig:
     """`config`, or the default for q's head dim and dtype."""
     return default_config(q.shape[-1], q.dtype) if config is None else config
 
@@ -131,7 +131,7 @@ def flash_attention_mosaic(
     *,
     scale: float,
     return_lse: bool = False,
-    config: MosaicConfig | None = None,
+    config: KernelConfig | None = None,
     interpret: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Masked attention (B,Sq,Hq,D) on Hopper via Mosaic GPU, differentiable; optionally LSE.

@@ -33,7 +33,7 @@ from ..kernel_inputs import (
     softmax_delta,
 )
 from ..mask_arrays import MaskArrays
-from .config import DTYPES, HEAD_DIMS, MosaicConfig
+from .config import DTYPES, HEAD_DIMS, KernelConfig
 
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
@@ -372,7 +372,7 @@ def _kernels(
     arrays: MaskArrays,
     *,
     scale: float,
-    config: MosaicConfig,
+    config: KernelConfig,
     interpret: Any,
 ) -> tuple[_Kernel, _Kernel]:
     """The static (dK/dV, dQ) kernel descriptions of a call, validated before any launch."""
@@ -410,7 +410,7 @@ def flash_attention_mosaic_bwd(
     arrays: MaskArrays,
     *,
     scale: float,
-    config: MosaicConfig,
+    config: KernelConfig,
     interpret: Any = None,
     dlse: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -418,7 +418,7 @@ def flash_attention_mosaic_bwd(
 
     Shapes are unpadded (B, S, H, D); lengths are padded to the mask tiles here, padded rows
     and keys contributing nothing. config's backward fields set the kernel sub-tiles and the TMA
-    ring depth (MosaicConfig). interpret: an
+    ring depth (KernelConfig). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
     cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
     """

@@ -14,7 +14,7 @@ MAX_INTERVALS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class KernelConfig:
     """Launch configuration of the Mosaic GPU kernels.
 
     Forward: each CTA holds CONSUMER_WARPGROUPS * block_q query rows (one block_q slice per
@@ -102,10 +102,10 @@ class MosaicConfig:
             )
 
 
-def default_config(head_dim: int, dtype: object) -> MosaicConfig:
+def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """Defaults expected to be good on H100/H200 (FA3-like: 128-key steps, two stages)."""
     del dtype
-    return MosaicConfig(block_q=64, block_k=128, max_concurrent_steps=2 if head_dim > 64 else 3)
+    return KernelConfig(block_q=64, block_k=128, max_concurrent_steps=2 if head_dim > 64 else 3)
 
 
 def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:

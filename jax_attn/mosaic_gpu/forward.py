@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LN2, LOG2E
-from .config import CONSUMER_WARPGROUPS, MosaicConfig
+from .config import CONSUMER_WARPGROUPS, KernelConfig
 
 PRODUCER = CONSUMER_WARPGROUPS  # index of the TMA warpgroup
 CONSUMER_REGISTERS = 232
@@ -40,7 +40,7 @@ class Geometry:
     heads_kv: int
     head_dim: int
     intervals: int
-    config: MosaicConfig
+    config: KernelConfig
 
     @property
     def group(self) -> int:
@@ -263,7 +263,7 @@ def forward(
     count: jax.Array,
     *,
     scale: float,
-    config: MosaicConfig,
+    config: KernelConfig,
     interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Padded q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,Hq,D), lse (B,Hq,Sq) float32.
