@@ -75,7 +75,9 @@ def _compiled_steps(graphdef: Any, optim: train.OptimConfig) -> train.CompiledSt
 
 
 def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
-    """(batch, placed token arrays, mask argument) of a step, ready on the device(s)."""
+    """(batch, placed (tokens, targets, weights, positions), mask argument) of a step, ready on
+    the device(s). Under CP the token arrays and positions are dispatched into the executor's
+    layout here, once, and the mask argument is the executor InLayout; else positions is None."""
     batch = data.batch_at(cfg.data, step)
     m = cfg.model
     mask_arg = masking.runtime_mask(
@@ -87,10 +89,13 @@ def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
         dtype=jnp.dtype(m.dtype),
         fixed_layout=cfg.data.fixed_layout,
     )
-    sharding = placement.token_sharding(backend, cfg.data.seqlen)
-    arrays = tuple(
-        placement.put_global(x, sharding) for x in (batch.tokens, batch.targets, batch.weights)
-    )
+    host = (batch.tokens, batch.targets, batch.weights)
+    if backend.is_cp:
+        arrays = placement.dispatched(mask_arg, host, backend)
+        mask_arg = masking.InLayout(mask_arg)
+    else:
+        sharding = placement.token_sharding(backend, cfg.data.seqlen)
+        arrays = (*(placement.put_global(x, sharding) for x in host), None)
     return batch, jax.block_until_ready(arrays), mask_arg
 
 
