@@ -5,8 +5,9 @@
 
 Data: the running Python's standard library source as byte tokens, one file per document
 (--lm_data=stdlib, the default), or synthetic per-document alphabets (--lm_data=synthetic).
-Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor), then
-the compiled step runs and is synchronised; that wall time is the step time. Steps that compile
+Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor; under CP
+the batch is dispatched into the executor's layout, where the model runs), then the compiled
+step runs and is synchronised; that wall time is the step time. Steps that compile
 and the first `warmup` steps are not timed. Reports step time, tokens/s, model TFLOP/s per device
 and attention's share of the step (its FLOPs, and the time of one layer's attention call alone x
 depth). Results: <out_dir>/results.jsonl (one record per run) and <out_dir>/train_log.jsonl (one
