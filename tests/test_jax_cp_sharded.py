@@ -2,7 +2,6 @@
 and the compiled program's collectives (no whole-sequence gather of q, k, v or the output)."""
 
 import math
-import re
 from functools import partial
 
 import cp_cases
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cp_cases import named_mask
+from hlo_ops import collectives
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -170,6 +170,25 @@ def test_replicated_inputs_and_methods():
     assert np.array_equal(np.asarray(ex.undispatch(xd)), pos)
 
 
+@pytest.mark.parametrize("seqlen", [200, 100])
+def test_dispatch_of_token_ids(seqlen):
+    """(B, S) integer arrays (token ids, positions) dispatch like q: rank order, padding zero,
+    and back. S = 200 splits over 8 devices (the exchange), S = 100 does not (the gather)."""
+    mesh = flat_mesh()
+    ex = jax_cp.build(
+        named_mask("causal_document", seqlen), mesh=mesh, strategy="ring", layout="zigzag",
+        num_heads_q=4, num_heads_kv=2, head_dim=D,
+    )  # fmt: skip
+    ids = np.arange(2 * seqlen, dtype=np.int32).reshape(2, seqlen) + 1
+    spec = P(None, "cp") if ex.splits_evenly else P()
+    got = ex.dispatch(jax.device_put(ids, NamedSharding(mesh, spec)))
+    order = ex.plan.order()
+    want = np.where(order < seqlen, ids[:, np.minimum(order, seqlen - 1)], 0)
+    assert ex.splits_evenly == (seqlen % N == 0) and ex.padded_seqlen > seqlen
+    assert got.dtype == np.int32 and np.array_equal(np.asarray(got), want)
+    assert np.array_equal(np.asarray(ex.undispatch(got)), ids)
+
+
 def test_exchange_moves_only_what_changes_rank():
     """Host model of the exchange: exact for every rank, and zigzag over 8 ranks needs two
     rounds of half a shard (the shard's worth), contiguous none."""
@@ -186,17 +205,6 @@ def test_exchange_moves_only_what_changes_rank():
         assert np.array_equal(got, plan.positions)
         back = make_exchange(plan.positions, flat, 1024)
         assert np.array_equal(back.apply(got[..., None])[..., 0], flat)
-
-
-def _collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(op, result dims) of every all-gather / all-reduce / all-to-all / collective-permute in
-    compiled HLO (each array of a tuple result separately)."""
-    found = []
-    ops = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
-    for shapes, op in re.findall(rf"^\s*(?:ROOT )?%\S+ = (.*?) ({ops})(?:-start)?\(", hlo, re.M):
-        for dims in re.findall(r"(?:f32|bf16|f16|s32)\[([\d,]*)\]", shapes):
-            found.append((op, tuple(int(x) for x in dims.split(",") if x)))
-    return found
 
 
 S_HLO = 1024  # 128 tokens a device: a whole-sequence dim (1024) is unmistakable
@@ -225,7 +233,7 @@ def test_sharded_program_moves_no_whole_sequence(strategy, mesh, hq, hkv, needs)
         mesh,
     )
     run = forward_backward(cp_fn(mask, mesh, strategy, "zigzag"))
-    found = _collectives(run.lower(q, k, v, do).compile().as_text())
+    found = collectives(run.lower(q, k, v, do).compile().as_text())
     assert any(op == needs for op, _ in found), f"{strategy}: no {needs} in {found}"
     kv_whole = (1, S_HLO, hkv, D)
     for op, dims in found:

@@ -11,6 +11,7 @@ import numpy as np
 from experiments.runners import timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
+from .masking import InLayout
 from .placement import put_global, token_sharding
 
 
@@ -25,14 +26,16 @@ def time_attention(
     iters: int,
     seed: int = 0,
 ) -> list[float]:
-    """Per-call milliseconds of a compiled vjp of the attention call (q shape (B,S,Hq,D))."""
+    """Per-call milliseconds of a compiled vjp of the attention call (q shape (B,S,Hq,D)); under
+    InLayout on inputs dispatched into the executor's layout, as the step's layers get them."""
     b, s, hq, d = shape_q
     rng = np.random.default_rng(seed)
     sharding = token_sharding(backend, s)
+    place = mask_arg.executor.dispatch if isinstance(mask_arg, InLayout) else (lambda x: x)
 
     def draw(heads: int) -> jax.Array:
         x = rng.standard_normal((b, s, heads, d), np.float32).astype(dtype)
-        return put_global(x, sharding)
+        return place(put_global(x, sharding))
 
     args = (draw(hq), draw(heads_kv), draw(heads_kv), draw(hq), mask_arg)
 

@@ -61,8 +61,8 @@ class Block(nnx.Module):
         self.mlp_in = nnx.Linear(cfg.width, hidden, use_bias=False, dtype=dtype, rngs=rngs)
         self.mlp_out = nnx.Linear(hidden, cfg.width, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, mask: Any) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), mask)
+    def __call__(self, x: jax.Array, mask: Any, positions: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), mask, positions)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
@@ -80,11 +80,14 @@ class TransformerLM(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.width, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, mask: Any) -> jax.Array:
-        """tokens (B,S) int -> logits (B,S,vocab) float32; `mask` as Attention takes it."""
+    def __call__(
+        self, tokens: jax.Array, mask: Any, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """tokens (B,S) int -> logits (B,S,vocab) float32; `mask` and the tokens' global
+        `positions` (default arange(S)) as Attention takes them."""
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, positions)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return logits.astype(jnp.float32)

@@ -5,7 +5,8 @@ intervals per row), so every document layout of a shape has the same array shape
 take a mask only at compile time (xla, cudnn, triton) get a StaticMask: the mask is part of the
 step's structure, so a run compiles once per document layout, which --lm_fixed_layout keeps to
 one. CP: a bound `shard_strategies.jax_cp` executor (a pytree whose static part is the plan's
-schedule).
+schedule); the train step dispatches its batch into the executor's layout once and hands the
+model the executor as an InLayout, so every layer's attention runs on dispatched arrays.
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ class StaticMask:
     @classmethod
     def tree_unflatten(cls, aux: tuple[Mask, str], children: tuple) -> StaticMask:
         return cls(*aux)
+
+
+@tree_util.register_pytree_node_class
+class InLayout:
+    """A CP executor as the mask of a model that runs in the executor's layout order (its
+    inputs dispatched once per batch): attention takes and returns dispatched arrays, so no layer
+    pays the permutation into and out of the layout."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return self.executor.sharded(q, k, v)
+
+    def tree_flatten(self) -> tuple[tuple, None]:
+        return (self.executor,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: tuple) -> InLayout:
+        return cls(*children)
 
 
 def fixed_shape_arrays(mask: Mask, impl: str, head_dim: int, dtype: Any, intervals: int = 1):

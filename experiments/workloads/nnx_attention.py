@@ -7,9 +7,11 @@
     y = Attention(512, 8, 2, backend=cp, rngs=nnx.Rngs(0))(x, mask)  # jax_cp.attention
 
 `mask` is an attn_masks.Mask, a jax_attn.MaskArrays (runtime arrays: one compilation for every
-mask of a shape) or a prepared CP executor (`shard_strategies.jax_cp.build(...)`, also a pytree).
-Rotary positions are global token indices: the CP executors take and return global token order
-and permute to their zigzag/balanced layout internally, so rotations never see the local order.
+mask of a shape) or any callable pytree (q, k, v) -> out: a prepared CP executor
+(`shard_strategies.jax_cp.build(...)`), which takes and returns global token order, or the train
+step's masking.InLayout, whose activations are already in the executor's layout order. Rotary
+positions are global token indices either way: in layout order the caller passes the dispatched
+global positions, so rotations never see the local order.
 It sits above both libraries it calls (jax_attn and shard_strategies), with the workloads that
 use it. Importing this module needs flax.
 """

@@ -1,8 +1,11 @@
 """Where the train step's arrays live: one device, or a 1-D CP mesh with tokens split along the
-sequence and parameters replicated (works multi-process: every process builds the same host
-batch and contributes its own shards)."""
+sequence (in the CP executor's layout order) and parameters replicated (works multi-process:
+every process builds the same host batch and contributes its own shards)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,3 +46,15 @@ def put_global(x: np.ndarray, sharding: Sharding) -> jax.Array:
     """A global array from a host array that every process holds in full."""
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def dispatched(
+    executor: Any, host: Sequence[np.ndarray], backend: AttentionBackend
+) -> tuple[jax.Array, ...]:
+    """(B, S) host arrays and the tokens' global positions (1, S), put into the CP executor's
+    layout order: (B, S_pad) sharded on tokens, padding tokens zero (so of zero loss weight).
+    The train step's one dispatch per batch: the model then runs in that order throughout."""
+    seqlen = host[0].shape[1]
+    sharding = token_sharding(backend, seqlen)
+    positions = np.arange(seqlen, dtype=np.int32)[None]
+    return tuple(executor.dispatch(put_global(x, sharding)) for x in (*host, positions))

@@ -84,20 +84,23 @@ def loss_fn(
     tokens: jax.Array,
     targets: jax.Array,
     weights: jax.Array,
+    positions: jax.Array | None,
     mask: Any,
 ) -> jax.Array:
-    """Mean next-token cross entropy over the positions with weight 1."""
-    logits = nnx.merge(graphdef, params)(tokens, mask)
+    """Mean next-token cross entropy over the positions with weight 1 (order-invariant, so the
+    same on a batch dispatched into a CP layout, whose padding tokens have weight 0)."""
+    logits = nnx.merge(graphdef, params)(tokens, mask, positions)
     xent = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return (xent * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
 def make_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
-    """jit of (params, opt_state, tokens, targets, weights, mask) -> (params, opt_state, loss)."""
+    """jit of (params, opt_state, tokens, targets, weights, positions, mask) -> (params,
+    opt_state, loss); positions None: arange(S)."""
 
-    def step(params, opt_state, tokens, targets, weights, mask):
+    def step(params, opt_state, tokens, targets, weights, positions, mask):
         loss, grads = jax.value_and_grad(loss_fn, argnums=1)(
-            graphdef, params, tokens, targets, weights, mask
+            graphdef, params, tokens, targets, weights, positions, mask
         )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

@@ -5,8 +5,9 @@
 
 Data: the running Python's standard library source as byte tokens, one file per document
 (--lm_data=stdlib, the default), or synthetic per-document alphabets (--lm_data=synthetic).
-Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor), then
-the compiled step runs and is synchronised; that wall time is the step time. Steps that compile
+Per step: the host builds the batch and its mask argument (MaskArrays or a CP executor; under CP
+the batch is dispatched into the executor's layout, where the model runs), then the compiled
+step runs and is synchronised; that wall time is the step time. Steps that compile
 and the first `warmup` steps are not timed. Reports step time, tokens/s, model TFLOP/s per device
 and attention's share of the step (its FLOPs, and the time of one layer's attention call alone x
 depth). Results: <out_dir>/results.jsonl (one record per run) and <out_dir>/train_log.jsonl (one
@@ -75,7 +76,9 @@ def _compiled_steps(graphdef: Any, optim: train.OptimConfig) -> train.CompiledSt
 
 
 def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
-    """(batch, placed token arrays, mask argument) of a step, ready on the device(s)."""
+    """(batch, placed (tokens, targets, weights, positions), mask argument) of a step, ready on
+    the device(s). Under CP the token arrays and positions are dispatched into the executor's
+    layout here, once, and the mask argument is the executor InLayout; else positions is None."""
     batch = data.batch_at(cfg.data, step)
     m = cfg.model
     mask_arg = masking.runtime_mask(
@@ -87,10 +90,13 @@ def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
         dtype=jnp.dtype(m.dtype),
         fixed_layout=cfg.data.fixed_layout,
     )
-    sharding = placement.token_sharding(backend, cfg.data.seqlen)
-    arrays = tuple(
-        placement.put_global(x, sharding) for x in (batch.tokens, batch.targets, batch.weights)
-    )
+    host = (batch.tokens, batch.targets, batch.weights)
+    if backend.is_cp:
+        arrays = placement.dispatched(mask_arg, host, backend)
+        mask_arg = masking.InLayout(mask_arg)
+    else:
+        sharding = placement.token_sharding(backend, cfg.data.seqlen)
+        arrays = (*(placement.put_global(x, sharding) for x in host), None)
     return batch, jax.block_until_ready(arrays), mask_arg
 
 

@@ -13,6 +13,10 @@ a few ppermute rounds move each device only the tokens its layout shard needs
 global arrays are gathered into the layout (XLA: an all-gather of each input, an all-reduce of
 the output). Inputs sharded on a mesh with Explicit axes are run under auto_axes.
 
+A caller that runs a whole model in the layout (the train step) skips the per-call permutation:
+`CPExecutor.dispatch` puts its per-token inputs ((B, S, ...) of any dtype: token ids, targets,
+positions) into layout order once, and every layer calls `CPExecutor.sharded`.
+
 Modules, as in torch_cp: _api (the executor and entry points), _ring (ring and double ring
 steps), _allgather, _ulysses (the all-to-alls), _local (one device's attention and LSE merge).
 The ring step functions are exported for the CP predictor, which times them rank by rank.

@@ -139,8 +139,9 @@ def _exchange(x: jax.Array, tables, rounds, cfg: _Config, axis: int) -> jax.Arra
 def _dispatch(x: jax.Array, order: jax.Array, cfg: _Config, tables=None) -> jax.Array:
     if cfg.dispatch_rounds is not None:
         return _exchange(x, tables[0], cfg.dispatch_rounds, cfg, 1)
-    pad = cfg.padded_seqlen - x.shape[1]
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, cfg.padded_seqlen - x.shape[1])
+    x = jnp.pad(x, pad)
     x = jnp.take(x, order, axis=1)
     return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, cfg.tokens))
 
@@ -340,13 +341,19 @@ class CPExecutor:
             return self._host
         return self.arrays, self.order, self.inverse, self.tables
 
+    @property
+    def padded_seqlen(self) -> int:
+        """S_pad: the length of dispatched arrays (S plus the layout's padding tokens)."""
+        return self.config.padded_seqlen
+
     def dispatch(self, x: jax.Array) -> jax.Array:
-        """(B, S, H, D) in global order -> (B, S_pad, H, D) in rank order, sharded on tokens."""
+        """(B, S, ...) in global order -> (B, S_pad, ...) in rank order, sharded on tokens: q, k,
+        v (B, S, H, D), or per-token data such as token ids (B, S); padding tokens are zeros."""
         _, order, _, tables = self._leaves(x)
         return _dispatch_jit(x, order, tables, self.config)
 
     def undispatch(self, y: jax.Array) -> jax.Array:
-        """(B, S_pad, H, D) in rank order -> (B, S, H, D) in global order (padding dropped)."""
+        """(B, S_pad, ...) in rank order -> (B, S, ...) in global order (padding dropped)."""
         _, _, inverse, tables = self._leaves(y)
         return _undispatch_jit(y, inverse, tables, self.config, 1)
 
