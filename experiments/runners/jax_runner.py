@@ -166,7 +166,7 @@ class JaxRunner:
         times = self._time(point, self._dispatch_qkv, (executor, *qkv))
         return timing.time_stats(_slowest_process(times, None)[0])
 
-    def _build_cp(self, point: Point, mask, mesh, args: dict):
+    def _build_cp(self, point: Point, mask, mesh, args: dict) -> tuple:
         """CP: the executor built once, the inputs dispatched into its layout once (untimed),
         the timed call on the dispatched arrays; its first results back in global order."""
         executor = frameworks.jax_cp_executor(point, mask, mesh=mesh, axis="cp")
