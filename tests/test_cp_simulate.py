@@ -690,7 +690,7 @@ def test_report_predicts_and_compares_with_measured(tmp_path):
     measured matched by configuration: a measured point of another layout or size is left out."""
     import json
 
-    from experiments.reports import report
+    from experiments.reports import report, report_sim
 
     sims = [
         _record("ring", 4, 10.0, simulated=True),
@@ -705,6 +705,9 @@ def test_report_predicts_and_compares_with_measured(tmp_path):
     (row,) = out["comparison"]
     assert (row["GPUs"], row["predicted ms"], row["measured ms"]) == (4, "10", "11")
     assert row["error"] == f"{100 * (10 / 11 - 1):+.1f}%" and row["within 10%"] == "yes"
+    timed_apart = [{**measured[0], "metrics": {**measured[0]["metrics"], "dispatch_ms": {}}}]
+    (row,) = report_sim.compare(sims, timed_apart)  # measured without its dispatch: strategy part
+    assert (row["predicted ms"], row["measured ms"]) == ("9", "11")
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "## Predicted context parallelism" in md and "### Predicted vs measured" in md
     assert "| causal | 8 | 0.0833 (4%) | unsup. |" in md

@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 import io
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo_ops import collectives, op_counts
+from hlo_ops import collectives, op_counts, sharded_fwd_bwd_hlo
 
 from experiments.runners import checks
 from experiments.workloads import data, lm, masking, train_step
@@ -43,18 +42,8 @@ def _attention_hlo(batch: data.PackedBatch, backend, m: lm.LMConfig) -> str:
         batch.mask, backend, heads_q=m.heads_q, heads_kv=m.heads_kv, head_dim=m.head_dim,
         dtype=jnp.float32,
     )  # fmt: skip
-    rng = np.random.default_rng(0)  # distinct inputs, so XLA cannot share their collectives
-
-    def draw(heads: int) -> jax.Array:
-        x = rng.standard_normal((1, S_HLO, heads, m.head_dim), np.float32)
-        return ex.dispatch(jnp.asarray(x))
-
-    def fwd_bwd(q, k, v, dout):
-        out, pullback = jax.vjp(ex.sharded, q, k, v)
-        return out, *pullback(dout)
-
-    args = (draw(m.heads_q), draw(m.heads_kv), draw(m.heads_kv), draw(m.heads_q))
-    return jax.jit(fwd_bwd).lower(*args).compile(FAST).as_text()
+    shape = (1, S_HLO, m.heads_q, m.head_dim)
+    return sharded_fwd_bwd_hlo(ex, shape, (*shape[:2], m.heads_kv, m.head_dim), FAST)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "usp"])

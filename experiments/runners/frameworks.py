@@ -45,6 +45,18 @@ def cp_kwargs(attention, point: Point) -> dict:
     return {"inner_axis": inner_axis(point.ulysses_intra_node)} if "inner_axis" in params else {}
 
 
+def _cp_settings(point: Point, entry: Callable) -> dict:
+    """The point's CP keywords for a jax_cp / torch_cp entry point (attention or build)."""
+    impl = None if point.impl == DEFAULT_IMPL else point.impl
+    return dict(
+        strategy=point.cp,
+        layout=point.layout,
+        ulysses_size=point.ulysses_size,
+        impl=impl,
+        **cp_kwargs(entry, point),
+    )
+
+
 def attention_fn(framework: str, point: Point, mask, **placement) -> Callable:
     """(q, k, v) -> out for the point's impl, or for its CP strategy with the executor's
     placement keywords (JAX: mesh, axis; torch: group); modules are looked up here."""
@@ -55,20 +67,23 @@ def attention_fn(framework: str, point: Point, mask, **placement) -> Callable:
     if not point.is_cp:
         mod = kernels(framework)
         return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
-    impl = None if point.impl == DEFAULT_IMPL else point.impl
     cp = cp_module(framework)
-    kw = cp_kwargs(cp.attention, point)
-    return lambda q, k, v: cp.attention(
-        q,
-        k,
-        v,
+    kw = _cp_settings(point, cp.attention)
+    return lambda q, k, v: cp.attention(q, k, v, mask, **placement, **kw)
+
+
+def jax_cp_executor(point: Point, mask, **placement):
+    """The executor jax_cp.attention would build for the point (placement: mesh, axis), built
+    once, so that the driver can dispatch inputs into its layout outside the timed calls."""
+    cp = cp_module("jax")
+    return cp.build(
         mask,
         **placement,
-        strategy=point.cp,
-        layout=point.layout,
-        ulysses_size=point.ulysses_size,
-        impl=impl,
-        **kw,
+        **_cp_settings(point, cp.build),
+        num_heads_q=point.heads_q,
+        num_heads_kv=point.heads_kv,
+        head_dim=point.head_dim,
+        dtype=framework_dtype("jax", point.dtype),
     )
 
 

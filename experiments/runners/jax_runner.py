@@ -26,6 +26,12 @@ def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float
     return t.max(axis=0).tolist(), (None if peak is None else float(p.max()))
 
 
+def _dispatch_qkv(executor, q, k, v) -> tuple:
+    """q, k and v in a CP executor's layout (one program; the executor is a pytree argument, so
+    executors of equal shapes share its compilation)."""
+    return tuple(executor.dispatch(x) for x in (q, k, v))
+
+
 INPUT_CACHE_SIZE = 4
 INPUT_CACHE_BYTES = 32 << 30
 
@@ -49,6 +55,7 @@ class JaxRunner:
         self.rtol_override = rtol_override
         self._meshes: dict = {}
         self._input_cache: dict = {}
+        self._dispatch_qkv = jax.jit(_dispatch_qkv)
         self.simulator = CPSimulator(
             self,
             JaxRanks,
@@ -147,33 +154,51 @@ class JaxRunner:
             rtol_override=self.rtol_override,
         )
 
+    def _time(self, point: Point, fn: Callable, call_args: tuple) -> list[float]:
+        """Per-call ms of fn(*call_args): the point's warmup and iters, L2 flush, barrier."""
+        loop = dict(warmup=point.warmup, iters=point.iters, flush=self.flush)
+        return timing.jax_time_calls(fn, call_args, barrier=self._barrier(), **loop)
+
+    def _dispatch_ms(self, point: Point, executor, args: dict) -> dict:
+        """Time stats of dispatching q, k and v together into the executor's layout: the
+        data-side step a CP model pays once per batch, kept out of the attention's time."""
+        qkv = (args["q"], args["k"], args["v"])
+        times = self._time(point, self._dispatch_qkv, (executor, *qkv))
+        return timing.time_stats(_slowest_process(times, None)[0])
+
+    def _build_cp(self, point: Point, mask, mesh, args: dict) -> tuple:
+        """CP: the executor built once, the inputs dispatched into its layout once (untimed),
+        the timed call on the dispatched arrays; its first results back in global order."""
+        executor = frameworks.jax_cp_executor(point, mask, mesh=mesh, axis="cp")
+        dispatched = {name: executor.dispatch(x) for name, x in args.items()}
+        fn, call_args, got = self._build_and_call(point.mode, executor.sharded, dispatched)
+        return executor, fn, call_args, {name: executor.undispatch(y) for name, y in got.items()}
+
     def _run_mask(self, point: Point, mask, index: int, mesh) -> dict:
-        """Build, check, then time one mask of a point."""
+        """Build, check, then time one mask of a point (CP: on inputs already in its layout)."""
         devices = list(mesh.devices.flat) if mesh is not None else [self.device]
         local = [d for d in devices if d.process_index == self.jax.process_index()]
         args = self.inputs(point, index, mesh)
-        plan = frameworks.cp_plan_info(point, mask) if point.is_cp else None
+        extra = frameworks.cp_plan_info(point, mask) if point.is_cp else None
         peak_before = timing.jax_peak_bytes(local)
-        attn = frameworks.attention_fn("jax", point, mask, mesh=mesh, axis="cp")
-        fn, call_args, got = self._build_and_call(point.mode, attn, args)
+        if point.is_cp:
+            executor, fn, call_args, got = self._build_cp(point, mask, mesh, args)
+        else:
+            attn = frameworks.attention_fn("jax", point, mask)
+            fn, call_args, got = self._build_and_call(point.mode, attn, args)
         check = self._check(point, mask, index, args, got)
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         del got
-        times = timing.jax_time_calls(
-            fn,
-            call_args,
-            warmup=point.warmup,
-            iters=point.iters,
-            flush=self.flush,
-            barrier=self._barrier(),
-        )
+        times = self._time(point, fn, call_args)
         resident = timing.L2_FLUSH_BYTES if self.flush is not None else 0
         peak, source = timing.jax_call_peak(
             peak_before, timing.jax_peak_bytes(local), fn, call_args, resident=resident
         )
         times, peak = _slowest_process(times, peak)
-        return measure.mask_result(point, mask, index, times, peak, source, check.as_dict(), plan)
+        if point.is_cp:
+            extra["dispatch_ms"] = self._dispatch_ms(point, executor, args)
+        return measure.mask_result(point, mask, index, times, peak, source, check.as_dict(), extra)
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
