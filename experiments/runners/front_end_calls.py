@@ -1,7 +1,7 @@
 """One bf16 attention call through either framework's front end, as a no-argument function that
 returns the results (out, and dq, dk, dv with grads) once the GPU has finished them (JAX:
 block_until_ready; torch: synchronize), for the tools that profile or time the shared Triton
-kernel from both front ends (experiments/profile_triton_call.py, experiments/front_ends_ab.py).
+kernel from both front ends (experiments/profile_call.py, experiments/front_ends_ab.py).
 CUDA only."""
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""One forward+backward of the shared Triton kernels through one front end (or of torch's
-FlexAttention, --impl=flex, to compare with), for Nsight Compute.
+"""One forward+backward of an attention impl through one framework, for Nsight Compute: the
+shared Triton kernels from either front end, torch's FlexAttention (--impl=flex), or a JAX
+kernel (--impl=mosaic|pallas|cudnn with --front_end=jax) to set beside another.
 
     ncu --profile-from-start off --clock-control none --metrics <list> --csv \
-        python experiments/profile_triton_call.py --front_end=jax
+        python experiments/profile_call.py --front_end=jax --impl=mosaic
 
 Two untimed calls compile and warm up; the third runs between cudaProfilerStart and Stop, so ncu
-sees exactly that call's kernels. --dkdv overrides the dK/dV launch config (half precision at
-the head dim given; dQ takes its warps and stages, as the one backward launch needs) to compare
-one kernel's configs from both front ends.
+sees exactly that call's kernels. --dkdv overrides the shared Triton kernel's dK/dV launch
+config (half precision at the head dim given; dQ takes its warps and stages, as the one backward
+launch needs) to compare one kernel's configs from both front ends.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ flags.DEFINE_integer("seqlen", 16384, "Query and key length.", lower_bound=128)
 flags.DEFINE_string("heads", "64:8", "Query heads:KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.", lower_bound=32, upper_bound=256)
 flags.DEFINE_list("dkdv", None, "dK/dV launch config block_q,block_k,num_warps,num_stages.")
-flags.DEFINE_enum("impl", "triton", ["triton", "flex"], "triton, or flex (torch only).")
+IMPLS = {"triton": ("torch", "jax"), "flex": ("torch",), "mosaic": ("jax",), "pallas": ("jax",),
+         "cudnn": ("jax",)}  # fmt: skip
+flags.DEFINE_enum("impl", "triton", list(IMPLS), "The impl to profile (see IMPLS for frameworks).")
 
 
 def _override_dkdv(config: list[str]) -> None:
@@ -49,8 +52,13 @@ def main(argv: list[str]) -> None:
     from attn_masks import make_mask
     from experiments.runners import front_end_calls
 
-    if FLAGS.impl == "flex" and FLAGS.front_end != "torch":
-        raise app.UsageError(f"--impl=flex runs in torch; got --front_end={FLAGS.front_end}")
+    if FLAGS.front_end not in IMPLS[FLAGS.impl]:
+        raise app.UsageError(
+            f"--impl={FLAGS.impl} runs with --front_end={' or '.join(IMPLS[FLAGS.impl])}; "
+            f"got --front_end={FLAGS.front_end}"
+        )
+    if FLAGS.dkdv and FLAGS.impl != "triton":
+        raise app.UsageError(f"--dkdv sets the triton kernel's config; got --impl={FLAGS.impl}")
     if not torch.cuda.is_available():
         raise app.UsageError("needs a CUDA GPU")
     if FLAGS.dkdv:
