@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cp_records import assert_checked_with_dispatch
 from gloo_ranks import launch
 from torch_driver_worker import ITERS, WORLD
 
@@ -33,13 +34,7 @@ def _case(lines: list[dict], name: str) -> list[dict]:
 @pytest.mark.parametrize("cp", STRATEGIES)
 def test_point_checks_global_order_and_records_dispatch(lines, cp):
     rec = _case(lines, cp)[0]["record"]  # rank 0's: the one the driver writes
-    assert rec["status"] == "ok", (rec["reason"], rec["traceback"])
-    check = rec["check"]
-    assert check["ok"] and check["kind"] == "full"
-    assert set(check["max_errors"]) == {"out", "dq", "dk", "dv"}
-    dispatch = rec["metrics"]["dispatch_ms"]
-    assert 0 < dispatch["p20"] <= dispatch["median"] <= dispatch["p80"]
-    assert rec["masks"][0]["dispatch_ms"]["n"] == ITERS
+    assert_checked_with_dispatch(rec, ITERS)
     assert len(rec["masks"][0]["rank_median_ms"]) == WORLD
 
 

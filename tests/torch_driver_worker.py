@@ -17,7 +17,7 @@ from unittest import mock
 import torch.distributed as dist
 
 from experiments.core import sweep
-from experiments.core.points import Point
+from experiments.core.points import Grid, Point, expand
 from experiments.runners import timing
 from experiments.runners.torch_runner import TorchRunner
 from shard_strategies import torch_cp
@@ -29,33 +29,13 @@ ITERS = 2
 
 def point(cp: str, mode: str) -> Point:
     """A small measured torch CP point: causal, GQA 2:1, fp32, zigzag."""
-    return Point(
-        workload="attention",
-        framework="torch",
-        impl="default",
-        cp=cp,
-        layout="zigzag",
-        ulysses_size=None,
-        ulysses_intra_node=None,
-        mask="causal",
-        seqlen_total=WORLD * TOKENS_PER_RANK,
-        seqlen_per_device=TOKENS_PER_RANK,
-        scaling="weak",
-        num_devices=WORLD,
-        batch=1,
-        heads_q=2,
-        heads_kv=1,
-        head_dim=16,
-        dtype="fp32",
-        mode=mode,
-        num_masks=1,
-        seed=0,
-        window=1024,
-        reference_compat=False,
-        warmup=0,
-        iters=ITERS,
-        grid="test",
-    )
+    grid = Grid(
+        "test", (cp,), ("zigzag",), ("default",), ("causal",), (TOKENS_PER_RANK,), ((2, 1),), 16,
+        "fp32", (mode,), warmup=0, iters=ITERS,
+    )  # fmt: skip
+    kw = dict(seed=0, num_devices=WORLD, ulysses_size=None, ulysses_intra_node=True)
+    (p,) = expand(grid, "torch", ("default",), **kw)
+    return p
 
 
 def counting(sent: list[dict]) -> Callable:
