@@ -708,6 +708,12 @@ def test_report_predicts_and_compares_with_measured(tmp_path):
     timed_apart = [{**measured[0], "metrics": {**measured[0]["metrics"], "dispatch_ms": {}}}]
     (row,) = report_sim.compare(sims, timed_apart)  # measured without its dispatch: strategy part
     assert (row["predicted ms"], row["measured ms"]) == ("9", "11")
+    torch = [
+        [{**r, "point": {**r["point"], "framework": "torch"}} for r in recs]
+        for recs in (sims, timed_apart)
+    ]
+    (row,) = report_sim.compare(*torch)  # a torch point (dispatch timed apart) alike
+    assert (row["predicted ms"], row["measured ms"]) == ("9", "11")
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "## Predicted context parallelism" in md and "### Predicted vs measured" in md
     assert "| causal | 8 | 0.0833 (4%) | unsup. |" in md

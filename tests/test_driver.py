@@ -205,7 +205,8 @@ def test_torch_kernels_in_process(tmp_path):
 
 
 def test_torch_cp_subprocess_gloo(tmp_path):
-    """The driver spawns 2 gloo ranks itself and records the slowest rank's time."""
+    """The driver spawns 2 gloo ranks itself and records the slowest rank's time, and the
+    dispatch of q, k, v (kept out of that time) apart."""
     res = _subprocess(
         [
             "--framework=torch",
@@ -227,6 +228,7 @@ def test_torch_cp_subprocess_gloo(tmp_path):
         assert r["point"]["num_devices"] == 2 and r["point"]["seqlen_total"] == 64
         assert len(r["masks"][0]["rank_median_ms"]) == 2
         assert r["metrics"]["time_ms"]["median"] >= max(r["masks"][0]["rank_median_ms"]) * 0.999
+        assert r["masks"][0]["dispatch_ms"]["n"] == 2 and r["metrics"]["dispatch_ms"]["median"] > 0
 
 
 def test_both_frameworks_cross_table(tmp_path):

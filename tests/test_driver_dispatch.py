@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cp_records import assert_checked_with_dispatch
 from hlo_ops import collectives, op_counts, sharded_fwd_bwd_hlo
 from jax.sharding import Mesh
 
@@ -66,13 +67,7 @@ def timed(tmp_path_factory) -> tuple[dict, list[tuple]]:
 
 def test_point_checks_global_order_and_records_dispatch(timed):
     rec, calls = timed
-    assert rec["status"] == "ok", rec["reason"]
-    check = rec["check"]
-    assert check["ok"] and check["kind"] == "full"
-    assert set(check["max_errors"]) == {"out", "dq", "dk", "dv"}
-    dispatch = rec["metrics"]["dispatch_ms"]
-    assert 0 < dispatch["p20"] <= dispatch["median"] <= dispatch["p80"]
-    assert rec["masks"][0]["dispatch_ms"]["n"] == ITERS
+    assert_checked_with_dispatch(rec, ITERS)
     assert len(calls) == 2  # the attention, then the dispatch of q, k, v
 
 

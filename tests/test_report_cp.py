@@ -62,7 +62,7 @@ PLAN = {
     "ideal_area": 1.0,
 }
 TIMES = {"median": 2.0, "p20": 1.9, "p80": 2.1}
-DISPATCH = {"median": 0.2, "p20": 0.1, "p80": 0.3}  # JAX CP: q, k, v into the layout
+DISPATCH = {"median": 0.2, "p20": 0.1, "p80": 0.3}  # CP: q, k, v into the layout
 PROVENANCE = {
     "versions": {"python": "3.11.7", "jax": "0.10.2", "torch": "2.13.0"},
     "git": {"commit": "abc", "dirty": False},
@@ -164,8 +164,7 @@ def _record(
     }
     if fw == "torch":
         extra.update(rank_median_ms=[2.0] * n, peak_mem_gib_mean=peak_gib - 1.0)
-    else:
-        extra.update(dispatch_ms={**DISPATCH, "min": 0.1, "max": 0.3, "n": 8})
+    extra.update(dispatch_ms={**DISPATCH, "min": 0.1, "max": 0.3, "n": 8})
     result = _result(tflops, peak_gib, extra)
     return [*out, make_record(point, "ok", result=result, provenance=PROVENANCE)]
 
@@ -294,8 +293,9 @@ def test_report_on_real_writer_records(real_files, tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == 3
     dispatch = {(r["framework"], r["strategy"]): r["dispatch_ms"] for r in rows}
-    assert float(dispatch["jax", "ring"]) > 0  # JAX CP times leave their dispatch out
-    assert dispatch["jax", "ulysses"] == dispatch["torch", "ring"] == ""
+    assert float(dispatch["jax", "ring"]) > 0  # CP times leave their dispatch out
+    assert float(dispatch["torch", "ring"]) > 0
+    assert dispatch["jax", "ulysses"] == ""  # unsupported: nothing timed
 
 
 def test_cells_show_rate_and_efficiency_and_labels(tmp_path):

@@ -9,71 +9,16 @@ CP_TEST_FILTER=<substring of a case name> runs only the matching cases (for debu
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from gloo_ranks import launch
 
 WORLD = 4
 TIMEOUT_S = 300
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("torch_cp_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_workers(out_dir: Path, seed: int) -> tuple[bool, str]:
-    """Start WORLD worker processes on a free port and wait: (all exited 0, their log tails)."""
-    base = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "CP_TEST_SEED": str(seed),
-        "CP_TEST_OUT": str(out_dir),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    logs = [out_dir / f"log{r}.txt" for r in range(WORLD)]
-    procs = []
-    for r, log in enumerate(logs):
-        with open(log, "w") as f:
-            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-            cmd = [sys.executable, str(WORKER)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-    tails = "\n".join(f"--- rank {r}\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
-    return not any(p.returncode for p in procs), tails
-
-
-def launch(out_dir: Path, seed: int) -> list[dict]:
-    """Run the workers (again on another port if the first one was taken meanwhile) and return
-    every JSON line they wrote."""
-    ok, tails = _run_workers(out_dir, seed)
-    if not ok and "address already in use" in tails.lower():
-        ok, tails = _run_workers(out_dir, seed)
-    if not ok:
-        pytest.fail(f"CP workers failed or timed out after {TIMEOUT_S}s:\n{tails}")
-    lines = []
-    for r in range(WORLD):
-        lines += [json.loads(x) for x in (out_dir / f"rank{r}.jsonl").read_text().splitlines()]
-    return lines
 
 
 def _problems(lines: list[dict]) -> list[str]:
@@ -123,5 +68,6 @@ def test_torch_cp_against_the_oracle_and_the_plan(tmp_path):
     """One launch (so pytest-xdist never starts two process groups) checks every case."""
     sys.path.insert(0, str(WORKER.parent))
     seed = random.randrange(1 << 30)
-    bad = _problems(launch(tmp_path, seed))
+    lines = launch(WORKER, WORLD, tmp_path, {"CP_TEST_SEED": str(seed)}, TIMEOUT_S)
+    bad = _problems(lines)
     assert not bad, f"seed {seed}: {len(bad)} failures\n" + "\n".join(bad[:40])

@@ -567,8 +567,9 @@ def _cells_text(noun: DeviceNoun) -> str:
         f"eff. n/a{NO_BASELINE}: these results hold no such single-{one} rate; eff. "
         f"n/a{FAILED_BASELINE}: that single-{one} run recorded no rate; the notes under each "
         "table name those runs. OOM, unsup. (unsupported), WRONG (failed the float64 check) and "
-        "error points carry no number. JAX times start from inputs already in the executor's "
-        "layout; dispatching q, k, v into it is timed apart (dispatch_ms in the CSV)."
+        "error points carry no number. Times (JAX and PyTorch alike) start from inputs already "
+        "in the executor's layout; dispatching q, k, v into it is timed apart (dispatch_ms in "
+        "the CSV)."
     )
 
 

@@ -201,7 +201,8 @@ def _match_key(point: dict) -> tuple:
 
 def _predicted_ms(rec: dict, timed_dispatch: bool) -> float:
     """A simulated point's predicted median time; its strategy part alone (mean over masks)
-    when the measured point's time leaves the dispatch out (timed apart: JAX's dispatch_ms)."""
+    when the measured point's time leaves the dispatch out (timed apart as dispatch_ms, as the
+    driver records every measured CP point of either framework)."""
     if not timed_dispatch:
         return rec["metrics"]["time_ms"]["median"]
     parts = [m["simulation"]["time_ms"]["strategy"] for m in rec["masks"]]

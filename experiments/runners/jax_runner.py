@@ -159,12 +159,12 @@ class JaxRunner:
         loop = dict(warmup=point.warmup, iters=point.iters, flush=self.flush)
         return timing.jax_time_calls(fn, call_args, barrier=self._barrier(), **loop)
 
-    def _dispatch_ms(self, point: Point, executor, args: dict) -> dict:
-        """Time stats of dispatching q, k and v together into the executor's layout: the
-        data-side step a CP model pays once per batch, kept out of the attention's time."""
+    def _dispatch_times(self, point: Point, executor, args: dict) -> list[float]:
+        """Per-call ms (slowest process) of dispatching q, k and v together into the executor's
+        layout: the data-side step a CP model pays once per batch, kept out of the attention's."""
         qkv = (args["q"], args["k"], args["v"])
         times = self._time(point, self._dispatch_qkv, (executor, *qkv))
-        return timing.time_stats(_slowest_process(times, None)[0])
+        return _slowest_process(times, None)[0]
 
     def _build_cp(self, point: Point, mask, mesh, args: dict) -> tuple:
         """CP: the executor built once, the inputs dispatched into its layout once (untimed),
@@ -196,9 +196,10 @@ class JaxRunner:
             peak_before, timing.jax_peak_bytes(local), fn, call_args, resident=resident
         )
         times, peak = _slowest_process(times, peak)
-        if point.is_cp:
-            extra["dispatch_ms"] = self._dispatch_ms(point, executor, args)
-        return measure.mask_result(point, mask, index, times, peak, source, check.as_dict(), extra)
+        dispatch = self._dispatch_times(point, executor, args) if point.is_cp else None
+        return measure.mask_result(
+            point, mask, index, times, peak, source, check.as_dict(), extra, dispatch
+        )
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""

@@ -3,8 +3,9 @@
 Per mask: FLOPs = attention_flops(mask, Hq, D, mode, batch); per-device TFLOP/s = FLOPs / N /
 time (N = 1 without CP; under CP the time is the slowest rank's). Over the masks of a point the
 rates are averaged (the reference's mean of rates, docs/results.md); `tflops_total` is the ratio of
-summed FLOPs to summed median times. Measured JAX CP points also carry `dispatch_ms`, the time of
-putting q, k and v into the executor's layout, which their `time_ms` leaves out.
+summed FLOPs to summed median times. Measured CP points (JAX and PyTorch) also carry
+`dispatch_ms`, the time of putting q, k and v into the executor's layout, which their `time_ms`
+leaves out.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ def mask_result(
     mem_source: str | None,
     check: dict,
     extra: dict | None = None,
+    dispatch_times_ms: list[float] | None = None,
 ) -> dict:
-    """Metrics of one mask of a point."""
+    """Metrics of one mask of a point; a measured CP point passes the per-call times of its
+    data-side dispatch too, recorded apart from the attention's as `dispatch_ms`."""
     t = timing.time_stats(times_ms)
+    if dispatch_times_ms is not None:
+        extra = {**(extra or {}), "dispatch_ms": timing.time_stats(dispatch_times_ms)}
     return mask_metrics(point, mask, index, t, peak_gib, mem_source, check, extra)
 
 
@@ -94,7 +99,7 @@ def aggregate(point: Point, per_mask: list[dict]) -> dict:
         "peak_mem_gib": max(peaks) if peaks else None,
         "mem_source": per_mask[0]["mem_source"],
     }
-    if "dispatch_ms" in per_mask[0]:  # JAX CP: the data-side dispatch, timed apart
+    if "dispatch_ms" in per_mask[0]:  # measured CP: the data-side dispatch, timed apart
         metrics["dispatch_ms"] = {q: mean("dispatch_ms", q) for q in QUANTILES}
     checks = [m.pop("check") for m in per_mask]
     return {"metrics": metrics, "check": summarize_checks(checks), "masks": per_mask}

@@ -1,8 +1,10 @@
 """Runs one PyTorch point: a single-device kernel, or a CP strategy on every rank of a group.
 
-Under CP every rank holds the same global inputs (same seed), calls the strategy collectively,
-rank 0 checks the global result, and all ranks agree on each phase's outcome before going on,
-so one failing rank ends the point on every rank instead of hanging the others.
+Under CP every rank holds the same global inputs (same seed) and dispatches them once to its
+shards; the timed call is the strategy on the shards (collective), its first results are
+all-gathered back for rank 0 to check in global order, and the dispatch is timed apart. All
+ranks agree on each phase's outcome before going on, so one failing rank ends the point on every
+rank instead of hanging the others.
 """
 
 from __future__ import annotations
@@ -186,32 +188,53 @@ class TorchRunner:
         self._agree(failure)
         return self._share(verdict)
 
+    def _time(self, point: Point, fn: Callable[[], object]) -> tuple[list[float], float | None]:
+        """(per-call ms, peak GiB) of fn on this rank: the point's warmup and iters, ranks lined
+        up before each call; every rank agrees that it ran."""
+        loop = dict(warmup=point.warmup, iters=point.iters, device=self.device)
+        return self._phase(lambda: timing.torch_time_calls(fn, barrier=self._barrier(), **loop))
+
+    def _dispatch_times(self, point: Point, executor, args: dict) -> list[float]:
+        """Per-call ms (slowest rank) of dispatching q, k and v into this rank's shards: the
+        data-side step a CP model pays once per batch, kept out of the attention's time."""
+        qkv = (args["q"], args["k"], args["v"])
+        times, _ = self._time(point, lambda: [executor.dispatch(x) for x in qkv])
+        return self._slowest(times)[0]
+
+    def _build_cp(self, point: Point, mask, args: dict) -> tuple:
+        """CP: the executor's plan bound once, q, k, v, dout dispatched to this rank's shards
+        once (untimed), the timed call on the shards; its first results back in global order."""
+        executor = frameworks.torch_cp_executor(point, mask, self.group)
+        shards = {name: executor.dispatch(x) for name, x in args.items()}
+        fn, got = self._callable(point.mode, executor.sharded, shards)
+        with self.torch.no_grad():
+            return executor, fn, {name: executor.undispatch(y) for name, y in got.items()}
+
     def _run_mask(self, point: Point, mask, index: int) -> dict:
-        """Build, check, then time one mask of a point (collectively under CP)."""
+        """Build, check, then time one mask of a point (CP: collectively, on this rank's
+        shards)."""
         args = self.inputs(point, index)
-        plan = self._phase(lambda: frameworks.cp_plan_info(point, mask)) if point.is_cp else None
-        attn = frameworks.attention_fn("torch", point, mask, group=self.group)
-        fn, got = self._phase(lambda: self._callable(point.mode, attn, args))
+        if point.is_cp:
+            plan = self._phase(lambda: frameworks.cp_plan_info(point, mask))
+            executor, fn, got = self._phase(lambda: self._build_cp(point, mask, args))
+        else:
+            attn = frameworks.attention_fn("torch", point, mask)
+            fn, got = self._phase(lambda: self._callable(point.mode, attn, args))
         check = self._check(point, mask, index, args, got)
         if not check["ok"]:
             raise PointFailure(WRONG, f"mask {index}: {check['message']}", {"check": check})
         del got
-        times, peak = self._phase(
-            lambda: timing.torch_time_calls(
-                fn,
-                warmup=point.warmup,
-                iters=point.iters,
-                device=self.device,
-                barrier=self._barrier(),
-            )
-        )
+        times, peak = self._time(point, fn)
         slowest, rank_medians = self._slowest(times)
         peak_max, peak_mean = self._peaks(peak)
-        extra = None
+        extra, dispatch = None, None
         if point.is_cp:
             extra = {"rank_median_ms": rank_medians, "peak_mem_gib_mean": peak_mean, **plan}
+            dispatch = self._dispatch_times(point, executor, args)
         source = "torch_max_memory_allocated" if peak_max is not None else None
-        return measure.mask_result(point, mask, index, slowest, peak_max, source, check, extra)
+        return measure.mask_result(
+            point, mask, index, slowest, peak_max, source, check, extra, dispatch
+        )
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
