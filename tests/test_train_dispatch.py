@@ -1,4 +1,4 @@
-"""The CP train step runs in its executor's layout (8 virtual CPU devices): the batch is
+"""The CP train step runs in its executor's layout (4 virtual CPU devices): the batch is
 dispatched once, so the compiled step moves only what its attention strategy needs, and the
 padding tokens of a length that does not split evenly carry no loss."""
 
@@ -68,7 +68,7 @@ PAD = TrainConfig(model=PAD_MODEL, data=PAD_DATA, optim=OptimConfig(learning_rat
 
 
 def test_padding_tokens_carry_no_loss():
-    """S = 100 does not split over 8 devices and per-document zigzag pads every rank: the CP
+    """S = 102 does not split over 4 devices and per-document zigzag pads every rank: the CP
     losses (the second one after an update from CP gradients) are one device's up to float32
     rounding (the same per-token terms summed in another order). Timing one layer's attention
     alone runs it on dispatched inputs too."""
