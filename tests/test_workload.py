@@ -329,6 +329,30 @@ def test_mosaic_reads_the_train_steps_fixed_shape_arrays():
     assert np.isfinite(got).all() and err < 2e-2, err
 
 
+def test_dense_training_that_cannot_fit_is_a_predicted_oom(monkeypatch):
+    """A dense impl whose saved attention probabilities (depth x B x Hq x S x S) exceed the
+    device is an oom "predicted:" before any model is built; at exactly that capacity, and for
+    a flash impl below it, nothing is predicted."""
+    from experiments.core.outcomes import OOM, PointFailure
+    from experiments.runners import memory
+
+    m, d = TINY.model, TINY.data
+    need = m.depth * d.batch * m.heads_q * d.seqlen * d.seqlen * np.dtype(m.dtype).itemsize
+
+    def never_built(cfg):
+        raise AssertionError("the model was built for a run predicted not to fit")
+
+    monkeypatch.setattr(train_step, "Trainer", never_built)
+    monkeypatch.setattr(memory, "jax_capacity", lambda: (need - 1, False))
+    with pytest.raises(PointFailure) as failed:
+        train_step.run(dataclasses.replace(TINY, impl="xla"), stream=QUIET)
+    assert failed.value.status == OOM and failed.value.reason.startswith("predicted:")
+    assert f"S {d.seqlen}" in failed.value.reason
+    train_step._require_fits(dataclasses.replace(TINY, impl="pallas"))
+    monkeypatch.setattr(memory, "jax_capacity", lambda: (need, False))
+    train_step._require_fits(dataclasses.replace(TINY, impl="xla"))
+
+
 def test_next_impl_is_the_baseline_when_the_baseline_fails(tmp_path, monkeypatch, capsys):
     """A baseline that runs out of memory is recorded as oom, the next impl that finishes
     becomes the baseline and the one after is checked against it (instead of the run ending in

@@ -70,6 +70,33 @@ def require_fits(point: Point, capacity_bytes: int | None, *, host: bool = False
     )
 
 
+def require_training_fits(
+    impl: str,
+    *,
+    depth: int,
+    batch: int,
+    heads_q: int,
+    seqlen: int,
+    itemsize: int,
+    capacity_bytes: int | None,
+) -> None:
+    """Raise an oom PointFailure ("predicted: ...") when a dense JAX impl's training step cannot
+    keep what its backward needs: every layer's B x Hq x S x S attention probabilities (at least
+    `itemsize` bytes each; the LM rematerialises nothing). Flash impls keep no scores."""
+    if capacity_bytes is None or impl not in DENSE_IMPLS["jax"]:
+        return
+    need = depth * batch * heads_q * seqlen * seqlen * itemsize
+    if need <= capacity_bytes:
+        return
+    raise PointFailure(
+        OOM,
+        f"predicted: {impl} keeps every layer's attention probabilities for the backward "
+        f"(depth {depth} x B {batch} x Hq {heads_q} x S {seqlen} x S x {itemsize} B = "
+        f"{need / GIB:.1f} GiB) beyond the device's {capacity_bytes / GIB:.1f} GiB; not run "
+        "(a flash impl keeps no scores)",
+    )
+
+
 def host_available_bytes() -> int | None:
     """Memory the host can still give without swapping (Linux MemAvailable), None if unknown."""
     try:

@@ -34,7 +34,7 @@ from experiments.core import provenance
 from experiments.core.outcomes import ERROR, OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
-from experiments.runners import checks, timing
+from experiments.runners import checks, memory, timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, curves, data, lm, masking, placement, records, train
@@ -249,6 +249,7 @@ def run(
     writer = jax.process_index() == 0
     out = stream or sys.stdout
     say = (lambda msg: print(msg, file=out, flush=True)) if writer else (lambda msg: None)
+    _require_fits(cfg)
     trainer = Trainer(cfg)
     cfg, backend = trainer.cfg, trainer.backend
     key = run_key(cfg, backend)
@@ -308,6 +309,24 @@ def run(
     if cfg.out_dir and writer:
         ResultsStore(cfg.out_dir).append(result.record)
     return result
+
+
+def _require_fits(cfg: TrainConfig) -> None:
+    """A predicted oom, before anything is built, for a dense impl whose saved attention
+    probabilities cannot fit on one device (runners.memory.require_training_fits)."""
+    backend = cfg.backend()
+    if backend.is_cp:
+        return
+    capacity, _ = memory.jax_capacity()
+    memory.require_training_fits(
+        backend.resolved_impl,
+        depth=cfg.model.depth,
+        batch=cfg.data.batch,
+        heads_q=cfg.model.heads_q,
+        seqlen=cfg.data.seqlen,
+        itemsize=jnp.dtype(cfg.model.dtype).itemsize,
+        capacity_bytes=capacity,
+    )
 
 
 def run_from_flags(flag_values: Any) -> int:
