@@ -3,7 +3,8 @@ TorchRunner on a gloo group, one JSON line per point into CP_TEST_OUT/rank<r>.js
 
 Launched as plain processes with torchrun's variables (never imports jax). For each point the
 line holds its record and, per timed function, the bytes one call of it sent (torch_cp's
-counters); the last point runs with a shard_attention off by 1% and must be wrong untimed.
+counters); the last point runs with the executor's sharded attention off by 1% and must be wrong
+untimed.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def main() -> None:
         with mock.patch.object(timing, "torch_time_calls", counting(sent)):
             rec = sweep.run_one(point(cp, "fwd_bwd"), lambda p: runner, {})
         lines.append({"case": cp, "rank": rank, "record": rec, "sent": sent})
-    real = torch_cp.shard_attention
+    real = torch_cp.CPExecutor.sharded
     off = lambda *a, **k: real(*a, **k) * 1.01  # noqa: E731
     with (
-        mock.patch.object(torch_cp, "shard_attention", off),
+        mock.patch.object(torch_cp.CPExecutor, "sharded", off),
         mock.patch.object(timing, "torch_time_calls", untimed),
     ):
         rec = sweep.run_one(point("ring", "fwd"), lambda p: runner, {})

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 from experiments.core.outcomes import UNSUPPORTED, PointFailure, not_available
@@ -46,21 +45,9 @@ def cp_kwargs(attention, point: Point) -> dict:
     return {"inner_axis": inner_axis(point.ulysses_intra_node)} if "inner_axis" in params else {}
 
 
-def _cp_settings(point: Point, entry: Callable) -> dict:
-    """The point's CP keywords for a jax_cp / torch_cp entry point (attention or build)."""
-    impl = None if point.impl == DEFAULT_IMPL else point.impl
-    return dict(
-        strategy=point.cp,
-        layout=point.layout,
-        ulysses_size=point.ulysses_size,
-        impl=impl,
-        **cp_kwargs(entry, point),
-    )
-
-
 def attention_fn(framework: str, point: Point, mask) -> Callable:
     """(q, k, v) -> out for a kernel point's impl (or its tuned kernel config); CP points run
-    through their executor (jax_cp_executor, torch_cp_executor)."""
+    through their executor (cp_executor)."""
     if point.kernel_config:
         from experiments.runners import tuned_kernel
 
@@ -69,62 +56,25 @@ def attention_fn(framework: str, point: Point, mask) -> Callable:
     return lambda q, k, v: mod.attention(q, k, v, mask, impl=point.impl)
 
 
-def jax_cp_executor(point: Point, mask, **placement):
-    """The executor jax_cp.attention would build for the point (placement: mesh, axis), built
-    once, so that the driver can dispatch inputs into its layout outside the timed calls."""
-    cp = cp_module("jax")
+def cp_executor(framework: str, point: Point, mask, **placement):
+    """The executor the framework's CP attention would build for the point (placement: JAX mesh
+    and axis, torch group), built once, so that the driver can dispatch inputs into its layout
+    outside the timed calls: dispatch, sharded (attention on the shards), undispatch."""
+    cp = cp_module(framework)
+    dtype = {"dtype": framework_dtype("jax", point.dtype)} if framework == "jax" else {}
     return cp.build(
         mask,
         **placement,
-        **_cp_settings(point, cp.build),
+        strategy=point.cp,
+        layout=point.layout,
+        ulysses_size=point.ulysses_size,
+        impl=None if point.impl == DEFAULT_IMPL else point.impl,
         num_heads_q=point.heads_q,
         num_heads_kv=point.heads_kv,
         head_dim=point.head_dim,
-        dtype=framework_dtype("jax", point.dtype),
+        **dtype,
+        **cp_kwargs(cp.build, point),
     )
-
-
-@dataclass(frozen=True)
-class TorchCPExecutor:
-    """A torch_cp plan bound to a process group and impl, with torch_cp's shard-level calls:
-    the driver's counterpart of a jax_cp CPExecutor (dispatch, sharded, undispatch)."""
-
-    cp: ModuleType
-    plan: object
-    group: object
-    impl: str | None
-
-    def dispatch(self, x):
-        """Global x (the same on every rank) -> this rank's shard: a local slice, no traffic."""
-        return self.cp.dispatch(x, self.plan, group=self.group)
-
-    def undispatch(self, y):
-        """This rank's shard -> the global tensor in token order (an all-gather)."""
-        return self.cp.undispatch(y, self.plan, group=self.group)
-
-    def sharded(self, q, k, v):
-        """Attention on this rank's shards, collectively over the group; differentiable."""
-        return self.cp.shard_attention(q, k, v, self.plan, group=self.group, impl=self.impl)
-
-
-def torch_cp_executor(point: Point, mask, group) -> TorchCPExecutor:
-    """The plan torch_cp.attention would make for the point on `group` (same settings and
-    shapes), bound once, so that the driver can dispatch inputs outside the timed calls."""
-    import torch.distributed as dist
-
-    cp = cp_module("torch")
-    settings = _cp_settings(point, cp.attention)
-    impl = settings.pop("impl")
-    plan = cp.get_plan(
-        mask,
-        dist.get_world_size(group),
-        **settings,
-        num_windows=None,
-        num_heads_q=point.heads_q,
-        num_heads_kv=point.heads_kv,
-        head_dim=point.head_dim,
-    )
-    return TorchCPExecutor(cp, plan, group, impl)
 
 
 def inner_axis(ulysses_intra_node: bool | None) -> str:

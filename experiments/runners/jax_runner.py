@@ -169,7 +169,7 @@ class JaxRunner:
     def _build_cp(self, point: Point, mask, mesh, args: dict) -> tuple:
         """CP: the executor built once, the inputs dispatched into its layout once (untimed),
         the timed call on the dispatched arrays; its first results back in global order."""
-        executor = frameworks.jax_cp_executor(point, mask, mesh=mesh, axis="cp")
+        executor = frameworks.cp_executor("jax", point, mask, mesh=mesh, axis="cp")
         dispatched = {name: executor.dispatch(x) for name, x in args.items()}
         fn, call_args, got = self._build_and_call(point.mode, executor.sharded, dispatched)
         return executor, fn, call_args, {name: executor.undispatch(y) for name, y in got.items()}

@@ -204,7 +204,7 @@ class TorchRunner:
     def _build_cp(self, point: Point, mask, args: dict) -> tuple:
         """CP: the executor's plan bound once, q, k, v, dout dispatched to this rank's shards
         once (untimed), the timed call on the shards; its first results back in global order."""
-        executor = frameworks.torch_cp_executor(point, mask, self.group)
+        executor = frameworks.cp_executor("torch", point, mask, group=self.group)
         shards = {name: executor.dispatch(x) for name, x in args.items()}
         fn, got = self._callable(point.mode, executor.sharded, shards)
         with self.torch.no_grad():

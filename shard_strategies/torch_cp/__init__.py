@@ -6,6 +6,8 @@
     plan = torch_cp.get_plan(mask, world_size, "ring", "zigzag")
     q_local = torch_cp.dispatch(q, plan)          # callers holding shards: shard_attention
     out = torch_cp.undispatch(torch_cp.shard_attention(q_l, k_l, v_l, plan), plan)
+    ex = torch_cp.build(mask, strategy="ring", num_heads_q=64, num_heads_kv=8, head_dim=128)
+    out_l = ex.sharded(*map(ex.dispatch, (q, k, v)))   # the same as jax_cp.build's executor
 
 Strategies (the plan of `shard_strategies.make_plan`, the same as the JAX executor's, so both
 hold the same tokens on the same rank and move the same bytes):
@@ -49,8 +51,10 @@ Launch (one process per GPU; `init_distributed` reads the variables either launc
 """
 
 from ._api import (
+    CPExecutor,
     attention,
     bind,
+    build,
     dispatch,
     get_plan,
     local_core,
@@ -64,6 +68,7 @@ from ._local import LseMerge, acc_dtype, default_impl
 from ._steps import Cotangents, Piece, add_grads, backward_step, forward_step
 
 __all__ = [
+    "CPExecutor",
     "Cotangents",
     "LseMerge",
     "Piece",
@@ -72,6 +77,7 @@ __all__ = [
     "attention",
     "backward_step",
     "bind",
+    "build",
     "default_impl",
     "dispatch",
     "forward_step",

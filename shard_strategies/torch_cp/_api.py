@@ -237,6 +237,63 @@ def undispatch(
     return Undispatch.apply(plan, dist.get_rank(group), group, dim, y)[0]
 
 
+@dataclass(frozen=True)
+class CPExecutor:
+    """A plan bound to a process group, impl and scale: the data-side pair (dispatch,
+    undispatch) and attention on this rank's shards; jax_cp.CPExecutor's counterpart."""
+
+    plan: CPPlan
+    group: dist.ProcessGroup | None = None
+    impl: str | None = None
+    scale: float | None = None
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """Global x (the same on every rank) -> this rank's shard: a local slice, no traffic."""
+        return dispatch(x, self.plan, group=self.group)
+
+    def undispatch(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's shard -> the global tensor in token order (an all-gather)."""
+        return undispatch(y, self.plan, group=self.group)
+
+    def sharded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):
+        """Attention on this rank's shards, collectively over the group; differentiable."""
+        return shard_attention(
+            q, k, v, self.plan, group=self.group, impl=self.impl, scale=self.scale,
+            return_lse=return_lse,
+        )  # fmt: skip
+
+
+def build(
+    mask: Mask,
+    *,
+    group: dist.ProcessGroup | None = None,
+    strategy: str,
+    layout: str = "zigzag",
+    ulysses_size: int | None = None,
+    impl: str | None = None,
+    scale: float | None = None,
+    num_windows: int | None = None,
+    inner_axis: str = "ulysses",
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+) -> CPExecutor:
+    """Plan `strategy` for `mask` over `group` and bind it (for callers holding shards)."""
+    plan = get_plan(
+        mask,
+        len(group_members(group)),
+        strategy,
+        layout,
+        ulysses_size,
+        num_windows=num_windows,
+        inner_axis=inner_axis,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+    )
+    return CPExecutor(plan, group, impl, scale)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -260,21 +317,22 @@ def attention(
     all-gathers the shards' gradients), provided every rank back-propagates the same dout.
     """
     check_attention_shapes(q.shape, k.shape, v.shape, mask)
-    plan = get_plan(
+    ex = build(
         mask,
-        len(group_members(group)),
-        strategy,
-        layout,
-        ulysses_size,
+        group=group,
+        strategy=strategy,
+        layout=layout,
+        ulysses_size=ulysses_size,
+        impl=impl,
+        scale=scale,
         num_windows=num_windows,
         inner_axis=inner_axis,
         num_heads_q=q.shape[2],
         num_heads_kv=k.shape[2],
         head_dim=q.shape[3],
     )
-    rank = dist.get_rank(group)
-    shards = Dispatch.apply(plan, rank, group, 1, q, k, v)
-    res = shard_attention(*shards, plan, group=group, impl=impl, scale=scale, return_lse=return_lse)
+    plan, rank = ex.plan, dist.get_rank(group)
+    res = ex.sharded(*Dispatch.apply(plan, rank, group, 1, q, k, v), return_lse=return_lse)
     if not return_lse:
         return Undispatch.apply(plan, rank, group, 1, res)[0]
     out = Undispatch.apply(plan, rank, group, 1, res[0])[0]
