@@ -7,8 +7,12 @@ with CUDA events; on a 2-3 ms kernel the two then differ by a few percent either
 both launch the same compiled kernel. Here both front ends run on the same inputs in one
 process, every call is timed the same way (L2 flush, synchronize, host clock around the call
 and its completion), and rounds alternate (torch, JAX, torch, ...) so that a drift in clocks or
-temperature reaches both. Before any time is printed, the two outputs must be bitwise equal (one
-kernel) and torch's must pass the float64 row check of the driver (experiments/runners/checks.py).
+temperature reaches both. The host clock includes each front end's launch overhead and the host's
+jitter; a last profiled round (CUPTI, through torch.profiler, which sees every kernel of the
+process, JAX's included) records the GPU time of the kernels each call launched, which is the
+same for one compiled kernel unless a front end adds work on the device. Before any time is
+printed, the two outputs must be bitwise equal (one kernel) and torch's must pass the float64 row
+check of the driver (experiments/runners/checks.py).
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.", lower_bound=32, upper_bound=2
 flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "Forward, or forward+backward.")
 flags.DEFINE_integer("rounds", 10, "Alternating rounds per point.", lower_bound=1)
 flags.DEFINE_integer("iters", 5, "Timed calls per front end per round.", lower_bound=1)
+flags.DEFINE_integer("profiled", 10, "Calls per front end in the profiled round (0: none).", 0)
 flags.DEFINE_string("out", None, "Append one JSON line per point to this file.")
 
 SEED = 42
+# torch's L2 flush (zero_ of a 256 MB buffer) launches this kernel; it is not the call's work
+FLUSH_KERNEL = "FillFunctor"
 
 
 def _host(x):
@@ -105,7 +112,39 @@ def _point(mask_name: str, heads: str) -> dict:
                 times[f].append((time.perf_counter() - t0) * 1e3)
     stats = {f: timing.time_stats(t) for f, t in times.items()}
     ratio = stats["jax"]["median"] / stats["torch"]["median"] - 1.0
-    return {**record, "status": "ok", "time_ms": stats, "jax_vs_torch": ratio}
+    record = {**record, "status": "ok", "time_ms": stats, "jax_vs_torch": ratio}
+    if FLAGS.profiled:
+        gpu = {f: _gpu_ms_per_call(fn, flush, FLAGS.profiled) for f, fn in calls.items()}
+        record["gpu_ms_per_call"] = gpu
+        if all(gpu.values()):
+            record["gpu_jax_vs_torch"] = gpu["jax"] / gpu["torch"] - 1.0
+    return record
+
+
+def _gpu_ms_per_call(fn, flush, calls: int) -> float | None:
+    """GPU time of the kernels one call launches (mean over `calls` calls, L2 flushed before
+    each, flush kernels left out), from a CUPTI trace; None if the trace has no kernel."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            torch.cuda.synchronize()
+            fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [
+        e["dur"]
+        for e in events
+        if e.get("cat") == "kernel" and FLUSH_KERNEL not in e.get("name", "")
+    ]
+    return sum(kernels) / 1e3 / calls if kernels else None
 
 
 def main(argv: list[str]) -> None:
@@ -120,9 +159,17 @@ def main(argv: list[str]) -> None:
             where = f"{mask_name} S={FLAGS.seqlen} {heads} {FLAGS.mode}"
             if rec["status"] == "ok":
                 t = rec["time_ms"]
+                gpu = rec.get("gpu_ms_per_call", {})
+                on_gpu = (
+                    f"; GPU time torch {gpu['torch']:.3f} ms, JAX {gpu['jax']:.3f} ms "
+                    f"({100 * rec['gpu_jax_vs_torch']:+.1f}%)"
+                    if "gpu_jax_vs_torch" in rec
+                    else ""
+                )
                 print(
                     f"{where}: torch {t['torch']['median']:.3f} ms, JAX {t['jax']['median']:.3f} "
-                    f"ms ({100 * rec['jax_vs_torch']:+.1f}%), bitwise equal, float64 check ok",
+                    f"ms ({100 * rec['jax_vs_torch']:+.1f}%){on_gpu}; bitwise equal, float64 "
+                    "check ok",
                     flush=True,
                 )
             else:
