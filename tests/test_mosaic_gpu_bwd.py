@@ -107,6 +107,17 @@ def test_gradients(name: str, interpret) -> None:
     _check(case.pop("mask"), KernelConfig(), interpret, **case)
 
 
+FUSED_CASES = ("causal_gqa_ragged_fp16", "gaps_sq_ne_sk", "share_question_fp16")
+
+
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_fused_gradients(name: str, interpret) -> None:
+    """One kernel for all three gradients: dQ summed over key tiles and GQA heads by the TMA
+    reduce-add into fp32 (rows no key reaches stay exactly 0)."""
+    case = dict(CASES[name])
+    _check(case.pop("mask"), KernelConfig(fused_bwd=True), interpret, **case)
+
+
 def test_sub_tiles_and_deep_ring(interpret) -> None:
     """128x128 mask tiles walked as 64-row kernel tiles (and 128-key dQ steps), 3 stages."""
     config = KernelConfig(block_k_dq=128, num_stages_bwd=3)
@@ -186,6 +197,11 @@ def test_lowers_for_hopper(d: int) -> None:
     traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=config, interpret=None)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_flash_dkv" in text and "mosaic_flash_dq" in text
+    assert text.count("custom_call @mosaic_gpu") == 2
+    fused = KernelConfig(block_k=128, fused_bwd=True)
+    traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=fused, interpret=None)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1, "fused: one backward kernel, no dQ kernel"
 
 
 @pytest.mark.gpu

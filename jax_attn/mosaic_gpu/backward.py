@@ -1,11 +1,15 @@
-"""Flash-attention backward for Hopper in Pallas Mosaic GPU: a dK/dV kernel and a dQ kernel.
+"""Flash-attention backward for Hopper in Pallas Mosaic GPU: a dK/dV kernel and a dQ kernel, or
+one fused kernel.
 
 Both walk only the non-empty tiles of the mask's tile lists (partial tiles first, masked in
 registers from the per-row key intervals; full tiles unmasked). Operand tiles arrive by TMA into
 a `stages`-deep SMEM ring, one step ahead per extra stage; all five matmuls are wgmma with fp32
 accumulators; P is recomputed with exp2 from the saved LSE, so no forward pass is repeated.
 dK/dV programs own one (key tile, kv head) and loop over the q heads of its GQA group, so the
-group's gradients accumulate in registers without atomics.
+group's gradients accumulate in registers without atomics. Fused (KernelConfig.fused_bwd), the
+dK/dV kernel also computes each step's dQ contribution dS K and adds it to an fp32 dQ in global
+memory with a TMA reduce-add, so S and dP are computed once (five matmuls a step instead of
+seven across two kernels), at the cost of dQ traffic through L2.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class _Kernel:
     stages: int
     scale: float
     hints: bool  # emit layout casts (real lowering); interpret mode has no rule for them
+    fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
 
     @property
     def qk_scale(self) -> float:
@@ -104,6 +109,16 @@ def _two_matmuls(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> 
         return acc0[...], acc1[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _one_matmul(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
+    """a @ b in a fresh fp32 accumulator (waits for it, and for every wgmma issued before)."""
+
+    def run(acc: Any) -> jax.Array:
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
 def _tile_start(
@@ -180,8 +195,10 @@ def _dkv_kernel(
     ring_bar: Any,
     *,
     kern: _Kernel,
+    dq: tuple[Any, Any] | None = None,
 ) -> None:
-    """dK, dV of one (key tile, kv head, batch row): tiles are (keys, queries), keys first."""
+    """dK, dV of one (key tile, kv head, batch row): tiles are (keys, queries), keys first.
+    dq = (fp32 dQ in GMEM, an fp32 (block_q, D) SMEM stage): also add each step's dS K to it."""
     bq, bk = kern.block_q, kern.block_k
     tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     col0 = tile * bk
@@ -209,6 +226,15 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(lo_ref.at[:, rows], lo_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(hi_ref.at[:, rows], hi_s.at[slot], bar)
 
+    def reduce_dq(n: jax.Array, dq_ref: Any, dq_s: Any) -> None:
+        """dQ[rows, head] += dS K of step n (scaled later), through the SMEM stage by TMA."""
+        part = _one_matmul(plgpu.transpose_ref(ds_s, (1, 0)), k_s, (bq, k_s.shape[-1]))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's add has read the stage
+        dq_s[...] = part
+        plgpu.commit_smem()
+        start, head = where(n)
+        plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[batch, pl.ds(start, bq), head], reduction_op="add")
+
     def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
         def compute(n: jax.Array, slot: jax.Array, masked: bool) -> None:
             plgpu.barrier_wait(ring_bar.at[slot])
@@ -229,6 +255,8 @@ def _dkv_kernel(
             plgpu.commit_smem()
             plgpu.wgmma(dv_acc, p_s, do)
             plgpu.wgmma(dk_acc, ds_s, q)
+            if dq is not None:
+                reduce_dq(n, *dq)
 
         plgpu.barrier_wait(kv_bar.at[0])
         _ring(total, n_masked, kern.stages, fetch, compute)
@@ -239,6 +267,12 @@ def _dkv_kernel(
     _store_tile(k_s, dk * kern.scale, dk_ref.at[batch, keys, kv_head])
     _store_tile(v_s, dv, dv_ref.at[batch, keys, kv_head])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_fused_kernel(*refs: Any, kern: _Kernel) -> None:
+    """_dkv_kernel with dQ: refs are its 11 inputs, the dQ ref, dk, dv, its scratch, the stage."""
+    inputs, (dq_ref, dk_ref, dv_ref), scratch = refs[:11], refs[11:14], refs[14:]
+    _dkv_kernel(*inputs, dk_ref, dv_ref, *scratch[:-1], kern=kern, dq=(dq_ref, scratch[-1]))
 
 
 def _dq_kernel(
@@ -339,16 +373,31 @@ def _launch(
     interpret: Any,
     name: str,
 ) -> Callable[..., Any]:
-    return plgpu.kernel(
-        functools.partial(body, kern=kern),
+    """The kernel over (tiles, heads, batch). A fused launch takes a mutable dQ Ref operand,
+    which plgpu.kernel's batching wrapper cannot carry, so it goes through pl.kernel (with the
+    scratch allocated inside, as plgpu.kernel does it)."""
+    common = dict(
         out_type=out_type,
-        grid=grid,
-        grid_names=("tiles", "heads", "batch"),
-        scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret if interpret else None,
-        kernel_name=name,
     )
+    grid_names = ("tiles", "heads", "batch")
+    body = functools.partial(body, kern=kern)
+    if not kern.fused:
+        return plgpu.kernel(
+            body,
+            grid=grid,
+            grid_names=grid_names,
+            kernel_name=name,
+            scratch_types=scratch,
+            **common,
+        )
+
+    def scoped(*refs: Any) -> None:
+        pl.run_scoped(functools.partial(body, *refs), *scratch)
+
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, kernel_name=name)
+    return pl.kernel(scoped, mesh=mesh, name=name, **common)
 
 
 def _check(q: jax.Array, k: jax.Array, arrays: MaskArrays) -> None:
@@ -390,6 +439,7 @@ def _kernels(
         _Kernel(
             block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
             block_k=_kernel_tile(config.block_k_dkv, "block_k_dkv", mbk),
+            fused=config.fused_bwd,
             **common,
         ),
         _Kernel(
@@ -418,7 +468,7 @@ def flash_attention_mosaic_bwd(
 
     Shapes are unpadded (B, S, H, D); lengths are padded to the mask tiles here, padded rows
     and keys contributing nothing. config's backward fields set the kernel sub-tiles and the TMA
-    ring depth (KernelConfig). interpret: an
+    ring depth (KernelConfig), and fused_bwd one kernel for all three gradients. interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
     cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
     """
@@ -432,15 +482,18 @@ def flash_attention_mosaic_bwd(
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
     lo, hi = padded_intervals(arrays, pad)
     operands = (qp, kp, vp, dop, lse2, delta, lo, hi)
-    dk, dv = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
-    dq = _dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
+    if kernels[0].fused:
+        dk, dv, dq = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+        dq = (dq * kernels[0].scale).astype(q.dtype)
+    else:
+        dk, dv = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+        dq = _dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 
-def _dkv_call(
-    operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any
-) -> tuple[jax.Array, jax.Array]:
-    """dK, dV (B, padded Sk, Hkv, D) of padded operands over the per-key-tile q tile lists."""
+def _dkv_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) -> tuple:
+    """dK, dV (B, padded Sk, Hkv, D) of padded operands over the per-key-tile q tile lists, and
+    when fused the unscaled fp32 dQ (B, padded Sq, Hq, D)."""
     q, k = operands[0], operands[1]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
@@ -460,9 +513,14 @@ def _dkv_call(
     ]
     grid = (k.shape[1] // bk, k.shape[2], k.shape[0])
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
-    call = _launch(_dkv_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_dkv")
-    dk, dv = call(*operands, *lists)
-    return dk, dv
+    if not kern.fused:
+        call = _launch(_dkv_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_dkv")
+        return tuple(call(*operands, *lists))
+    scratch.append(plgpu.SMEM((bq, d), jnp.float32))
+    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
+    call = _launch(_dkv_fused_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_bwd")
+    dk, dv = call(*operands, *lists, dq)
+    return dk, dv, dq[...]
 
 
 def _dq_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) -> jax.Array:

@@ -23,7 +23,8 @@ class KernelConfig:
     warpgroup. The mask tiles (MaskArrays) are (mask_block_q, block_k).
     Backward: the dK/dV and dQ kernels walk the same mask tiles in sub-tiles of
     block_{q,k}_{dkv,dq} rows/keys (None: 64; multiples of 64 dividing the mask tile) through a
-    ring of num_stages_bwd stages (None: max_concurrent_steps).
+    ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
+    the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add).
     """
 
     block_q: int = 64
@@ -34,6 +35,7 @@ class KernelConfig:
     block_q_dq: int | None = None
     block_k_dq: int | None = None
     num_stages_bwd: int | None = None
+    fused_bwd: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:

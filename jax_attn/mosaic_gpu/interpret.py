@@ -60,9 +60,10 @@ def launches_with_races() -> Iterator[list[bool]]:
 
 @functools.cache
 def enable_interpret_support() -> None:
-    """Teach the Mosaic GPU CPU interpreter the three constructs this kernel needs that it
-    lacks (jax 0.10): layout casts (pure annotations: identity on CPU), and wgmma operands that
-    are transposed shared-memory views (K^T) or register arrays (P). The kernel is unchanged.
+    """Teach the Mosaic GPU CPU interpreter the constructs these kernels need that it lacks
+    (jax 0.10): layout casts (pure annotations: identity on CPU), wgmma operands that are
+    transposed shared-memory views (K^T) or register arrays (P), and the TMA reduce-add of the
+    fused backward's dQ. The kernels are unchanged.
     """
     from jax._src.interpreters import mlir
     from jax._src.pallas.mosaic_gpu import core as gpu_core
@@ -70,6 +71,9 @@ def enable_interpret_support() -> None:
 
     mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
     gpu_callbacks.wgmma = functools.partial(_interpret_wgmma, gpu_callbacks)
+    gpu_callbacks.copy_smem_to_gmem = functools.partial(
+        _interpret_copy_smem_to_gmem, gpu_callbacks, gpu_callbacks.copy_smem_to_gmem
+    )
 
 
 def _interpret_operand(callbacks: Any, key: Any, transforms: Any, thread: int) -> np.ndarray:
@@ -125,3 +129,29 @@ def _interpret_wgmma(
     ).astype(acc_dtype)
     memory.store_buffer_content(acc_key, acc_range, res, thread)
     return token
+
+
+def _interpret_copy_smem_to_gmem(
+    callbacks: Any, copy: Any, *, reduction_op: Any = None, **kwargs: Any
+) -> Any:
+    """The interpreter's SMEM -> GMEM copy, and with reduction_op="add" dst += src (the copy is
+    synchronous there, like every interpreted TMA)."""
+    if reduction_op is None:
+        return copy(reduction_op=None, **kwargs)
+    if reduction_op != "add":
+        raise NotImplementedError(f"TMA reduction {reduction_op!r} in interpret mode")
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+
+    memory = callbacks._get_shared_memory()
+    thread = memory.get_global_thread_id(int(kwargs["device_id"]), int(kwargs["thread_id"]))
+
+    def where(side: str) -> tuple[Any, Any]:
+        key = callbacks.HostAllocationKey.from_array(kwargs[f"{side}_allocation_key_as_array"])
+        transforms = callbacks._remove_noop_transforms(kwargs[f"{side}_transforms"])
+        return key, interpret_utils.to_range(jax.tree.map(int, transforms))
+
+    src, dst = where("src"), where("dst")
+    value, _, _ = memory.get_buffer_content(*src, thread)
+    total, _, _ = memory.get_buffer_content(*dst, thread)
+    memory.store_buffer_content(*dst, np.asarray(total) + np.asarray(value), thread)
+    return kwargs["token"]
