@@ -189,16 +189,15 @@ def _dkv_kernel(
     delta_s: Any,
     lo_s: Any,
     hi_s: Any,
-    p_s: Any,
-    ds_s: Any,
     kv_bar: Any,
     ring_bar: Any,
     *,
     kern: _Kernel,
-    dq: tuple[Any, Any] | None = None,
+    dq: tuple[Any, Any, Any] | None = None,
 ) -> None:
     """dK, dV of one (key tile, kv head, batch row): tiles are (keys, queries), keys first.
-    dq = (fp32 dQ in GMEM, an fp32 (block_q, D) SMEM stage): also add each step's dS K to it."""
+    dq = (fp32 dQ in GMEM, a (block_k, block_q) SMEM tile for dS^T, an fp32 (block_q, D) SMEM
+    stage): also add each step's dS K to that dQ."""
     bq, bk = kern.block_q, kern.block_k
     tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     col0 = tile * bk
@@ -226,8 +225,10 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(lo_ref.at[:, rows], lo_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(hi_ref.at[:, rows], hi_s.at[slot], bar)
 
-    def reduce_dq(n: jax.Array, dq_ref: Any, dq_s: Any) -> None:
+    def reduce_dq(n: jax.Array, ds_t: jax.Array, dq_ref: Any, ds_s: Any, dq_s: Any) -> None:
         """dQ[rows, head] += dS K of step n (scaled later), through the SMEM stage by TMA."""
+        ds_s[...] = ds_t
+        plgpu.commit_smem()
         part = _one_matmul(plgpu.transpose_ref(ds_s, (1, 0)), k_s, (bq, k_s.shape[-1]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's add has read the stage
         dq_s[...] = part
@@ -250,13 +251,13 @@ def _dkv_kernel(
             lse = _broadcast(_row_vector(lse_s.at[slot], kern, 0), shape, 0)
             delta = _broadcast(_row_vector(delta_s.at[slot], kern, 0), shape, 0)
             p_t = jnp.exp2(s_t - lse)
-            p_s[...] = p_t.astype(p_s.dtype)
-            ds_s[...] = (p_t * (dp_t - delta)).astype(ds_s.dtype)
-            plgpu.commit_smem()
-            plgpu.wgmma(dv_acc, p_s, do)
-            plgpu.wgmma(dk_acc, ds_s, q)
+            ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
+            # P^T and dS^T (keys x queries, the accumulators' layout) are the register A
+            # operands of dV += P^T dO and dK += dS^T Q.
+            plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
+            plgpu.wgmma(dk_acc, ds_t, q)
             if dq is not None:
-                reduce_dq(n, *dq)
+                reduce_dq(n, ds_t, *dq)
 
         plgpu.barrier_wait(kv_bar.at[0])
         _ring(total, n_masked, kern.stages, fetch, compute)
@@ -270,9 +271,11 @@ def _dkv_kernel(
 
 
 def _dkv_fused_kernel(*refs: Any, kern: _Kernel) -> None:
-    """_dkv_kernel with dQ: refs are its 11 inputs, the dQ ref, dk, dv, its scratch, the stage."""
+    """_dkv_kernel with dQ: refs are its 11 inputs, the dQ ref, dk, dv, its scratch, then the
+    dS^T tile and the dQ stage."""
     inputs, (dq_ref, dk_ref, dv_ref), scratch = refs[:11], refs[11:14], refs[14:]
-    _dkv_kernel(*inputs, dk_ref, dv_ref, *scratch[:-1], kern=kern, dq=(dq_ref, scratch[-1]))
+    *scratch, ds_s, dq_s = scratch
+    _dkv_kernel(*inputs, dk_ref, dv_ref, *scratch, kern=kern, dq=(dq_ref, ds_s, dq_s))
 
 
 def _dq_kernel(
@@ -296,7 +299,6 @@ def _dq_kernel(
     hi_s: Any,
     k_s: Any,
     v_s: Any,
-    ds_s: Any,
     row_bar: Any,
     ring_bar: Any,
     *,
@@ -342,9 +344,7 @@ def _dq_kernel(
                 key0 = _tile_start(index_ref, outer, n, kern.mask_block_k, bk)
                 s = jnp.where(_visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
             p = jnp.exp2(s - lse)
-            ds_s[...] = (p * (dp - delta)).astype(ds_s.dtype)
-            plgpu.commit_smem()
-            plgpu.wgmma(dq_acc, ds_s, k)
+            plgpu.wgmma(dq_acc, (p * (dp - delta)).astype(k.dtype), k)  # dS: register A operand
 
         _ring(total, n_masked, kern.stages, fetch, compute)
         return dq_acc[...]
@@ -506,8 +506,6 @@ def _dkv_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) -
         plgpu.SMEM((st, bq), jnp.float32),
         plgpu.SMEM((st, intervals, bq), jnp.int32),
         plgpu.SMEM((st, intervals, bq), jnp.int32),
-        _tile_smem((bk, bq), q.dtype),
-        _tile_smem((bk, bq), q.dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=1),
         plgpu.Barrier(num_arrivals=6, num_barriers=st),
     ]
@@ -516,7 +514,7 @@ def _dkv_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) -
     if not kern.fused:
         call = _launch(_dkv_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_dkv")
         return tuple(call(*operands, *lists))
-    scratch.append(plgpu.SMEM((bq, d), jnp.float32))
+    scratch += [_tile_smem((bk, bq), q.dtype), plgpu.SMEM((bq, d), jnp.float32)]
     dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
     call = _launch(_dkv_fused_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_bwd")
     dk, dv = call(*operands, *lists, dq)
@@ -537,7 +535,6 @@ def _dq_call(operands: tuple, lists: TileWalk, kern: _Kernel, interpret: Any) ->
         plgpu.SMEM((intervals, bq), jnp.int32),
         _tile_smem((st, bk, d), q.dtype),
         _tile_smem((st, bk, d), q.dtype),
-        _tile_smem((bq, bk), q.dtype),
         plgpu.Barrier(num_arrivals=6, num_barriers=1),
         plgpu.Barrier(num_arrivals=2, num_barriers=st),
     ]
