@@ -1,0 +1,226 @@
+"""Pieces the Mosaic GPU backward kernels share: the launch description, SMEM tiles, row
+vectors and masks in registers, wgmma pairs, tile starts in the tile lists, the dK/dV step and
+the fused dQ's reduce-add."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ..kernel_inputs import LOG2E
+
+WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
+DEFAULT_TILE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """Static description of one backward kernel launch (tiles, walk, numerics, lowering)."""
+
+    block_q: int
+    block_k: int
+    mask_block_q: int
+    mask_block_k: int
+    group: int
+    stages: int
+    scale: float
+    hints: bool  # emit layout casts (real lowering); interpret mode has no rule for them
+    fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
+
+    @property
+    def qk_scale(self) -> float:
+        return self.scale * LOG2E
+
+
+def swizzle() -> tuple[Any, Any]:
+    """SMEM transforms of 2-byte (rows, 64k) operand tiles: 8x64 tiles, 128-byte swizzle."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def tile_smem(shape: tuple[int, ...], dtype: Any) -> Any:
+    return plgpu.SMEM(shape, dtype, transforms=swizzle())
+
+
+def cast(x: jax.Array, layout: Any, kern: Kernel) -> jax.Array:
+    """x in `layout` on the GPU (a hint for the load/broadcast that follows)."""
+    return plgpu.layout_cast(x, layout) if kern.hints else x
+
+
+def row_vector(ref: Any, kern: Kernel, keys_axis: int) -> jax.Array:
+    """A per-query vector from SMEM, laid out to broadcast along the keys axis of a tile."""
+    return cast(ref[...], plgpu.Layout.WGMMA.reduce(keys_axis), kern)
+
+
+def broadcast(x: jax.Array, shape: tuple[int, int], keys_axis: int) -> jax.Array:
+    return lax.broadcast_in_dim(x, shape, [1 - keys_axis])
+
+
+def visible(
+    lo_ref: Any, hi_ref: Any, key0: jax.Array, shape: tuple[int, int], keys_axis: int, kern: Kernel
+) -> jax.Array:
+    """Tile visibility from (K, rows) interval refs: key j of row i in some [lo, hi)."""
+    layout = plgpu.Layout.WGMMA if kern.hints else None
+    keys = key0 + plgpu.broadcasted_iota(jnp.int32, shape, keys_axis, layout=layout)
+    out = None
+    for r in range(lo_ref.shape[0]):
+        lo = broadcast(row_vector(lo_ref.at[r], kern, keys_axis), shape, keys_axis)
+        hi = broadcast(row_vector(hi_ref.at[r], kern, keys_axis), shape, keys_axis)
+        inside = (keys >= lo) & (keys < hi)
+        out = inside if out is None else out | inside
+    return out
+
+
+def two_matmuls(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple:
+    """(a0 @ b0, a1 @ b1) in fresh fp32 accumulators, both wgmmas in flight together."""
+
+    def run(acc0: Any, acc1: Any) -> tuple[jax.Array, jax.Array]:
+        plgpu.wgmma(acc0, a0, b0)
+        plgpu.wgmma(acc1, a1, b1)
+        return acc0[...], acc1[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def one_matmul(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
+    """a @ b in a fresh fp32 accumulator (waits for it, and for every wgmma issued before)."""
+
+    def run(acc: Any) -> jax.Array:
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def tile_start(
+    index_ref: Any, outer: jax.Array, unit: jax.Array, mask_tile: int, tile: int
+) -> jax.Array:
+    """First row/key of sub-tile `unit` of the listed mask tiles of outer tile `outer`."""
+    split = mask_tile // tile
+    if split == 1:
+        return pl.multiple_of(index_ref[outer, unit] * mask_tile, tile)
+    entry = index_ref[outer, lax.div(unit, jnp.int32(split))]
+    return pl.multiple_of(entry * mask_tile + lax.rem(unit, jnp.int32(split)) * tile, tile)
+
+
+def store_tile(smem: Any, value: jax.Array, dst: Any) -> None:
+    """value (an fp32 tile) into dst in GMEM through `smem`, in smem's dtype."""
+    smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+
+
+def launch(
+    body: Callable[..., None],
+    kern: Kernel,
+    grid: tuple[int, int, int],
+    out_type: Any,
+    scratch: list[Any],
+    interpret: Any,
+    name: str,
+    warpgroups: int = 1,
+) -> Callable[..., Any]:
+    """The kernel over (tiles, heads, batch), with `warpgroups` warpgroups ("wg") per CTA. A
+    fused launch takes a mutable dQ Ref operand, which plgpu.kernel's batching wrapper cannot
+    carry, so it goes through pl.kernel, with the scratch allocated inside as plgpu.kernel
+    does it (shared by the warpgroups)."""
+    common = dict(
+        out_type=out_type,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret if interpret else None,
+    )
+    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+    mesh = dict(grid=grid, grid_names=("tiles", "heads", "batch"), kernel_name=name, **threads)
+    body = functools.partial(body, kern=kern)
+    if not kern.fused:
+        return plgpu.kernel(body, scratch_types=scratch, **mesh, **common)
+
+    def scoped(*refs: Any) -> None:
+        pl.run_scoped(
+            functools.partial(body, *refs), *scratch, collective_axes="wg" if threads else ()
+        )
+
+    return pl.kernel(scoped, mesh=plgpu.Mesh(**mesh), name=name, **common)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryTiles:
+    """The dK/dV kernels' walk of one key tile: its listed mask q tiles, in block_q sub-tiles,
+    times the GQA group's q heads (step n: sub-tile n // group, head n % group of the group)."""
+
+    kern: Kernel
+    index_ref: Any
+    outer: jax.Array  # the mask key tile whose list is walked
+    kv_head: jax.Array
+
+    def steps(self, count_ref: Any, n_partial_ref: Any) -> tuple[jax.Array, jax.Array]:
+        """(steps in all, steps over partial mask tiles, which come first)."""
+        per_tile = (self.kern.mask_block_q // self.kern.block_q) * self.kern.group
+        return count_ref[self.outer] * per_tile, n_partial_ref[self.outer] * per_tile
+
+    def at(self, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(first q row, q head) of step n."""
+        kern = self.kern
+        unit = lax.div(n, jnp.int32(kern.group))
+        head = self.kv_head * kern.group + lax.rem(n, jnp.int32(kern.group))
+        return tile_start(self.index_ref, self.outer, unit, kern.mask_block_q, kern.block_q), head
+
+
+def fetch_queries(
+    sources: tuple, slots: tuple, batch: jax.Array, start: jax.Array, head: jax.Array, bq: int,
+    barrier: Any,
+) -> None:  # fmt: skip
+    """TMA-load q, dO (rows x D), LSE, delta (rows) and the rows' key intervals (K x rows) of
+    q rows [start, start + bq) of `head` into one ring slot, all completing on `barrier`."""
+    q, do, lse, delta, lo, hi = sources
+    rows = pl.ds(start, bq)
+    for src, dst in zip((q.at[batch, rows, head], do.at[batch, rows, head],
+                         lse.at[batch, head, rows], delta.at[batch, head, rows],
+                         lo.at[:, rows], hi.at[:, rows]), slots):  # fmt: skip
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
+QUERY_COPIES = 6  # TMA copies per slot in fetch_queries: its barrier's arrivals
+
+
+def dkv_step(
+    kern: Kernel, k_s: Any, v_s: Any, slot: tuple, col0: jax.Array, masked: bool,
+    dk_acc: Any, dv_acc: Any,
+) -> jax.Array:  # fmt: skip
+    """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
+    dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
+    with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T."""
+    q, do, lse_s, delta_s, lo_s, hi_s = slot
+    shape = (k_s.shape[0], q.shape[0])
+    s_t, dp_t = two_matmuls(
+        k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape
+    )
+    s_t = s_t * kern.qk_scale
+    if masked:
+        s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
+    lse = broadcast(row_vector(lse_s, kern, 0), shape, 0)
+    delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
+    p_t = jnp.exp2(s_t - lse)
+    ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
+    plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
+    plgpu.wgmma(dk_acc, ds_t, q)
+    return ds_t
+
+
+def add_dq(ds_t: jax.Array, k_s: Any, ds_s: Any, dq_s: Any, dst: Any) -> None:
+    """dst (fp32 GMEM) += dS K, unscaled, by TMA reduce-add: dS^T goes to SMEM to be read as the
+    transposed A operand, the product through the fp32 stage dq_s (waited free first)."""
+    ds_s[...] = ds_t
+    plgpu.commit_smem()
+    part = one_matmul(plgpu.transpose_ref(ds_s, (1, 0)), k_s, (ds_s.shape[1], k_s.shape[-1]))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read the stage
+    dq_s[...] = part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_s, dst, reduction_op="add")
