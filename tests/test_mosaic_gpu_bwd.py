@@ -107,7 +107,7 @@ def test_gradients(name: str, interpret) -> None:
     _check(case.pop("mask"), KernelConfig(), interpret, **case)
 
 
-FUSED_CASES = ("causal_gqa_ragged_fp16", "gaps_sq_ne_sk", "share_question_fp16")
+FUSED_CASES = ("causal_gqa_ragged_fp16", "gaps_sq_ne_sk")
 
 
 @pytest.mark.parametrize("name", FUSED_CASES)
@@ -116,6 +116,32 @@ def test_fused_gradients(name: str, interpret) -> None:
     reduce-add into fp32 (rows no key reaches stay exactly 0)."""
     case = dict(CASES[name])
     _check(case.pop("mask"), KernelConfig(fused_bwd=True), interpret, **case)
+
+
+WARP_SPECIALISED = {
+    "ws_gaps_3stages": (KernelConfig(bwd_warpgroups=2, num_stages_bwd=3), "gaps_sq_ne_sk"),
+    "ws_fused_ragged_fp16": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True),
+        "causal_gqa_ragged_fp16",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARP_SPECIALISED))
+def test_warp_specialised_gradients(name: str, interpret) -> None:
+    """Two consumer warpgroups (64 keys each of a 128-key mask tile) and a producer filling the
+    shared q-side ring: the same gradients, also fused and with a deeper ring."""
+    config, case_name = WARP_SPECIALISED[name]
+    case = dict(CASES[case_name])
+    _check(case.pop("mask"), config, interpret, tiles=config.tiles, **case)
+
+
+def test_warp_specialised_needs_two_halves(interpret) -> None:
+    mask = make_mask("causal", 128)
+    with pytest.raises(ValueError, match="bwd_warpgroups=2 .* block_k=128"):
+        _check(mask, KernelConfig(block_k=64, bwd_warpgroups=2), interpret, tiles=(128, 64))
+    with pytest.raises(ValueError, match="valid values are 1 and 2"):
+        KernelConfig(bwd_warpgroups=3)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -202,6 +228,10 @@ def test_lowers_for_hopper(d: int) -> None:
     traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=fused, interpret=None)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1, "fused: one backward kernel, no dQ kernel"
+    for ws in (KernelConfig(bwd_warpgroups=2), KernelConfig(bwd_warpgroups=2, fused_bwd=True)):
+        traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ from ..kernel_inputs import (
     softmax_delta,
 )
 from ..mask_arrays import MaskArrays
+from . import dkv_specialized
 from .bwd_steps import (
     DEFAULT_TILE,
     QUERY_COPIES,
@@ -54,6 +55,7 @@ from .bwd_steps import (
     visible,
 )
 from .config import DTYPES, HEAD_DIMS, KernelConfig
+from .dkv_specialized import CONSUMERS
 
 
 def _ring(
@@ -281,10 +283,17 @@ def _kernels(
         scale=float(scale),
         hints=not interpret,
     )
+    dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
+    if config.bwd_warpgroups == CONSUMERS and mbk != CONSUMERS * dkv_tile:
+        raise ValueError(
+            f"bwd_warpgroups={CONSUMERS} splits each mask key tile between {CONSUMERS} consumer "
+            f"warpgroups of {WGMMA_ROWS} keys: it needs block_k={CONSUMERS * WGMMA_ROWS} and "
+            f"block_k_dkv None or {WGMMA_ROWS}, got block_k={mbk}, block_k_dkv={dkv_tile}"
+        )
     return (
         Kernel(
             block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
-            block_k=_kernel_tile(config.block_k_dkv, "block_k_dkv", mbk),
+            block_k=dkv_tile,
             fused=config.fused_bwd,
             **common,
         ),
@@ -314,7 +323,8 @@ def flash_attention_mosaic_bwd(
 
     Shapes are unpadded (B, S, H, D); lengths are padded to the mask tiles here, padded rows
     and keys contributing nothing. config's backward fields set the kernel sub-tiles and the TMA
-    ring depth (KernelConfig), and fused_bwd one kernel for all three gradients. interpret: an
+    ring depth (KernelConfig), fused_bwd one kernel for all three gradients, bwd_warpgroups=2
+    the warp-specialised dK/dV kernel (dkv_specialized.py). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
     cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
     """
@@ -328,11 +338,13 @@ def flash_attention_mosaic_bwd(
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
     lo, hi = padded_intervals(arrays, pad)
     operands = (qp, kp, vp, dop, lse2, delta, lo, hi)
+    dkv = dkv_specialized.dkv_call if config.bwd_warpgroups == CONSUMERS else _dkv_call
+    grads = dkv(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
     if kernels[0].fused:
-        dk, dv, dq = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+        dk, dv, dq = grads
         dq = (dq * kernels[0].scale).astype(q.dtype)
     else:
-        dk, dv = _dkv_call(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+        dk, dv = grads
         dq = _dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 

@@ -25,6 +25,8 @@ class KernelConfig:
     block_{q,k}_{dkv,dq} rows/keys (None: 64; multiples of 64 dividing the mask tile) through a
     ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
     the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add).
+    bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
+    64 keys each and a producer; 128-key mask tiles).
     """
 
     block_q: int = 64
@@ -36,6 +38,7 @@ class KernelConfig:
     block_k_dq: int | None = None
     num_stages_bwd: int | None = None
     fused_bwd: bool = False
+    bwd_warpgroups: int = 1
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -59,6 +62,10 @@ class KernelConfig:
                 raise ValueError(
                     f"{name}={tile} is invalid: valid values are None or a positive multiple of 64"
                 )
+        if self.bwd_warpgroups not in (1, 2):
+            raise ValueError(
+                f"bwd_warpgroups={self.bwd_warpgroups} is invalid: valid values are 1 and 2"
+            )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(
                 f"num_stages_bwd={self.num_stages_bwd} is invalid: valid range is [1, 4] (or None)"

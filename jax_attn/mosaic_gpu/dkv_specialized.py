@@ -1,0 +1,147 @@
+"""Warp-specialised dK/dV kernel (KernelConfig.bwd_warpgroups=2), FlashAttention-3's layout.
+
+One CTA owns a whole 128-key mask tile of one (kv head, batch row): consumer warpgroups 0 and 1
+each own 64 of its keys (their K, V and dK, dV accumulators), and warpgroup 2 is the producer,
+TMA-loading the q rows, dO, LSE, delta and row intervals of every step into a ring of SMEM
+slots that both consumers read. So the q side is loaded once per 128 keys instead of once per
+64, and no consumer issues a copy. A consumer releases a slot once its matmuls on it are done
+(the next step's S^T/dP^T wait covers them); the producer refills a slot when both released it.
+Fused (fused_bwd), each consumer also adds its keys' share of dQ by TMA reduce-add.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .bwd_steps import (
+    QUERY_COPIES,
+    Kernel,
+    QueryTiles,
+    add_dq,
+    dkv_step,
+    fetch_queries,
+    launch,
+    store_tile,
+    tile_smem,
+)
+from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+
+CONSUMERS = 2
+PRODUCER = CONSUMERS  # index of the TMA warpgroup
+INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
+
+
+def _kernel(*refs: Any, kern: Kernel) -> None:
+    """refs: the 11 inputs, [the fp32 dQ Ref when fused], dK, dV, then the scratch."""
+    inputs, refs = refs[:INPUTS], refs[INPUTS:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref = inputs[:8]
+    index_ref, n_partial_ref, count_ref = inputs[8:]
+    dq_ref, refs = (refs[0], refs[1:]) if kern.fused else (None, refs)
+    dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
+    kv_bar, ready, free = refs[10:13]
+    ds_s, dq_s = refs[13:] if kern.fused else (None, None)
+    bq, bk, stages = kern.block_q, kern.block_k, kern.stages
+    tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
+    wg = lax.axis_index("wg")
+    walk = QueryTiles(kern, index_ref, tile, kv_head)
+    total, n_masked = walk.steps(count_ref, n_partial_ref)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer() -> None:
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        col0 = tile * kern.mask_block_k + wg * bk
+        keys = pl.ds(pl.multiple_of(col0, bk), bk)
+        k_own, v_own = k_s.at[wg], v_s.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_own, kv_bar.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_own, kv_bar.at[wg])
+
+        def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
+            def step(n: jax.Array, carry: jax.Array, masked: bool) -> jax.Array:
+                slot = lax.rem(n, jnp.int32(stages))
+                plgpu.barrier_wait(ready.at[slot])
+                refs = tuple(x.at[slot] for x in ring)
+                ds_t = dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc)
+                # Its S^T/dP^T wait covered step n - 1's dK/dV matmuls: that slot is free.
+                previous = lax.rem(n + jnp.int32(stages - 1), jnp.int32(stages))
+                pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
+                if kern.fused:
+                    start, head = walk.at(n)
+                    dst = dq_ref.at[batch, pl.ds(start, bq), head]
+                    add_dq(ds_t, k_own, ds_s.at[wg], dq_s.at[wg], dst)
+                return carry
+
+            plgpu.barrier_wait(kv_bar.at[wg])
+            zero = jnp.int32(0)
+            lax.fori_loop(zero, n_masked, functools.partial(step, masked=True), zero)
+            lax.fori_loop(n_masked, total, functools.partial(step, masked=False), zero)
+            plgpu.wgmma_wait(0)
+            last = lax.rem(total + jnp.int32(stages - 1), jnp.int32(stages))
+            pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
+            return dk_acc[...], dv_acc[...]
+
+        acc = plgpu.ACC((bk, k_s.shape[-1]), jnp.float32)
+        dk, dv = pl.run_scoped(accumulate, acc, acc)
+        store_tile(k_own, dk * kern.scale, dk_ref.at[batch, keys, kv_head])
+        store_tile(v_own, dv, dv_ref.at[batch, keys, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == PRODUCER)
+    def _producer() -> None:
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        sources = (q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref)
+
+        def issue(n: jax.Array, _: Any) -> None:
+            slot = lax.rem(n, jnp.int32(stages))
+            pl.when(n >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+            start, head = walk.at(n)
+            slots = tuple(x.at[slot] for x in ring)
+            fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
+
+        def drain(n: jax.Array, _: Any) -> None:
+            plgpu.barrier_wait(free.at[lax.rem(n, jnp.int32(stages))])
+
+        lax.fori_loop(jnp.int32(0), total, issue, None)
+        # Observe every release phase before the barriers are freed.
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
+    """dK, dV (B, padded Sk, Hkv, D) [and the unscaled fp32 dQ when fused] of padded operands,
+    one CTA per 128-key mask tile."""
+    q, k = operands[0], operands[1]
+    bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
+    intervals = operands[6].shape[0]
+    scratch = [
+        tile_smem((CONSUMERS, bk, d), q.dtype),
+        tile_smem((CONSUMERS, bk, d), q.dtype),
+        tile_smem((st, bq, d), q.dtype),
+        tile_smem((st, bq, d), q.dtype),
+        plgpu.SMEM((st, bq), jnp.float32),
+        plgpu.SMEM((st, bq), jnp.float32),
+        plgpu.SMEM((st, intervals, bq), jnp.int32),
+        plgpu.SMEM((st, intervals, bq), jnp.int32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+        plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
+    ]
+    grid = (k.shape[1] // kern.mask_block_k, k.shape[2], k.shape[0])
+    out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
+    args = (*operands, *lists)
+    if kern.fused:
+        scratch += [
+            tile_smem((CONSUMERS, bk, bq), q.dtype),
+            plgpu.SMEM((CONSUMERS, bq, d), jnp.float32),
+        ]
+        dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
+        args = (*args, dq)
+    name = "mosaic_flash_dkv_ws"
+    call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMERS + 1)
+    dk, dv = call(*args)
+    return (dk, dv, dq[...]) if kern.fused else (dk, dv)
