@@ -5,7 +5,7 @@ each own 64 of its keys (their K, V and dK, dV accumulators), and warpgroup 2 is
 TMA-loading the q rows, dO, LSE, delta and row intervals of every step into a ring of SMEM
 slots that both consumers read. So the q side is loaded once per 128 keys instead of once per
 64, and no consumer issues a copy. A consumer releases a slot once its matmuls on it are done
-(the next step's S^T/dP^T wait covers them); the producer refills a slot when both released it.
+(waited at the start of its next step); the producer refills a slot when both released it.
 Fused (fused_bwd), each consumer also adds its keys' share of dQ by TMA reduce-add.
 """
 
@@ -64,13 +64,15 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
             def step(n: jax.Array, carry: jax.Array, masked: bool) -> jax.Array:
+                # Step n - 1's dK/dV matmuls were the last to read its slot: once they are
+                # done, release it to the producer.
+                plgpu.wgmma_wait(0)
+                previous = lax.rem(n + jnp.int32(stages - 1), jnp.int32(stages))
+                pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
                 slot = lax.rem(n, jnp.int32(stages))
                 plgpu.barrier_wait(ready.at[slot])
                 refs = tuple(x.at[slot] for x in ring)
                 ds_t = dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc)
-                # Its S^T/dP^T wait covered step n - 1's dK/dV matmuls: that slot is free.
-                previous = lax.rem(n + jnp.int32(stages - 1), jnp.int32(stages))
-                pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
                 if kern.fused:
                     start, head = walk.at(n)
                     dst = dq_ref.at[batch, pl.ds(start, bq), head]
