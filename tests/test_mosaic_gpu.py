@@ -3,6 +3,8 @@ float64 oracle, plus a GPU-marked run of the real lowering."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,11 +177,13 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
         assert reason() is None  # a question about a GPU elsewhere is answered from the specs
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_forward_and_backward_lower_for_hopper(d: int) -> None:
+@pytest.mark.parametrize("d, in_place_pv", [(64, False), (128, False), (128, True)])
+def test_forward_and_backward_lower_for_hopper(d: int, in_place_pv: bool) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
-    for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here."""
+    for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
+    in_place_pv (P V into O's registers) exists only on this path."""
     config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, d), jnp.bfloat16), None)
+    config = dataclasses.replace(config, in_place_pv=in_place_pv)
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)

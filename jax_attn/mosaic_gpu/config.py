@@ -26,7 +26,9 @@ class KernelConfig:
     ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
     the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add).
     bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
-    64 keys each and a producer; 128-key mask tiles).
+    64 keys each and a producer; 128-key mask tiles). in_place_pv: the forward accumulates P V
+    into O's registers (run_state on an initialised accumulator) instead of a fresh
+    accumulator added to O; GPU lowering only.
     """
 
     block_q: int = 64
@@ -39,6 +41,7 @@ class KernelConfig:
     num_stages_bwd: int | None = None
     fused_bwd: bool = False
     bwd_warpgroups: int = 1
+    in_place_pv: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:

@@ -41,6 +41,7 @@ class Geometry:
     head_dim: int
     intervals: int
     config: KernelConfig
+    in_place_pv: bool = False  # O += P V straight into O's registers (GPU lowering only)
 
     @property
     def group(self) -> int:
@@ -168,11 +169,17 @@ def _kernel(
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(sched)
 
-                def pv(acc_ref: Any) -> jax.Array:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    return acc_ref[...]
+                if geo.in_place_pv:
+                    acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
+                        plgpu.ACC.init(acc)
+                    )
+                else:
 
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                    def pv(acc_ref: Any) -> jax.Array:
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_next, l_next
 
@@ -270,7 +277,8 @@ def forward(
 
     bounds: (Sq/64, 2K, 64) int32, rows' [lo, hi) key intervals per 64-row slice (lo, hi
     interleaved); index/n_partial/count: the q tiles' key-tile lists, partial tiles first.
-    interpret: None for the GPU, or InterpretGPUParams to run on CPU.
+    interpret: None for the GPU, or InterpretGPUParams to run on CPU (which runs the
+    fresh-accumulator P V whatever config.in_place_pv says: run_state is not interpretable).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     geo = Geometry(
@@ -282,6 +290,7 @@ def forward(
         head_dim=head_dim,
         intervals=bounds.shape[1] // 2,
         config=config,
+        in_place_pv=config.in_place_pv and not interpret,
     )
     kernel = plgpu.kernel(
         functools.partial(_kernel, geo=geo, scale=float(scale)),
