@@ -32,6 +32,51 @@ def _dispatch_qkv(executor, q, k, v) -> tuple:
     return tuple(executor.dispatch(x) for x in (q, k, v))
 
 
+def fetch_rows(x, index: np.ndarray | None) -> np.ndarray:
+    """Float32 host copy of x, only the given positions along the sequence axis (the `fetch` of
+    checks.check_point)."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    if index is not None:
+        x = jnp.take(x, jnp.asarray(index), axis=1)
+    if not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x.astype(jnp.float32))
+
+
+def all_finite(x) -> bool:
+    """No NaN or inf in x (the `finite` of checks.check_point)."""
+    import jax.numpy as jnp
+
+    return bool(jnp.isfinite(x).all())
+
+
+def build_call(mode: str, attn: Callable, a: dict) -> tuple[Callable, tuple, dict]:
+    """(timed jitted fn, its args, first results by name) of attn(q, k, v) in a direction: fwd,
+    bwd (the pullback alone) or fwd_bwd, with a['dout'] as the output's cotangent."""
+    import jax
+
+    q, k, v, do = a["q"], a["k"], a["v"], a["dout"]
+    if mode == "fwd":
+        fn = jax.jit(attn)
+        return fn, (q, k, v), {"out": fn(q, k, v)}
+    if mode == "bwd":
+        forward = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v))
+        out, vjp_fn = forward(q, k, v)
+        fn = jax.jit(lambda f, d: f(d))
+        dq, dk, dv = fn(vjp_fn, do)
+        return fn, (vjp_fn, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+    def fwd_bwd(q, k, v, d):
+        out, f = jax.vjp(attn, q, k, v)
+        return out, f(d)
+
+    fn = jax.jit(fwd_bwd)
+    out, (dq, dk, dv) = fn(q, k, v, do)
+    return fn, (q, k, v, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+
 INPUT_CACHE_SIZE = 4
 INPUT_CACHE_BYTES = 32 << 30
 
@@ -116,22 +161,6 @@ class JaxRunner:
         ):
             self._input_cache.pop(next(iter(self._input_cache)))
 
-    def _fetch(self, x, index: np.ndarray | None) -> np.ndarray:
-        """Float32 host copy of x, only the given positions along the sequence axis."""
-        import jax.numpy as jnp
-        from jax.experimental import multihost_utils
-
-        if index is not None:
-            x = jnp.take(x, jnp.asarray(index), axis=1)
-        if not x.is_fully_addressable:
-            x = multihost_utils.process_allgather(x, tiled=True)
-        return np.asarray(x.astype(jnp.float32))
-
-    def _finite(self, x) -> bool:
-        import jax.numpy as jnp
-
-        return bool(jnp.isfinite(x).all())
-
     def _barrier(self) -> Callable[[], None] | None:
         """Lines the processes up before each timed call in multi-process runs."""
         if self.jax.process_count() == 1:
@@ -148,8 +177,8 @@ class JaxRunner:
             index,
             args,
             got,
-            fetch=self._fetch,
-            finite=self._finite,
+            fetch=fetch_rows,
+            finite=all_finite,
             on_gpu=self.on_gpu,
             rtol_override=self.rtol_override,
         )
@@ -171,7 +200,7 @@ class JaxRunner:
         the timed call on the dispatched arrays; its first results back in global order."""
         executor = frameworks.cp_executor("jax", point, mask, mesh=mesh, axis="cp")
         dispatched = {name: executor.dispatch(x) for name, x in args.items()}
-        fn, call_args, got = self._build_and_call(point.mode, executor.sharded, dispatched)
+        fn, call_args, got = build_call(point.mode, executor.sharded, dispatched)
         return executor, fn, call_args, {name: executor.undispatch(y) for name, y in got.items()}
 
     def _run_mask(self, point: Point, mask, index: int, mesh) -> dict:
@@ -185,7 +214,7 @@ class JaxRunner:
             executor, fn, call_args, got = self._build_cp(point, mask, mesh, args)
         else:
             attn = frameworks.attention_fn("jax", point, mask)
-            fn, call_args, got = self._build_and_call(point.mode, attn, args)
+            fn, call_args, got = build_call(point.mode, attn, args)
         check = self._check(point, mask, index, args, got)
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
@@ -213,25 +242,3 @@ class JaxRunner:
         mesh = self.mesh(point) if point.is_cp else None
         per_mask = [self._run_mask(point, m, i, mesh) for i, m in enumerate(masks)]
         return measure.aggregate(point, per_mask)
-
-    def _build_and_call(self, mode: str, attn: Callable, a: dict) -> tuple[Callable, tuple, dict]:
-        """(timed jitted fn, its args, first results by name) for a direction."""
-        jax = self.jax
-        q, k, v, do = a["q"], a["k"], a["v"], a["dout"]
-        if mode == "fwd":
-            fn = jax.jit(attn)
-            return fn, (q, k, v), {"out": fn(q, k, v)}
-        if mode == "bwd":
-            forward = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v))
-            out, vjp_fn = forward(q, k, v)
-            fn = jax.jit(lambda f, d: f(d))
-            dq, dk, dv = fn(vjp_fn, do)
-            return fn, (vjp_fn, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
-
-        def fwd_bwd(q, k, v, d):
-            out, f = jax.vjp(attn, q, k, v)
-            return out, f(d)
-
-        fn = jax.jit(fwd_bwd)
-        out, (dq, dk, dv) = fn(q, k, v, do)
-        return fn, (q, k, v, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
