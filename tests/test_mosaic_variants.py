@@ -1,0 +1,70 @@
+"""The --variants parser of experiments/mosaic_variants.py (CPU only: no kernel runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from experiments.mosaic_variants import parse_variant
+from jax_attn.mosaic_gpu import KernelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WithBool:
+    """A config with a bool field, as KernelConfig may gain (the parser reads the annotations)."""
+
+    block_k: int = 128
+    fused_bwd: bool = False
+
+
+def test_spec_sets_fields_on_the_base_config():
+    base = KernelConfig()
+    assert parse_variant("default", base) == ("default", base)
+    name, cfg = parse_variant("dkv128:block_k_dkv=128+num_stages_bwd=3", base)
+    assert name == "dkv128"
+    assert cfg == KernelConfig(block_k_dkv=128, num_stages_bwd=3)
+    assert cfg != base
+    # fields the spec leaves out keep the base's values, not the dataclass defaults
+    assert parse_variant("k64:block_k=64", KernelConfig(max_concurrent_steps=3))[1] == KernelConfig(
+        block_k=64, max_concurrent_steps=3
+    )
+
+
+def test_kernel_config_bool_field():
+    name, cfg = parse_variant("fused:fused_bwd=1+bwd_warpgroups=2", KernelConfig())
+    assert (name, cfg) == ("fused", KernelConfig(fused_bwd=True, bwd_warpgroups=2))
+    assert cfg.fused_bwd is True
+
+
+def test_bool_fields_take_bools_and_int_fields_ints():
+    assert parse_variant("fused:fused_bwd=1", WithBool())[1] == WithBool(fused_bwd=True)
+    assert parse_variant("f:fused_bwd=false+block_k=64", WithBool(fused_bwd=True))[1] == WithBool(
+        block_k=64
+    )
+    assert parse_variant("fused:fused_bwd=1", WithBool())[1].fused_bwd is True
+
+
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("x:blok_k=64", ["'blok_k=64'", "unknown key 'blok_k'", "block_k_dkv, "]),
+        ("x:fused_bwd=2", ["'fused_bwd=2'", "takes 0/1/true/false", "fused_bwd"]),
+        ("x:block_k=abc", ["'block_k=abc'", "takes an integer", "num_stages_bwd"]),
+        ("x:block_k", ["'block_k'", "expected key=value", "block_k_dq"]),
+        ("x:block_k=64+", ["item ''", "expected key=value"]),
+        ("x:block_k=100", ["'x:block_k=100'", "block_k=100 is invalid"]),
+        ("x:num_stages_bwd=9", ["'x:num_stages_bwd=9'", "num_stages_bwd=9 is invalid"]),
+        (":block_k=64", ["':block_k=64'", "expected name"]),
+    ],
+)
+def test_bad_spec_raises_naming_the_item(spec, named):
+    with pytest.raises(ValueError) as err:
+        parse_variant(spec, KernelConfig())
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_bad_bool_value_is_named():
+    with pytest.raises(ValueError, match=r"'fused_bwd=2'.*takes 0/1/true/false.*fused_bwd"):
+        parse_variant("fused:fused_bwd=2", WithBool())
