@@ -42,11 +42,13 @@ from .bwd_steps import (
     WGMMA_ROWS,
     Kernel,
     QueryTiles,
+    accumulate_dkv,
     add_dq,
     broadcast,
     dkv_step,
     fetch_queries,
     launch,
+    query_ring,
     row_vector,
     store_tile,
     tile_smem,
@@ -147,11 +149,9 @@ def _dkv_kernel(
         _ring(total, n_masked, kern.stages, fetch, compute)
         return dk_acc[...], dv_acc[...]
 
-    acc = plgpu.ACC((bk, k_s.shape[-1]), jnp.float32)
-    dk, dv = pl.run_scoped(accumulate, acc, acc)
-    store_tile(k_s, dk * kern.scale, dk_ref.at[batch, keys, kv_head])
-    store_tile(v_s, dv, dv_ref.at[batch, keys, kv_head])
-    plgpu.wait_smem_to_gmem(0)
+    accumulate_dkv(
+        accumulate, kern, k_s, v_s, *(x.at[batch, keys, kv_head] for x in (dk_ref, dv_ref))
+    )
 
 
 def _dkv_fused_kernel(*refs: Any, kern: Kernel) -> None:
@@ -358,12 +358,7 @@ def _dkv_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) ->
     scratch = [
         tile_smem((bk, d), q.dtype),
         tile_smem((bk, d), q.dtype),
-        tile_smem((st, bq, d), q.dtype),
-        tile_smem((st, bq, d), q.dtype),
-        plgpu.SMEM((st, bq), jnp.float32),
-        plgpu.SMEM((st, bq), jnp.float32),
-        plgpu.SMEM((st, intervals, bq), jnp.int32),
-        plgpu.SMEM((st, intervals, bq), jnp.int32),
+        *query_ring(st, bq, d, q.dtype, intervals),
         plgpu.Barrier(num_arrivals=2, num_barriers=1),
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
     ]

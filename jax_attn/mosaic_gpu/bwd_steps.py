@@ -117,6 +117,18 @@ def store_tile(smem: Any, value: jax.Array, dst: Any) -> None:
     plgpu.copy_smem_to_gmem(smem, dst)
 
 
+def accumulate_dkv(
+    accumulate: Callable[[Any, Any], tuple], kern: Kernel, k_s: Any, v_s: Any, dk: Any, dv: Any
+) -> None:
+    """accumulate(dk_acc, dv_acc) over fresh fp32 (keys, D) accumulators, then dK (scaled) and
+    dV to their GMEM tiles dk, dv through the K and V tiles' SMEM, waited."""
+    acc = plgpu.ACC((k_s.shape[0], k_s.shape[-1]), jnp.float32)
+    dk_sum, dv_sum = pl.run_scoped(accumulate, acc, acc)
+    store_tile(k_s, dk_sum * kern.scale, dk)
+    store_tile(v_s, dv_sum, dv)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def launch(
     body: Callable[..., None],
     kern: Kernel,
@@ -188,6 +200,19 @@ def fetch_queries(
 
 
 QUERY_COPIES = 6  # TMA copies per slot in fetch_queries: its barrier's arrivals
+
+
+def query_ring(stages: int, bq: int, d: int, dtype: Any, intervals: int) -> list[Any]:
+    """The SMEM ring fetch_queries fills: q, dO (stages, bq, D), LSE, delta (stages, bq), lo, hi
+    (stages, intervals, bq)."""
+    return [
+        tile_smem((stages, bq, d), dtype),
+        tile_smem((stages, bq, d), dtype),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, intervals, bq), jnp.int32),
+        plgpu.SMEM((stages, intervals, bq), jnp.int32),
+    ]
 
 
 def dkv_step(

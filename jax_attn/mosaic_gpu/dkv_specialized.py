@@ -24,11 +24,12 @@ from .bwd_steps import (
     QUERY_COPIES,
     Kernel,
     QueryTiles,
+    accumulate_dkv,
     add_dq,
     dkv_step,
     fetch_queries,
     launch,
-    store_tile,
+    query_ring,
     tile_smem,
 )
 from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
@@ -88,11 +89,8 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
             return dk_acc[...], dv_acc[...]
 
-        acc = plgpu.ACC((bk, k_s.shape[-1]), jnp.float32)
-        dk, dv = pl.run_scoped(accumulate, acc, acc)
-        store_tile(k_own, dk * kern.scale, dk_ref.at[batch, keys, kv_head])
-        store_tile(v_own, dv, dv_ref.at[batch, keys, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        dsts = (x.at[batch, keys, kv_head] for x in (dk_ref, dv_ref))
+        accumulate_dkv(accumulate, kern, k_own, v_own, *dsts)
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
@@ -123,12 +121,7 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
     scratch = [
         tile_smem((CONSUMERS, bk, d), q.dtype),
         tile_smem((CONSUMERS, bk, d), q.dtype),
-        tile_smem((st, bq, d), q.dtype),
-        tile_smem((st, bq, d), q.dtype),
-        plgpu.SMEM((st, bq), jnp.float32),
-        plgpu.SMEM((st, bq), jnp.float32),
-        plgpu.SMEM((st, intervals, bq), jnp.int32),
-        plgpu.SMEM((st, intervals, bq), jnp.int32),
+        *query_ring(st, bq, d, q.dtype, intervals),
         plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
