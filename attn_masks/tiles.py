@@ -128,17 +128,6 @@ def block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
     return block_map_from_rows(mask, block_q, block_k)
 
 
-def padded_block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
-    """The block map as a kernel padding the sequences to whole tiles sees it: FULL tiles of a
-    ragged last row or column of tiles are PARTIAL, so the in-tile mask hides the padding."""
-    out = mask.block_map(block_q, block_k).copy()
-    if mask.seqlen_q % block_q:
-        out[-1, out[-1] == BLOCK_FULL] = BLOCK_PARTIAL
-    if mask.seqlen_k % block_k:
-        out[out[:, -1] == BLOCK_FULL, -1] = BLOCK_PARTIAL
-    return out
-
-
 def block_lists(tile_kinds: np.ndarray, block_q: int, block_k: int) -> BlockLists:
     """The tile lists of a (block_q, block_k) block map, in both walk directions."""
     by_k = np.ascontiguousarray(tile_kinds.T)
