@@ -70,8 +70,8 @@ class PassTiles(TileList):
 
     The forward and dQ passes list the k tiles of each q tile, the dK/dV pass (by_key) the q tiles
     of each k tile. A tile reaching past the end of either sequence is never full, so the in-tile
-    mask hides its padding. index and count are int32, full bool: numpy on the host, jax arrays
-    when built inside a trace (PassTiles.of).
+    mask hides its padding. index and count are int32, full bool (Triton's tables: int32); numpy
+    on the host, jax arrays when built inside a trace (PassTiles.of).
     """
 
     by_key: bool

@@ -2,10 +2,9 @@
 
 Both front ends (torch_attn.triton, jax_attn.adapters.triton) build the same `Call` for a
 kernel (grid, runtime scalars, constexprs, warps, stages) and the same numpy `MaskTables` (one
-attn_masks.PassTiles per kernel pass); they
-differ only in how they hand arrays to the kernel. The kernels' limits (head dims, dtypes,
-compute capability) are stated here, and both front ends ask `check`. Imports numpy and
-attn_masks only.
+attn_masks.PassTiles per kernel pass); they differ only in how they hand arrays to the kernel.
+The kernels' limits (head dims, dtypes, compute capability) are stated here, and both front ends
+ask `check`. Imports numpy and attn_masks only.
 """
 
 from __future__ import annotations
