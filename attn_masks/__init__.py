@@ -10,7 +10,15 @@ from .reference import ReferenceResult, reference_attention
 from .render import render_mask_png
 from .sampling import TABLE_NAMES, default_distribution, generate_seqlens, load_distribution
 from .structure import KINDS, MaskPattern, classify
-from .tiles import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockLists, TileList
+from .tiles import (
+    BLOCK_EMPTY,
+    BLOCK_FULL,
+    BLOCK_PARTIAL,
+    BlockLists,
+    PassTiles,
+    TileList,
+    pass_tiles,
+)
 
 __all__ = [
     "MASK_NAMES",
@@ -38,5 +46,7 @@ __all__ = [
     "MODES",
     "MaskPattern",
     "classify",
+    "PassTiles",
     "TileList",
+    "pass_tiles",
 ]

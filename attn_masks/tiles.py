@@ -3,14 +3,17 @@
 A block map classifies every tile of a (block_q, block_k) grid as EMPTY, PARTIAL or FULL; tile
 lists compact it into what a block-sparse kernel walks: per outer tile, its non-empty inner tiles.
 Both are computed with interval arithmetic from the slices (never from an Sq x Sk matrix), so they
-stay cheap at a million tokens. See docs/architecture.md ("Tile metadata").
+stay cheap at a million tokens. PassTiles are one kernel pass's lists (forward, dQ or dK/dV) as
+every kernel walks them: the Triton tables, both Pallas kernels and Flex's block mask. See
+docs/architecture.md ("Tile metadata").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +44,11 @@ class TileList:
         """Entries per outer tile (the longest list)."""
         return int(self.index.shape[-1])
 
+    @property
+    def arrays(self) -> tuple[Any, Any, Any]:
+        """(index, count, full): the order the kernels take them in."""
+        return self.index, self.count, self.full
+
 
 @dataclass(frozen=True)
 class BlockLists:
@@ -53,6 +61,63 @@ class BlockLists:
     q: TileList
 
 
+PASSES = ("fwd", "dq", "dkdv")
+
+
+@dataclass(frozen=True)
+class PassTiles(TileList):
+    """One kernel pass's tile lists, as a kernel that pads the sequences to whole tiles walks them.
+
+    The forward and dQ passes list the k tiles of each q tile, the dK/dV pass (by_key) the q tiles
+    of each k tile. A tile reaching past the end of either sequence is never full, so the in-tile
+    mask hides its padding. index and count are int32, full bool (Triton's tables: int32); numpy
+    on the host, jax arrays when built inside a trace (PassTiles.of).
+    """
+
+    by_key: bool
+    seqlen_q: int
+    seqlen_k: int
+    block_q: int
+    block_k: int
+
+    @classmethod
+    def of(
+        cls,
+        lists: TileList,
+        *,
+        by_key: bool,
+        seqlen_q: int,
+        seqlen_k: int,
+        block_q: int,
+        block_k: int,
+        xp: ModuleType = np,
+    ) -> PassTiles:
+        """A pass's tiles from a mask's lists in its walk direction, whose full flags hold over
+        the real rows and cols: the ragged-edge rule, in numpy or (xp=jax.numpy) in a trace."""
+        index = xp.asarray(lists.index, xp.int32)
+        count = xp.asarray(lists.count, xp.int32)
+        n_outer, width = index.shape
+        full = xp.asarray(lists.full, bool) & (xp.arange(width)[None, :] < count[:, None])
+        q_edge, k_edge = _ragged_tile(seqlen_q, block_q), _ragged_tile(seqlen_k, block_k)
+        outer_edge, inner_edge = (k_edge, q_edge) if by_key else (q_edge, k_edge)
+        if outer_edge is not None:
+            full = full & (xp.arange(n_outer)[:, None] != outer_edge)
+        if inner_edge is not None:
+            full = full & (index != inner_edge)
+        return cls(index, count, full, by_key, seqlen_q, seqlen_k, block_q, block_k)
+
+    def kinds(self) -> np.ndarray:
+        """The (outer tiles, inner tiles) int8 block map of host lists: EMPTY, PARTIAL, FULL."""
+        seqlen, block = (
+            (self.seqlen_q, self.block_q) if self.by_key else (self.seqlen_k, self.block_k)
+        )
+        listed = np.arange(self.width)[None, :] < self.count[:, None]
+        out = np.zeros((self.index.shape[0], -(-seqlen // block)), np.int8)
+        kind = np.where(self.full[listed], BLOCK_FULL, BLOCK_PARTIAL)
+        out[np.nonzero(listed)[0], self.index[listed]] = kind
+        return out
+
+
 def block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
     """Per (q tile, k tile): 0 empty, 1 partial, 2 fully visible (over the real rows/cols)."""
     _check_block(block_q, "block_q")
@@ -61,17 +126,6 @@ def block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
     if rows > ROW_ROUTE_INTERVALS_PER_ROW * mask.seqlen_q:
         return block_map_from_slices(mask, block_q, block_k)
     return block_map_from_rows(mask, block_q, block_k)
-
-
-def padded_block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
-    """The block map as a kernel padding the sequences to whole tiles sees it: FULL tiles of a
-    ragged last row or column of tiles are PARTIAL, so the in-tile mask hides the padding."""
-    out = mask.block_map(block_q, block_k).copy()
-    if mask.seqlen_q % block_q:
-        out[-1, out[-1] == BLOCK_FULL] = BLOCK_PARTIAL
-    if mask.seqlen_k % block_k:
-        out[out[:, -1] == BLOCK_FULL, -1] = BLOCK_PARTIAL
-    return out
 
 
 def block_lists(tile_kinds: np.ndarray, block_q: int, block_k: int) -> BlockLists:
@@ -95,6 +149,28 @@ def _compact(tile_kinds: np.ndarray) -> TileList:
     last = np.where(count > 0, index[np.arange(n), np.maximum(count - 1, 0)], 0)
     pad = np.arange(width)[None, :] >= count[:, None]
     return TileList(np.where(pad, last[:, None], index), count, full)
+
+
+def pass_tiles(mask: Mask, block_q: int, block_k: int, name: str) -> PassTiles:
+    """Host tile lists of pass `name` (one of PASSES) over `mask` in (block_q, block_k) tiles."""
+    if name not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {name!r}")
+    by_key = name == "dkdv"
+    kinds = mask.block_map(block_q, block_k)
+    lists = _compact(np.ascontiguousarray(kinds.T) if by_key else kinds)
+    return PassTiles.of(
+        lists,
+        by_key=by_key,
+        seqlen_q=mask.seqlen_q,
+        seqlen_k=mask.seqlen_k,
+        block_q=block_q,
+        block_k=block_k,
+    )
+
+
+def _ragged_tile(seqlen: int, block: int) -> int | None:
+    """Index of the last tile when it reaches past the sequence end, else None."""
+    return seqlen // block if seqlen % block else None
 
 
 def block_map_from_rows(mask: Mask, bq: int, bk: int) -> np.ndarray:

@@ -1,10 +1,10 @@
 """What both Pallas kernels (Triton and Mosaic GPU) take besides q, k and v, built from MaskArrays.
 
 Sequences are padded to whole mask tiles; the per-row intervals become (K, padded Sq) with empty
-padded rows; each tile list becomes a walk with its partial tiles first, where the tiles over the
-padding count as partial; the backward gets delta = rowsum(dout * out) - dlse and the LSE in base
-2. All of it runs in jnp inside the jitted wrappers, so MaskArrays stay runtime inputs and a new
-mask of the same shape reuses the compiled kernels.
+padded rows; each tile list becomes its pass's attn_masks.PassTiles (tiles over the padding
+partial) walked partial tiles first; the backward gets delta = rowsum(dout * out) - dlse and the
+LSE in base 2. All of it runs in jnp inside the jitted wrappers, so MaskArrays stay runtime inputs
+and a new mask of the same shape reuses the compiled kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attn_masks import TileList
+from attn_masks import PassTiles, TileList
 
 from .mask_arrays import MaskArrays
 
@@ -52,16 +52,6 @@ class TilePadding:
         sq, sk = arrays.seqlen_q, arrays.seqlen_k
         return cls(sq, sk, -(-sq // bq) * bq, -(-sk // bk) * bk, bq, bk)
 
-    @property
-    def ragged_q_tile(self) -> int | None:
-        """Index of the last query tile when it reaches into the padding, else None."""
-        return self.padded_q // self.block_q - 1 if self.padded_q != self.seq_q else None
-
-    @property
-    def ragged_k_tile(self) -> int | None:
-        """Index of the last key tile when it reaches into the padding, else None."""
-        return self.padded_k // self.block_k - 1 if self.padded_k != self.seq_k else None
-
 
 class TileWalk(NamedTuple):
     """index[t, :count[t]] are the inner tiles outer tile t visits; the first n_partial[t] of them
@@ -72,44 +62,35 @@ class TileWalk(NamedTuple):
     count: jax.Array
 
 
-def _partial_first(
-    lists: TileList, *, padded_outer: int | None, padded_inner: int | None
-) -> TileWalk:
-    """Each outer tile's list reordered partial tiles first; tiles over padding become partial.
-
-    A tile list calls a tile full over the real rows/cols only, so the outer tile `padded_outer`
-    and the inner tile `padded_inner` that reach into the padding (None: none does) are masked.
-    """
-    index = jnp.asarray(lists.index, jnp.int32)
-    count = jnp.asarray(lists.count, jnp.int32)
-    full = jnp.asarray(lists.full, bool)
-    n_outer, width = index.shape
-    valid = jnp.arange(width, dtype=jnp.int32)[None, :] < count[:, None]
-    full = full & valid
-    if padded_inner is not None:
-        full = full & (index != padded_inner)
-    if padded_outer is not None:
-        full = full & (jnp.arange(n_outer)[:, None] != padded_outer)
-    partial = valid & ~full
+def _walk(lists: TileList, padding: TilePadding, *, by_key: bool) -> TileWalk:
+    """The pass's tiles (PassTiles: tiles over the padding partial), each outer tile's list
+    reordered partial tiles first."""
+    tiles = PassTiles.of(
+        lists,
+        by_key=by_key,
+        seqlen_q=padding.seq_q,
+        seqlen_k=padding.seq_k,
+        block_q=padding.block_q,
+        block_k=padding.block_k,
+        xp=jnp,
+    )
+    valid = jnp.arange(tiles.width, dtype=jnp.int32)[None, :] < tiles.count[:, None]
+    partial = valid & ~tiles.full
     key = jnp.where(partial, 0, jnp.where(valid, 1, 2)).astype(jnp.int32)
     order = jnp.argsort(key, axis=1, stable=True)
-    index = jnp.take_along_axis(index, order, axis=1)
+    index = jnp.take_along_axis(tiles.index, order, axis=1)
     n_partial = jnp.sum(partial, axis=1, dtype=jnp.int32)
-    return TileWalk(index, n_partial, count)
+    return TileWalk(index, n_partial, tiles.count)
 
 
 def query_tile_walk(arrays: MaskArrays, padding: TilePadding) -> TileWalk:
     """Per query tile, the key tiles it visits (the forward and dQ walk)."""
-    return _partial_first(
-        arrays.kv, padded_outer=padding.ragged_q_tile, padded_inner=padding.ragged_k_tile
-    )
+    return _walk(arrays.kv, padding, by_key=False)
 
 
 def key_tile_walk(arrays: MaskArrays, padding: TilePadding) -> TileWalk:
     """Per key tile, the query tiles it visits (the dK/dV walk)."""
-    return _partial_first(
-        arrays.q, padded_outer=padding.ragged_k_tile, padded_inner=padding.ragged_q_tile
-    )
+    return _walk(arrays.q, padding, by_key=True)
 
 
 def padded_intervals(arrays: MaskArrays, padding: TilePadding) -> tuple[jax.Array, jax.Array]:

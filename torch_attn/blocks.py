@@ -1,10 +1,10 @@
-"""FlexAttention BlockMask built straight from the mask's block map, never from S x S points.
+"""FlexAttention BlockMask built straight from the mask's tile lists, never from S x S points.
 
-Tables come from the padded block map at 128 x 128 (`attn_masks.tiles.padded_block_map`:
-interval arithmetic, O(#slices + #blocks), a FULL tile on a ragged edge made PARTIAL, as
+Tables come from the forward and dK/dV passes' `attn_masks.PassTiles` at 128 x 128 (interval
+arithmetic, O(#slices + #blocks), a FULL tile on a ragged edge made PARTIAL, as
 `create_block_mask` does, so the kernel never relies on boundary handling inside full tiles):
 PARTIAL tiles go to kv_num_blocks/kv_indices (the mask_mod runs there), FULL tiles to
-full_kv_num_blocks/full_kv_indices (no mask_mod), and the transposes feed the dK/dV pass.
+full_kv_num_blocks/full_kv_indices (no mask_mod), and the dK/dV pass's tiles to the q tables.
 The mask_mod evaluates the in-tile description: visible(q, k) = any_r lo[q, r] <= k < hi[q, r]
 with (lo, hi) from `Mask.row_intervals()` as device tensors (inputs, not constants).
 """
@@ -16,8 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from attn_masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
-from attn_masks.tiles import padded_block_map
+from attn_masks import BLOCK_FULL, BLOCK_PARTIAL, Mask, pass_tiles
 
 from .mask_utils import interval_tensors
 
@@ -51,9 +50,14 @@ def flex_block_tables(
     mask: Mask, block_q: int = BLOCK, block_k: int = BLOCK
 ) -> dict[str, np.ndarray]:
     """The eight BlockMask tables, shaped (1, 1, n, m) (broadcast over batch and heads)."""
-    kinds = padded_block_map(mask, block_q, block_k)
-    partial, full = kinds == BLOCK_PARTIAL, kinds == BLOCK_FULL
-    arrays = (*_ordered(partial), *_ordered(full), *_ordered(partial.T), *_ordered(full.T))
+    by_q = pass_tiles(mask, block_q, block_k, "fwd").kinds()
+    by_k = pass_tiles(mask, block_q, block_k, "dkdv").kinds()
+    arrays = (
+        *_ordered(by_q == BLOCK_PARTIAL),
+        *_ordered(by_q == BLOCK_FULL),
+        *_ordered(by_k == BLOCK_PARTIAL),
+        *_ordered(by_k == BLOCK_FULL),
+    )
     return {name: a[None, None] for name, a in zip(TABLE_NAMES, arrays)}
 
 

@@ -64,10 +64,7 @@ def _device_tables(mask: Mask, device: torch.device, configs: launch.KernelConfi
         for name in _DEVICE_TABLES:
             out[name] = torch.as_tensor(getattr(host, name)).to(device)
         for name in _LISTS:
-            lists = getattr(host, name)
-            out[name] = tuple(
-                torch.as_tensor(x).to(device) for x in (lists.index, lists.count, lists.full)
-            )
+            out[name] = tuple(torch.as_tensor(x).to(device) for x in getattr(host, name).arrays)
         return out
 
     return cached(mask, ("triton", str(device), configs), build)

@@ -1,21 +1,21 @@
 """Framework-neutral launch plans for triton_attn.kernels: tiles, warps, grids and mask tables.
 
 Both front ends (torch_attn.triton, jax_attn.adapters.triton) build the same `Call` for a
-kernel (grid, runtime scalars, constexprs, warps, stages) and the same numpy `MaskTables`; they
-differ only in how they hand arrays to the kernel. The kernels' limits (head dims, dtypes,
-compute capability) are stated here, and both front ends ask `check`. Imports numpy and
-attn_masks only.
+kernel (grid, runtime scalars, constexprs, warps, stages) and the same numpy `MaskTables` (one
+attn_masks.PassTiles per kernel pass); they differ only in how they hand arrays to the kernel.
+The kernels' limits (head dims, dtypes, compute capability) are stated here, and both front ends
+ask `check`. Imports numpy and attn_masks only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from attn_masks import Mask, TileList
-from attn_masks.tiles import block_lists, padded_block_map
+from attn_masks import Mask, PassTiles, pass_tiles
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 DTYPES = ("bfloat16", "float16", "float32")
@@ -71,16 +71,15 @@ class Shape:
 class MaskTables:
     """Everything the kernels read about a mask for given KernelConfigs.
 
-    lo/hi (Sq, K) int32 key intervals per row; fwd: k tiles per forward q tile; dq: k tiles per
-    backward q tile; dkdv: q tiles per backward k tile, each in its kernel's tiles, with tiles
-    over a ragged sequence end partial and int32 full flags (1 = unmasked).
+    lo/hi (Sq, K) int32 key intervals per row; fwd, dq, dkdv: each pass's tiles in its kernel's
+    tile sizes, with int32 full flags (1 = unmasked).
     """
 
     lo: np.ndarray
     hi: np.ndarray
-    fwd: TileList
-    dq: TileList
-    dkdv: TileList
+    fwd: PassTiles
+    dq: PassTiles
+    dkdv: PassTiles
     configs: KernelConfigs
 
     @property
@@ -142,15 +141,10 @@ def default_configs(head_dim: int, itemsize: int) -> KernelConfigs:
     return KernelConfigs(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
 
 
-def _kernel_lists(mask: Mask, config: KernelConfig) -> tuple[TileList, TileList]:
-    """(k tiles per q tile, q tiles per k tile) in the config's tiles, as the kernels read them."""
-    kinds = padded_block_map(mask, config.block_q, config.block_k)
-    lists = block_lists(kinds, config.block_q, config.block_k)
-
-    def as_int32(tl: TileList) -> TileList:
-        return TileList(*(np.ascontiguousarray(x, np.int32) for x in (tl.index, tl.count, tl.full)))
-
-    return as_int32(lists.kv), as_int32(lists.q)
+def _kernel_tiles(mask: Mask, config: KernelConfig, name: str) -> PassTiles:
+    """Pass `name`'s tiles in the config's tile sizes, with the int32 full flags kernels read."""
+    tiles = pass_tiles(mask, config.block_q, config.block_k, name)
+    return dataclasses.replace(tiles, full=tiles.full.astype(np.int32))
 
 
 def mask_tables(mask: Mask, configs: KernelConfigs) -> MaskTables:
@@ -158,15 +152,12 @@ def mask_tables(mask: Mask, configs: KernelConfigs) -> MaskTables:
     lo, hi = mask.row_intervals()
     if lo.shape[1] == 0:
         lo = hi = np.zeros((mask.seqlen_q, 1), np.int32)
-    fwd, _ = _kernel_lists(mask, configs.fwd)
-    dq, _ = _kernel_lists(mask, configs.dq)
-    _, dkdv = _kernel_lists(mask, configs.dkdv)
     return MaskTables(
         lo=np.ascontiguousarray(lo, np.int32),
         hi=np.ascontiguousarray(hi, np.int32),
-        fwd=fwd,
-        dq=dq,
-        dkdv=dkdv,
+        fwd=_kernel_tiles(mask, configs.fwd, "fwd"),
+        dq=_kernel_tiles(mask, configs.dq, "dq"),
+        dkdv=_kernel_tiles(mask, configs.dkdv, "dkdv"),
         configs=configs,
     )
 

@@ -147,10 +147,7 @@ def _tables(mask: Mask, configs: launch.KernelConfigs) -> _Tables:
         with jax.ensure_compile_time_eval():  # concrete device arrays even when called in a trace
             arrays = {"lo": jax.device_put(host.lo), "hi": jax.device_put(host.hi)}
             for name in _LISTS:
-                lists = getattr(host, name)
-                arrays[name] = tuple(
-                    jax.device_put(x) for x in (lists.index, lists.count, lists.full)
-                )
+                arrays[name] = tuple(jax.device_put(x) for x in getattr(host, name).arrays)
         return _Tables(host, arrays)
 
     return _TABLES.get(mask, configs, build)
