@@ -52,7 +52,8 @@ def modules() -> dict[str, Path]:
 
 
 def _targets(name: str, path: Path, node: ast.AST, known: dict[str, Path]) -> set[str]:
-    """The project modules an import node loads (the deepest known module of each name)."""
+    """The project modules an import statement or import_module call loads (the deepest known
+    module of each name)."""
     if isinstance(node, ast.Call):
         names = [node.args[0].value]
     elif isinstance(node, ast.Import):
