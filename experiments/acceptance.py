@@ -25,17 +25,13 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import numpy as np
+from absl import app, flags, logging
 
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-
-from attn_masks import Mask, make_mask, random_slices  # noqa: E402
-from attn_masks import reference_attention as oracle  # noqa: E402
-from experiments.core.presets import STATIC_MASKS  # noqa: E402
-from experiments.runners.checks import GRAD_FACTOR, tolerance  # noqa: E402
+from attn_masks import Mask, make_mask, random_slices
+from attn_masks import reference_attention as oracle
+from experiments.core.presets import STATIC_MASKS
+from experiments.runners.checks import GRAD_FACTOR, tolerance
 
 FRAMEWORKS = ("jax", "torch")
 EVERY_IMPL_MASKS = ("full", "causal", "causal_document", "share_question", "random")
@@ -507,7 +503,7 @@ def compare_front_ends(save_dir: str) -> list[str]:
 def _worker_env() -> dict[str, str]:
     """Workers allocate GPU memory as they need it (they run side by side); compilation caches
     persist in .cache/, so a second run on the same machine compiles nothing."""
-    cache = Path(_ROOT) / ".cache"
+    cache = Path(__file__).resolve().parents[1] / ".cache"
     env = dict(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -6,15 +6,11 @@ Usage: python experiments/bench_masks.py [--seqlen=1048576] [--block=128]
 from __future__ import annotations
 
 import resource
-import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from attn_masks import make_mask  # noqa: E402
+from attn_masks import make_mask
 
 MASKS = flags.DEFINE_multi_string("mask", ["causal_document", "causal", "sliding_window"], "masks")
 SEQLEN = flags.DEFINE_integer("seqlen", 1 << 20, "sequence length")

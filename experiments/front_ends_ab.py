@@ -19,16 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 # Both frameworks share the GPU: JAX must not take most of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -13,14 +13,7 @@ launch needs) to compare one kernel's configs from both front ends.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("front_end", "torch", ["torch", "jax"], "Which front end launches the kernels.")

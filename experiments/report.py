@@ -13,12 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from experiments.reports import report  # noqa: E402
-from experiments.reports.report_parts import md_table  # noqa: E402
+from experiments.reports import report
+from experiments.reports.report_parts import md_table
 
 RESULTS = flags.DEFINE_list("results", None, "results.jsonl files (comma list).", required=True)
 OUT_DIR = flags.DEFINE_string("out_dir", None, "Report folder (default: beside the first file).")

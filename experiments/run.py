@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 VIRTUAL_CPU_DEVICES = 8
 

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seqlen", 32768, "Query and key length.", lower_bound=128)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .comm import comm_volume, formula_elements
+from .comm import formula_elements
 from .layouts import LAYOUTS, Layout, make_layout
 from .plan import (
     STRATEGIES,
     CPPlan,
     Step,
     check_heads,
+    comm_volume,
     default_local_impl,
     default_usp_ulysses,
     make_plan,

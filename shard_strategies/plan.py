@@ -17,9 +17,16 @@ import numpy as np
 from attn_masks import Mask, from_slices
 
 from . import schedules
-from .comm import comm_volume
+from .comm import FP32_BYTES, formula_elements
 from .layouts import DEFAULT_CHUNKS_PER_RANK, Layout, inverse_order, make_layout
-from .strategies import ALL_ULYSSES, NO_ULYSSES, RING_CORE, STRATEGIES, STRATEGY
+from .strategies import (
+    ALL_ULYSSES,
+    ALLGATHER_CORE,
+    NO_ULYSSES,
+    RING_CORE,
+    STRATEGIES,
+    STRATEGY,
+)
 from .strategies import core as strategy_core
 
 INNER_AXES = ("ulysses", "ring")
@@ -221,6 +228,48 @@ class CPPlan:
             "critical_area": self.critical_area,
             "ideal_area": self.mask.area() / self.world_size,
         }
+
+
+def comm_volume(
+    plan: CPPlan, hq: int, hkv: int, d: int, *, itemsize: int = 2, batch: int = 1
+) -> dict[str, float]:
+    """Per-rank fwd/bwd volume: formula elements/bytes and the executor's actual ones.
+
+    Actual: Ulysses all-to-alls of q, k, v, out (fwd) and dout, dq, dk, dv (bwd) with padded
+    lengths and replicated K/V heads; ring K/V transfers of the kept steps (dK/dV travel in fp32);
+    all-gather of K/V and reduce-scatter of dK/dV. The LSE all-to-all (return_lse) is left out.
+    """
+    u, r = plan.ulysses_size, plan.ring_size
+    hkv_eff = max(hkv, u)
+    lu, length = plan.local_len, plan.shard_len
+    f_fwd, f_bwd = formula_elements(plan.seqlen, u, r, hq, hkv, d)
+    fwd = bwd = 0.0
+    dkv_elems = 0.0
+    if u > 1:
+        per_pass = (u - 1) / u * lu * d * (2 * hq + 2 * hkv_eff)
+        fwd += per_pass
+        bwd += per_pass
+    block = length * (hkv_eff // u) * d * 2
+    if plan.core == ALLGATHER_CORE:
+        fwd += (r - 1) * block
+        bwd += (r - 1) * block
+    elif plan.is_ring:
+        counts = schedules.transfer_counts(
+            [(s.outer, s.inner) for s in plan.steps], r, plan.num_windows
+        )
+        fwd += counts["fwd_kv"] * block
+        bwd += counts["bwd_kv"] * block
+        dkv_elems = counts["bwd_dkv"] * block
+    return {
+        "fwd_formula_elements": f_fwd * batch,
+        "bwd_formula_elements": f_bwd * batch,
+        "fwd_formula_bytes": f_fwd * batch * itemsize,
+        "bwd_formula_bytes": f_bwd * batch * itemsize,
+        "fwd_elements": fwd * batch,
+        "bwd_elements": (bwd + dkv_elems) * batch,
+        "fwd_bytes": fwd * batch * itemsize,
+        "bwd_bytes": (bwd * itemsize + dkv_elems * FP32_BYTES) * batch,
+    }
 
 
 def default_usp_ulysses(world_size: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from pathlib import Path
 
 from gloo_ranks import launch
@@ -66,7 +65,6 @@ def test_slurm_variables_become_torchrun_ones():
 
 def test_torch_cp_against_the_oracle_and_the_plan(tmp_path):
     """One launch (so pytest-xdist never starts two process groups) checks every case."""
-    sys.path.insert(0, str(WORKER.parent))
     seed = random.randrange(1 << 30)
     lines = launch(WORKER, WORLD, tmp_path, {"CP_TEST_SEED": str(seed)}, TIMEOUT_S)
     bad = _problems(lines)
