@@ -22,16 +22,10 @@ import dataclasses
 import json
 import math
 import re
-import sys
 import typing
-from pathlib import Path
 from types import SimpleNamespace
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 SEED = 42
