@@ -13,12 +13,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .mask import Mask
+
+class SlicedMask(Protocol):
+    """What tile metadata reads of a mask (attn_masks.Mask is one): its lengths, typed slices
+    (q/k ranges and diagonal bands), per-row key intervals and cached block map. Named here so
+    tiles.py need not import mask.py, which builds on it."""
+
+    seqlen_q: int
+    seqlen_k: int
+    q_ranges: np.ndarray
+    k_ranges: np.ndarray
+    bands: tuple[np.ndarray, np.ndarray]
+
+    def row_intervals(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def block_map(self, block_q: int, block_k: int) -> np.ndarray: ...
+
 
 BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2
 # block_map works from the slices instead of per-row intervals beyond this many intervals per row.
@@ -118,7 +132,7 @@ class PassTiles(TileList):
         return out
 
 
-def block_map(mask: Mask, block_q: int, block_k: int) -> np.ndarray:
+def block_map(mask: SlicedMask, block_q: int, block_k: int) -> np.ndarray:
     """Per (q tile, k tile): 0 empty, 1 partial, 2 fully visible (over the real rows/cols)."""
     _check_block(block_q, "block_q")
     _check_block(block_k, "block_k")
@@ -151,7 +165,7 @@ def _compact(tile_kinds: np.ndarray) -> TileList:
     return TileList(np.where(pad, last[:, None], index), count, full)
 
 
-def pass_tiles(mask: Mask, block_q: int, block_k: int, name: str) -> PassTiles:
+def pass_tiles(mask: SlicedMask, block_q: int, block_k: int, name: str) -> PassTiles:
     """Host tile lists of pass `name` (one of PASSES) over `mask` in (block_q, block_k) tiles."""
     if name not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {name!r}")
@@ -173,7 +187,7 @@ def _ragged_tile(seqlen: int, block: int) -> int | None:
     return seqlen // block if seqlen % block else None
 
 
-def block_map_from_rows(mask: Mask, bq: int, bk: int) -> np.ndarray:
+def block_map_from_rows(mask: SlicedMask, bq: int, bk: int) -> np.ndarray:
     """Block map from the per-row intervals: cheap when rows hold few intervals."""
     lo, hi = mask.row_intervals()
     nq = -(-mask.seqlen_q // bq)
@@ -211,7 +225,7 @@ def block_map_from_rows(mask: Mask, bq: int, bk: int) -> np.ndarray:
     return out
 
 
-def block_map_from_slices(mask: Mask, bq: int, bk: int) -> np.ndarray:
+def block_map_from_slices(mask: SlicedMask, bq: int, bk: int) -> np.ndarray:
     """Block map straight from the band geometry of the slices, in O(touched tiles).
 
     Per (slice, q tile): the k tiles every tile row sees completely are FULL outright (no
@@ -240,7 +254,7 @@ def block_map_from_slices(mask: Mask, bq: int, bk: int) -> np.ndarray:
 
 
 def _slice_chunks(
-    mask: Mask, bq: int, bk: int, budget: int
+    mask: SlicedMask, bq: int, bk: int, budget: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Non-empty slices as (r0, r1, k0, k1, lo, hi) bands, rows clipped to those seeing a key,
     in chunks of about `budget` (slice, tile) entries (estimated from above)."""
