@@ -48,6 +48,7 @@ from .bwd_steps import (
     dkv_step,
     fetch_queries,
     launch,
+    launch_dkv,
     query_ring,
     row_vector,
     store_tile,
@@ -363,15 +364,8 @@ def _dkv_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) ->
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
     ]
     grid = (k.shape[1] // bk, k.shape[2], k.shape[0])
-    out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
-    if not kern.fused:
-        call = launch(_dkv_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_dkv")
-        return tuple(call(*operands, *lists))
-    scratch += [tile_smem((bk, bq), q.dtype), plgpu.SMEM((bq, d), jnp.float32)]
-    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-    call = launch(_dkv_fused_kernel, kern, grid, out_type, scratch, interpret, "mosaic_flash_bwd")
-    dk, dv = call(*operands, *lists, dq)
-    return dk, dv, dq[...]
+    body = _dkv_fused_kernel if kern.fused else _dkv_kernel
+    return launch_dkv(body, kern, grid, scratch, (*operands, *lists), interpret, "mosaic_flash_dkv")
 
 
 def _dq_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) -> jax.Array:

@@ -28,7 +28,7 @@ from .bwd_steps import (
     add_dq,
     dkv_step,
     fetch_queries,
-    launch,
+    launch_dkv,
     query_ring,
     tile_smem,
 )
@@ -127,16 +127,5 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
     ]
     grid = (k.shape[1] // kern.mask_block_k, k.shape[2], k.shape[0])
-    out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
-    args = (*operands, *lists)
-    if kern.fused:
-        scratch += [
-            tile_smem((CONSUMERS, bk, bq), q.dtype),
-            plgpu.SMEM((CONSUMERS, bq, d), jnp.float32),
-        ]
-        dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-        args = (*args, dq)
     name = "mosaic_flash_dkv_ws"
-    call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMERS + 1)
-    dk, dv = call(*args)
-    return (dk, dv, dq[...]) if kern.fused else (dk, dv)
+    return launch_dkv(_kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMERS)
