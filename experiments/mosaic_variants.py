@@ -14,6 +14,7 @@ runner (L2 flushed, host clock around call and completion). A variant that fails
 raises is recorded as "wrong" or "error" with its message and the sweep goes on. TFLOP/s counts
 the mask's useful FLOPs (attn_masks.attention_flops, as the driver); time_vs_baseline is the
 variant's median time over the baseline's in the same run (below 1: faster than cuDNN).
+`--report=FOLDER` writes report.md and speed.png from the records in FOLDER instead.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("iters", 20, "Timed calls per variant.", lower_bound=1)
     flags.DEFINE_integer("warmup", 3, "Untimed calls before them.", lower_bound=0)
     flags.DEFINE_string("out", None, "Append one JSON line per (point, variant) to this file.")
+    flags.DEFINE_string(
+        "report", None, "Write report.md and speed.png from the *.jsonl in this folder (no GPU)."
+    )
 
 
 def parse_variant(spec: str, base) -> tuple[str, object]:
@@ -224,6 +228,14 @@ def _settings() -> tuple[list[tuple[str, str, object]], list[int]]:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.report:
+        from experiments.reports.report_variants import write_report
+
+        try:
+            print(f"wrote {write_report(FLAGS.report)}")
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        return
     import jax
 
     from experiments.core import provenance
