@@ -173,25 +173,15 @@ def launch_dkv(
     consumers: int = 1,
 ) -> tuple:
     """dK, dV (k's shape) of a dK/dV kernel, and when fused the unscaled fp32 dQ (q's shape):
-    then each of the `consumers` warpgroups also gets a dS^T tile and an fp32 dQ stage (appended
-    to the scratch, with a leading consumer axis when there are several) and the kernel a zeroed
-    fp32 dQ Ref after its inputs, which it adds into by TMA reduce-add."""
+    then the kernel gets a zeroed fp32 dQ Ref after its inputs, which it adds into by TMA
+    reduce-add (the scratch then includes what the kernel stages dQ through)."""
     q, k = operands[0], operands[1]
-    bq, bk, d = kern.block_q, kern.block_k, q.shape[-1]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
     warpgroups = consumers + 1 if consumers > 1 else 1  # several consumers come with a producer
-    if not kern.fused:
-        return tuple(
-            launch(body, kern, grid, out_type, scratch, interpret, name, warpgroups)(*operands)
-        )
-    lead = (consumers,) if consumers > 1 else ()
-    scratch = [
-        *scratch,
-        tile_smem((*lead, bk, bq), q.dtype),
-        plgpu.SMEM((*lead, bq, d), jnp.float32),
-    ]
-    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
     call = launch(body, kern, grid, out_type, scratch, interpret, name, warpgroups)
+    if not kern.fused:
+        return tuple(call(*operands))
+    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
     dk, dv = call(*operands, dq)
     return dk, dv, dq[...]
 

@@ -6,7 +6,10 @@ TMA-loading the q rows, dO, LSE, delta and row intervals of every step into a ri
 slots that both consumers read. So the q side is loaded once per 128 keys instead of once per
 64, and no consumer issues a copy. A consumer releases a slot once its matmuls on it are done
 (waited at the start of its next step); the producer refills a slot when both released it.
-Fused (fused_bwd), each consumer also adds its keys' share of dQ by TMA reduce-add.
+Fused (fused_bwd), the CTA adds its 128 keys' share of each step's dQ once: both consumers write
+their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each computes
+dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
+the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .bwd_steps import (
     QUERY_COPIES,
+    WGMMA_ROWS,
     Kernel,
     QueryTiles,
     accumulate_dkv,
-    add_dq,
     dkv_step,
     fetch_queries,
     launch_dkv,
@@ -37,6 +40,7 @@ from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 CONSUMERS = 2
 PRODUCER = CONSUMERS  # index of the TMA warpgroup
 INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
+DS_BUFFERS = 2  # the fused dQ's shared dS^T tiles: step n writes buffer n mod 2
 
 
 def _kernel(*refs: Any, kern: Kernel) -> None:
@@ -47,7 +51,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     dq_ref, refs = (refs[0], refs[1:]) if kern.fused else (None, refs)
     dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
     kv_bar, ready, free = refs[10:13]
-    ds_s, dq_s = refs[13:] if kern.fused else (None, None)
+    shared_dq = refs[13:] if kern.fused else None
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
     tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
@@ -77,7 +81,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                 if kern.fused:
                     start, head = walk.at(n)
                     dst = dq_ref.at[batch, pl.ds(start, bq), head]
-                    add_dq(ds_t, k_own, ds_s.at[wg], dq_s.at[wg], dst)
+                    _add_dq_shared(n, wg, ds_t, k_s, dst, shared_dq)
                 return carry
 
             plgpu.barrier_wait(kv_bar.at[wg])
@@ -87,6 +91,9 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             plgpu.wgmma_wait(0)
             last = lax.rem(total + jnp.int32(stages - 1), jnp.int32(stages))
             pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
+            if kern.fused:  # observe the dS tiles' last release phases
+                ds_free = shared_dq[3]
+                lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, _drain(ds_free), None)
             return dk_acc[...], dv_acc[...]
 
         dsts = (x.at[batch, keys, kv_head] for x in (dk_ref, dv_ref))
@@ -104,12 +111,60 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             slots = tuple(x.at[slot] for x in ring)
             fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
 
-        def drain(n: jax.Array, _: Any) -> None:
-            plgpu.barrier_wait(free.at[lax.rem(n, jnp.int32(stages))])
-
         lax.fori_loop(jnp.int32(0), total, issue, None)
         # Observe every release phase before the barriers are freed.
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, _drain(free), None)
+
+
+def _drain(barriers: Any) -> Any:
+    """fori_loop body waiting barrier n mod len(barriers): observes step n's phase."""
+
+    def wait(n: jax.Array, _: Any) -> None:
+        plgpu.barrier_wait(barriers.at[lax.rem(n, jnp.int32(barriers.shape[0]))])
+
+    return wait
+
+
+def dq_columns(head_dim: int) -> list[slice]:
+    """Each consumer's slice of the head dim in the fused dQ share: halves of at least 64
+    columns (a 128-byte swizzle atom of the K tile), so at D=64 consumer 0 takes it all."""
+    width = max(WGMMA_ROWS, head_dim // CONSUMERS)
+    return [slice(c, min(c + width, head_dim)) for c in range(0, head_dim, width)]
+
+
+def _add_dq_shared(
+    n: jax.Array, wg: jax.Array, ds_t: jax.Array, k_s: Any, dst: Any, shared: tuple
+) -> None:
+    """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
+    keys: this consumer's dS^T into buffer n mod 2 (once both consumers' reads of step n - 2
+    released it), a rendezvous, then each consumer's dq_columns slice by one TMA reduce-add."""
+    ds_s, dq_s, ready, free = shared
+    buf = lax.rem(n, jnp.int32(DS_BUFFERS))
+    pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
+    ds_s.at[buf, wg][...] = ds_t
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready.at[buf])
+    plgpu.barrier_wait(ready.at[buf])
+    columns = dq_columns(k_s.shape[-1])
+    for c, cols in enumerate(columns):
+
+        @pl.when(wg == c)
+        def _share(cols: slice = cols, c: int = c) -> None:
+            def run(acc: Any) -> jax.Array:
+                for j in range(CONSUMERS):
+                    ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
+                    plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
+                return acc[...]
+
+            part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
+            plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read the stage
+            stage = dq_s.at[c]
+            stage[...] = part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage, dst.at[:, cols], reduction_op="add")
+
+    pl.when(wg >= len(columns))(lambda: plgpu.barrier_arrive(free.at[buf]))
 
 
 def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
@@ -126,6 +181,14 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
     ]
+    if kern.fused:  # the shared dS^T buffers, each consumer's fp32 dQ stage, their barriers
+        width = dq_columns(d)[0].stop
+        scratch += [
+            tile_smem((DS_BUFFERS, CONSUMERS, bk, bq), q.dtype),
+            plgpu.SMEM((CONSUMERS, bq, width), jnp.float32),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=DS_BUFFERS),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=DS_BUFFERS),
+        ]
     grid = (k.shape[1] // kern.mask_block_k, k.shape[2], k.shape[0])
     name = "mosaic_flash_dkv_ws"
     return launch_dkv(_kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMERS)
