@@ -15,6 +15,9 @@ raises is recorded as "wrong" or "error" with its message and the sweep goes on.
 the mask's useful FLOPs (attn_masks.attention_flops, as the driver); time_vs_baseline is the
 variant's median time over the baseline's in the same run (below 1: faster than cuDNN).
 `--report=FOLDER` writes report.md and speed.png from the records in FOLDER instead.
+`--profile` runs each impl once between cudaProfilerStart and Stop instead of timing it, for
+`ncu --profile-from-start off --kernel-name regex:mosaic_flash ...` (one variant per run keeps
+the kernels apart: they share names).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ SEED = 42
 MODES = ("fwd", "fwd_bwd")
 BOOLS = {"1": True, "true": True, "0": False, "false": False}
 MAX_MESSAGE = 2000  # characters of an error message kept in the record
+PROFILED = "checked, then one call between cudaProfilerStart and Stop (--profile)"
 
 
 def define_flags() -> None:
@@ -52,6 +56,12 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "Append one JSON line per (point, variant) to this file.")
     flags.DEFINE_string(
         "report", None, "Write report.md and speed.png from the *.jsonl in this folder (no GPU)."
+    )
+    flags.DEFINE_bool(
+        "profile",
+        False,
+        "For Nsight Compute (ncu --profile-from-start off): after the check and the warm-up "
+        "calls, run each impl once between cudaProfilerStart and Stop instead of timing it.",
     )
 
 
@@ -113,6 +123,9 @@ def _measure(point, mask, attn, args: dict, flush) -> dict:
         del got
         if not check["ok"]:
             return {"status": "wrong", "message": check["message"], "check": check}
+        if FLAGS.profile:
+            _profiled_call(fn, call_args)
+            return {"status": "profiled", "message": PROFILED, "check": check}
         loop = dict(warmup=FLAGS.warmup, iters=FLAGS.iters, flush=flush)
         times = timing.jax_time_calls(fn, call_args, **loop)
     except Exception as e:  # a variant's failure must not end the sweep
@@ -122,6 +135,18 @@ def _measure(point, mask, attn, args: dict, flush) -> dict:
             "check": check,
         }
     return {"status": "ok", "check": check, "time_ms": timing.time_stats(times)}
+
+
+def _profiled_call(fn, call_args: tuple) -> None:
+    """--warmup calls, then one between cudaProfilerStart and Stop (what ncu then profiles)."""
+    import jax
+    import torch
+
+    for _ in range(FLAGS.warmup):
+        jax.block_until_ready(fn(*call_args))
+    torch.cuda.profiler.start()
+    jax.block_until_ready(fn(*call_args))
+    torch.cuda.profiler.stop()
 
 
 def _impls(mask, heads: tuple[int, int], mode: str, variants: list) -> list[tuple]:
@@ -243,6 +268,11 @@ def main(argv: list[str]) -> None:
     from jax_attn.adapters.common import local_gpu
 
     variants, seqlens = _settings()
+    if FLAGS.profile:
+        try:
+            import torch  # noqa: F401  (its cudaProfilerStart/Stop)
+        except ImportError:
+            raise app.UsageError("--profile needs torch for cudaProfilerStart/Stop") from None
     gpu = local_gpu()
     if gpu is None or not gpu.cuda:
         raise app.UsageError("needs a CUDA GPU (a Hopper one for the Mosaic kernel's wgmma/TMA)")
