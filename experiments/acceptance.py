@@ -9,11 +9,18 @@ attention of the same rounded inputs; one line per case, then a summary. The sha
 is also compared between its two front ends on identical inputs. One NaN case per impl checks the
 NaN contract of docs/api.md (a NaN in one q row and in k at one key): ok, FAIL, or "documented"
 for the impls documented to break it. Exit status 1 if any case fails.
+
+The workers are the driver's (experiments/workers.py: they die with this process and hold its
+lock of the output folder), and every case is also a record in the driver's results format,
+<out_dir>/results.jsonl (key, status, point, the errors and tolerances, provenance), written by
+this process alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import queue
 import subprocess
@@ -21,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -30,7 +38,11 @@ from absl import app, flags, logging
 
 from attn_masks import Mask, make_mask, random_slices
 from attn_masks import reference_attention as oracle
+from experiments import workers
+from experiments.core import provenance
+from experiments.core.outcomes import ERROR, OK, UNSUPPORTED, WRONG
 from experiments.core.presets import STATIC_MASKS
+from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir
 from experiments.runners.checks import GRAD_FACTOR, tolerance
 
 FRAMEWORKS = ("jax", "torch")
@@ -44,6 +56,11 @@ TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks la
 NAN_MASK = "causal"  # rows before the NaN key cannot see it, rows after it must turn NaN
 # (framework, impl, device) that docs/api.md documents as breaking the NaN contract
 NAN_DOCUMENTED = frozenset({("torch", "flex", "cpu")})
+OUT_DIR = "results/local/acceptance"
+RECORD = "RECORD "  # a worker's stdout line carrying one case's record (JSON) to the parent
+# a verdict's status in the driver's records ("documented": the impl is documented to break it)
+STATUS_OF = {"ok": OK, "FAIL": WRONG, "ERROR": ERROR, "unsupported": UNSUPPORTED,
+             "documented": UNSUPPORTED}  # fmt: skip
 
 FLAGS = flags.FLAGS
 
@@ -56,6 +73,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("jax_workers", 6, "JAX worker processes (cases split among them).", 1)
     flags.DEFINE_integer("torch_workers", 3, "PyTorch worker processes.", lower_bound=1)
     flags.DEFINE_bool("allow_cpu", False, "Run without a CUDA GPU too (slow; for development).")
+    flags.DEFINE_string("out_dir", OUT_DIR, "Where results.jsonl gets one record per case.")
     flags.DEFINE_string("worker", None, "Internal: run one framework's cases in this process.")
     flags.DEFINE_integer("shard", 0, "Internal: which shard of the cases a worker runs.")
     flags.DEFINE_integer("shards", 1, "Internal: how many shards the cases are split into.")
@@ -269,14 +287,36 @@ def most_supported(framework: str, impl: str, mask: Mask, case: Case) -> tuple[t
     return (), why
 
 
-def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tuple[str, str]:
-    """(status, line) of one case: ok, FAIL, unsupported (with the reason) or ERROR."""
+class Outcome(typing.NamedTuple):
+    """A case's verdict (ok, FAIL, unsupported, ERROR or documented), its printed line, and the
+    fields its record adds (errors and tolerances per quantity, seconds, message)."""
+
+    status: str
+    line: str
+    details: dict
+
+
+def record(section: str, framework: str, impl: str, case: Case, outcome: Outcome) -> dict:
+    """The driver-format record of one case of `section` (kernels or nan)."""
+    point = {"workload": "acceptance", "section": section, "framework": framework, "impl": impl}
+    point.update(dataclasses.asdict(case))
+    return {
+        "key": "/".join(("acceptance", section, framework, impl, case.key)),
+        "status": STATUS_OF[outcome.status],
+        "verdict": outcome.status,
+        "point": point,
+        **outcome.details,
+    }
+
+
+def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> Outcome:
+    """One case: ok, FAIL, unsupported (with the reason) or ERROR."""
     head = f"{framework:<5} {impl:<13} {case.label}"
     try:
         mask = build_mask(case)
         ask, why = most_supported(framework, impl, mask, case)
         if not ask:
-            return "unsupported", f"{'unsupported':<11} {head}  {why}"
+            return Outcome("unsupported", f"{'unsupported':<11} {head}  {why}", {"message": why})
         x = inputs(case)
         scale = 1.0 / np.sqrt(case.head_dim)
         run = _jax_run if framework == "jax" else _torch_run
@@ -288,16 +328,18 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tup
             rounded["dlse"] = np.zeros_like(x["dlse"])
         want = oracle_with_lse(mask, dict(x, **rounded), scale)
     except Exception as err:  # a crash is a finding to report, not a reason to stop
-        return "ERROR", f"{'ERROR':<11} {head}  {type(err).__name__}: {str(err)[:300]}"
+        why = f"{type(err).__name__}: {str(err)[:300]}"
+        return Outcome("ERROR", f"{'ERROR':<11} {head}  {why}", {"message": why})
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
     rtol = tolerance(short, on_gpu=True)
-    parts, bad = [], []
+    parts, bad, errors, tols = [], [], {}, {}
     for name in QUANTITIES:
         if name not in got:
             parts.append(f"{name} -")
             continue
         err = relative_error(name, got[name], want[name])
         tol = rtol * (GRAD_FACTOR if name.startswith("d") else 1.0)
+        errors[name], tols[name] = err, tol
         parts.append(f"{name} {err:.1e}")
         if not err <= tol:
             bad.append(f"{name} {err:.2e} > {tol:.0e}")
@@ -305,7 +347,9 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> tup
         np.savez(Path(save_dir) / f"{framework}_{case.key}.npz", **got)
     status = "FAIL" if bad else "ok"
     note = f"  [{'; '.join(bad)}]" if bad else ("" if ask[0] else "  (forward only)")
-    return status, f"{status:<11} {head}  {' '.join(parts)}  {took:.1f}s{note}"
+    line = f"{status:<11} {head}  {' '.join(parts)}  {took:.1f}s{note}"
+    details = {"errors": errors, "tolerances": tols, "seconds": took, "message": "; ".join(bad)}
+    return Outcome(status, line, details)
 
 
 def nan_cases(
@@ -391,14 +435,15 @@ def nan_verdict(problems: list[str], documented: bool) -> tuple[str, str]:
     return "ok", "keeps the NaN contract"
 
 
-def run_nan_case(framework: str, impl: str, case: Case) -> tuple[str, str]:
-    """(status, line) of the NaN case: ok, FAIL, documented, unsupported or ERROR."""
+def run_nan_case(framework: str, impl: str, case: Case) -> Outcome:
+    """The NaN case: ok, FAIL, documented, unsupported or ERROR."""
     head = f"{framework:<5} {impl:<13} {case.label}"
     try:
         mask = build_mask(case)
         verdict = _supports(framework, impl, mask, case, (False, False))
         if verdict is not True:
-            return "unsupported", f"{'unsupported':<11} {head}  NaN case: {verdict}"
+            line = f"{'unsupported':<11} {head}  NaN case: {verdict}"
+            return Outcome("unsupported", line, {"message": verdict})
         x = {n: a for n, a in inputs(case).items() if n in "qkv"}
         t0 = time.monotonic()
         got = _nan_out(framework, impl, mask, _with_nans(x, case), case.dtype)
@@ -408,8 +453,10 @@ def run_nan_case(framework: str, impl: str, case: Case) -> tuple[str, str]:
         documented = (framework, impl, _device(framework)) in NAN_DOCUMENTED
         status, note = nan_verdict(nan_problems(got, want, mask, case), documented)
     except Exception as err:  # a crash is a finding to report, not a reason to stop
-        return "ERROR", f"{'ERROR':<11} {head}  NaN case: {type(err).__name__}: {str(err)[:300]}"
-    return status, f"{status:<11} {head}  NaN case: {note}  {took:.1f}s"
+        why = f"{type(err).__name__}: {str(err)[:300]}"
+        return Outcome("ERROR", f"{'ERROR':<11} {head}  NaN case: {why}", {"message": why})
+    line = f"{status:<11} {head}  NaN case: {note}  {took:.1f}s"
+    return Outcome(status, line, {"seconds": took, "message": note})
 
 
 def _device(framework: str) -> str:
@@ -450,14 +497,15 @@ def worker(
     """Run shard `shard` of `shards` of one framework's cases here, one line each; exit 1 on
     any failure."""
     counts: Counter = Counter()
-    for impl, case in cases(framework, seqlen, only)[shard::shards]:
-        status, line = run_case(framework, impl, case, save_dir)
-        counts[status] += 1
-        print(line, flush=True)
-    for impl, case in nan_cases(framework, seqlen, only)[shard::shards]:
-        status, line = run_nan_case(framework, impl, case)
-        counts[status] += 1
-        print(line, flush=True)
+    runs = [("kernels", impl, case, functools.partial(run_case, save_dir=save_dir))
+            for impl, case in cases(framework, seqlen, only)[shard::shards]]  # fmt: skip
+    runs += [("nan", impl, case, run_nan_case)
+             for impl, case in nan_cases(framework, seqlen, only)[shard::shards]]  # fmt: skip
+    for section, impl, case, run in runs:
+        outcome = run(framework, impl, case)
+        counts[outcome.status] += 1
+        print(outcome.line, flush=True)
+        print(RECORD + json.dumps(record(section, framework, impl, case, outcome)), flush=True)
     print(f"SUMMARY {framework} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     return 1 if counts["FAIL"] or counts["ERROR"] else 0
 
@@ -477,11 +525,11 @@ def ulps_apart(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
     return float((np.abs(a - b) / ulp).max())
 
 
-def compare_front_ends(save_dir: str) -> list[str]:
-    """One line per case both frameworks ran: ok when every quantity is bitwise equal (one
+def compare_front_ends(save_dir: str) -> list[Outcome]:
+    """One outcome per case both frameworks ran: ok when every quantity is bitwise equal (one
     kernel source, one compiled kernel), else FAIL naming each quantity that differs, its
     largest ulp distance and how many elements differ."""
-    lines = []
+    outcomes = []
     for jax_file in sorted(Path(save_dir).glob("jax_*.npz")):
         torch_file = jax_file.with_name("torch_" + jax_file.name[4:])
         if not torch_file.exists():
@@ -496,15 +544,30 @@ def compare_front_ends(save_dir: str) -> list[str]:
                 diffs.append(f"{n} max {ulps:.1f} ulp ({count} of {a[n].size} differ)")
         status = "FAIL" if diffs else "ok"
         verdict = "; ".join(diffs) or "bitwise"
-        lines.append(f"{status:<11} front ends   {jax_file.stem[4:]}  {verdict}")
-    return lines
+        line = f"{status:<11} front ends   {jax_file.stem[4:]}  {verdict}"
+        outcomes.append(Outcome(status, line, {"case": jax_file.stem[4:], "message": verdict}))
+    return outcomes
 
 
-def _worker_env() -> dict[str, str]:
-    """Workers allocate GPU memory as they need it (they run side by side); compilation caches
-    persist in .cache/, so a second run on the same machine compiles nothing."""
+def front_ends_record(outcome: Outcome) -> dict:
+    """The driver-format record of one front-end comparison."""
+    case = outcome.details["case"]
+    point = {"workload": "acceptance", "section": "front_ends", "impl": TWO_FRONT_ENDS}
+    return {
+        "key": f"acceptance/front_ends/{TWO_FRONT_ENDS}/{case}",
+        "status": STATUS_OF[outcome.status],
+        "verdict": outcome.status,
+        "point": {**point, "case": case},
+        "message": outcome.details["message"],
+    }
+
+
+def _worker_env(lock_fd: int) -> dict[str, str]:
+    """The driver's worker environment (the parent's PID and lock), and: workers allocate GPU
+    memory as they need it (they run side by side); compilation caches persist in .cache/, so a
+    second run on the same machine compiles nothing."""
     cache = Path(__file__).resolve().parents[1] / ".cache"
-    env = dict(os.environ)
+    env = workers.worker_env(lock_fd)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
@@ -530,7 +593,7 @@ def _workers(fw: str) -> int:
     return FLAGS.jax_workers if fw == "jax" else FLAGS.torch_workers
 
 
-def _launch(fw: str, shard: int, save_dir: str) -> subprocess.Popen:
+def _launch(fw: str, shard: int, save_dir: str, lock_fd: int) -> subprocess.Popen:
     cmd = [
         sys.executable,
         __file__,
@@ -541,7 +604,8 @@ def _launch(fw: str, shard: int, save_dir: str) -> subprocess.Popen:
         f"--seqlen={FLAGS.seqlen}",
         f"--impl={','.join(FLAGS.impl)}",
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_worker_env())
+    env = _worker_env(lock_fd)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, pass_fds=(lock_fd,))
 
 
 def _pump(name: str, proc: subprocess.Popen, lines: queue.Queue) -> None:
@@ -551,14 +615,15 @@ def _pump(name: str, proc: subprocess.Popen, lines: queue.Queue) -> None:
     lines.put((name, proc.wait()))
 
 
-def run_workers(save_dir: str) -> list[str]:
+def run_workers(save_dir: str, keep: typing.Callable[[dict], None], lock_fd: int) -> list[str]:
     """Every shard of every requested framework at once (the GPU is shared; compilation, which
-    dominates such small problems, runs in parallel); their lines as they come; the failures."""
+    dominates such small problems, runs in parallel); their lines as they come, each record to
+    keep(); the failures."""
     lines: queue.Queue = queue.Queue()
     running = 0
     for fw in [f for f in FRAMEWORKS if f in FLAGS.framework]:
         for shard in range(_workers(fw)):
-            proc = _launch(fw, shard, save_dir)
+            proc = _launch(fw, shard, save_dir, lock_fd)
             threading.Thread(target=_pump, args=(f"{fw}/{shard}", proc, lines)).start()
             running += 1
     failed: list[str] = []
@@ -569,6 +634,9 @@ def run_workers(save_dir: str) -> list[str]:
             name, code = item
             if code not in (0, 1):
                 failed.append(f"ERROR worker {name} exited with status {code}")
+            continue
+        if item.startswith(RECORD):
+            keep(json.loads(item[len(RECORD) :]))
             continue
         if not item.startswith("SUMMARY"):
             print(item, flush=True)
@@ -590,11 +658,30 @@ def _why_not_run() -> str | None:
     return None
 
 
+def _run(store: ResultsStore, lock_fd: int) -> list[str]:
+    """The workers, then the front-end comparison; every record into `store` with this run's
+    provenance; the failure lines."""
+    prov = {"git": provenance.git_state(), "versions": provenance.package_versions()}
+
+    def keep(rec: dict) -> None:
+        store.append({**rec, "provenance": prov})
+
+    with tempfile.TemporaryDirectory() as save_dir:
+        failed = run_workers(save_dir, keep, lock_fd)
+        for outcome in compare_front_ends(save_dir):
+            print(outcome.line, flush=True)
+            keep(front_ends_record(outcome))
+            if outcome.status == "FAIL":
+                failed.append(outcome.line)
+    return failed
+
+
 def main(argv: list[str]) -> int:
     """Run the workers (or be one), then print the failures and a summary."""
     del argv
     logging.set_verbosity(logging.WARNING)
     if FLAGS.worker:
+        workers.start_as_worker()
         only = tuple(FLAGS.impl)
         return worker(FLAGS.worker, FLAGS.save_dir, FLAGS.seqlen, only, FLAGS.shard, FLAGS.shards)
     why = _why_not_run()
@@ -602,12 +689,14 @@ def main(argv: list[str]) -> int:
         print(why, file=sys.stderr)
         return 2
     start = time.time()
-    with tempfile.TemporaryDirectory() as save_dir:
-        failed = run_workers(save_dir)
-        for line in compare_front_ends(save_dir):
-            print(line, flush=True)
-            if line.startswith("FAIL"):
-                failed.append(line)
+    Path(FLAGS.out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        with locked_out_dir(FLAGS.out_dir) as lock_fd:
+            failed = _run(ResultsStore(FLAGS.out_dir), lock_fd)
+    except OutDirBusy as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+    print(f"records: {ResultsStore(FLAGS.out_dir).path}")
     print(f"\n{len(failed)} failures in {time.time() - start:.0f} s")
     for line in failed:
         print("  " + line)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -48,7 +50,7 @@ def test_inputs_are_fresh_per_case_and_equal_across_calls():
 
 def test_run_case_passes_a_right_impl_and_fails_a_wrong_one(monkeypatch):
     case = Case("causal_document", 40, 40, 2, 1, 16, "float32")
-    status, line = acceptance.run_case("torch", "naive", case, None)
+    status, line, _ = acceptance.run_case("torch", "naive", case, None)
     assert status == "ok", line
     assert all(f" {n} " in line for n in ("out", "lse", "dq", "dk", "dv"))
 
@@ -61,12 +63,12 @@ def test_run_case_passes_a_right_impl_and_fails_a_wrong_one(monkeypatch):
         return out * 1.01, lse
 
     monkeypatch.setattr(torch_attn, "attention", off_by_a_little)
-    status, line = acceptance.run_case("torch", "naive", case, None)
+    status, line, _ = acceptance.run_case("torch", "naive", case, None)
     assert status == "FAIL" and "out 1.00e-02 > 2e-03" in line, line
 
 
 def test_run_case_reports_unsupported_with_the_reason():
-    status, line = acceptance.run_case(
+    status, line, _ = acceptance.run_case(
         "torch", "flash3", Case("full", 40, 40, 2, 1, 16, "float32"), None
     )
     assert status == "unsupported" and line.split("  ")[-1].strip()
@@ -92,7 +94,8 @@ def test_front_end_comparison(tmp_path, ulps, verdict, dtype):
     shifted[::2] *= 1 + ulps * eps
     _save(tmp_path / f"jax_{case.key}.npz", dtype, out=out, lse=lse)
     _save(tmp_path / f"torch_{case.key}.npz", dtype, out=shifted, lse=lse)
-    (line,) = acceptance.compare_front_ends(str(tmp_path))
+    ((status, line, details),) = acceptance.compare_front_ends(str(tmp_path))
+    assert status == ("ok" if ulps == 0 else "FAIL") and details["case"] == case.key
     assert verdict in line
     assert line.startswith("ok" if ulps == 0 else "FAIL")
     if ulps:
@@ -114,3 +117,52 @@ def test_refuses_to_run_without_a_gpu_unless_asked():
     assert done.returncode != 0
     lines = [x for x in (done.stdout + done.stderr).splitlines() if x.strip()]
     assert len(lines) == 1 and "no CUDA GPU here" in lines[0] and "--allow_cpu" in lines[0]
+
+
+def _run_command(*args: str, timeout: int = 300):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(acceptance.__file__)
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cpu_run_prints_each_case_and_records_it(tmp_path):
+    """Through the driver's workers (--allow_cpu, the naive torch impl, two shards): the text
+    lines as before, and per case one driver-format record (written by the parent alone) whose
+    errors are the printed ones."""
+    import json
+
+    done = _run_command("--allow_cpu", "--framework=torch", "--impl=naive", "--torch_workers=2",
+                        "--seqlen=48", f"--out_dir={tmp_path}")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert acceptance.RECORD not in done.stdout
+    verdicts = ("ok", "FAIL", "ERROR", "unsupported", "documented")
+    lines = [x for x in done.stdout.splitlines() if x.startswith(verdicts)]
+    want = acceptance.cases("torch", 48, ("naive",)) + acceptance.nan_cases("torch", 48, ("naive",))
+    records = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == len(records) == len(want) > 0
+    assert len({r["key"] for r in records}) == len(records)
+    assert all(r["status"] == "ok" and r["point"]["impl"] == "naive" for r in records)
+    assert all(r["provenance"]["git"]["commit"] for r in records)
+    kernels = [r for r in records if r["point"]["section"] == "kernels"]
+    assert len(kernels) == len(want) - 1
+    for rec in kernels:
+        case = Case(*(rec["point"][f.name] for f in dataclasses.fields(Case)))
+        (line,) = [x for x in lines if case.label in x and "NaN" not in x]
+        for name in acceptance.QUANTITIES:
+            assert f" {name} {rec['errors'][name]:.1e} " in line
+            assert rec["errors"][name] <= rec["tolerances"][name]
+
+
+def test_busy_out_dir_is_refused_naming_the_holder(tmp_path):
+    from experiments.core.results import locked_out_dir
+
+    with locked_out_dir(tmp_path):
+        done = _run_command("--allow_cpu", "--framework=torch", "--impl=naive",
+                            f"--out_dir={tmp_path}", timeout=120)  # fmt: skip
+    assert done.returncode == 75
+    assert "in use by another run" in done.stderr and "PID" in done.stderr

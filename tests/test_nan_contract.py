@@ -282,7 +282,7 @@ ACCEPTANCE_CASE = acceptance.Case("causal", 96, 96, 4, 2, 32, "float32")
 
 
 def test_acceptance_nan_case_passes_an_impl_that_keeps_the_contract():
-    status, line = acceptance.run_nan_case("torch", "naive", ACCEPTANCE_CASE)
+    status, line, _ = acceptance.run_nan_case("torch", "naive", ACCEPTANCE_CASE)
     assert status == "ok" and "keeps the NaN contract" in line, line
 
 
@@ -297,12 +297,12 @@ def test_acceptance_nan_case_passes_an_impl_that_keeps_the_contract():
 def test_acceptance_nan_case_fails_an_impl_that_breaks_it(monkeypatch, damage, problem):
     right = torch_attn.attention
     monkeypatch.setattr(torch_attn, "attention", lambda *a, **kw: damage(right(*a, **kw)))
-    status, line = acceptance.run_nan_case("torch", "naive", ACCEPTANCE_CASE)
+    status, line, _ = acceptance.run_nan_case("torch", "naive", ACCEPTANCE_CASE)
     assert status == "FAIL" and "breaks the NaN contract: " in line and problem in line, line
 
 
 def test_acceptance_nan_case_reports_flex_on_cpu_as_documented():
-    status, line = acceptance.run_nan_case("torch", "flex", ACCEPTANCE_CASE)
+    status, line, _ = acceptance.run_nan_case("torch", "flex", ACCEPTANCE_CASE)
     assert status == "documented", line
     assert "breaks the NaN contract (documented)" in line and "are finite" in line, line
 
