@@ -34,7 +34,7 @@ from absl import app, flags, logging  # noqa: E402
 from experiments import driver, workers  # noqa: E402
 from experiments.core import flags as run_flags  # noqa: E402
 from experiments.core import interrupt  # noqa: E402
-from experiments.core.results import ResultsStore  # noqa: E402
+from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
 run_flags.define_flags()
@@ -107,6 +107,28 @@ def _sweep() -> int:
         return _interrupted(settings.out_dir)
 
 
+def _parity() -> int:
+    """--parity_bundle: one framework here; --framework=both as one worker per framework (JAX
+    saves, then PyTorch verifies), under one lock of the output folder, as the sweep runs."""
+    from experiments.workloads import parity
+
+    fv = run_flags.FLAGS
+    out_dir = fv.out_dir or parity.OUT_DIR
+    driver.check_out_dir(out_dir)
+    try:
+        if fv.framework != "both":
+            workers.start_as_worker()
+            with locked_out_dir(out_dir, workers.inherited_lock_fd()):
+                return parity.run_from_flags(fv, ResultsStore(out_dir))
+        impls = tuple(fv.impl) if fv["impl"].present else None
+        with locked_out_dir(out_dir) as lock_fd:
+            flags = workers.forwarded_flags(fv)
+            return workers.run_each(("jax", "torch"), flags, out_dir, 0, impls, lock_fd)
+    except OutDirBusy as e:
+        print(e, file=sys.stderr, flush=True)
+        return e.exit_code
+
+
 def main(argv: list[str]) -> int:
     """absl entry point: run or resume the sweep (or workload) the flags describe."""
     try:
@@ -115,9 +137,7 @@ def main(argv: list[str]) -> int:
         if not run_flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
         if run_flags.FLAGS.parity_bundle:
-            from experiments.workloads import parity
-
-            return parity.run_from_flags(run_flags.FLAGS)
+            return _parity()
         if run_flags.FLAGS.workload == "train_step":
             from experiments.workloads import train_step
 

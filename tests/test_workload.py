@@ -265,6 +265,28 @@ def test_run_from_flags_writes_results_and_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
 
 
+def test_parity_of_both_frameworks_runs_a_worker_each_and_records_both_sides(tmp_path):
+    """--framework=both: JAX saves the bundle and PyTorch verifies it, each in a worker process
+    of its own (the driver's workers), each side a record in the driver's format."""
+    out, path = tmp_path / "out", tmp_path / "bundle"
+    args = ["--framework=both", f"--parity_bundle={path}", f"--out_dir={out}", "--impl=xla,naive"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "run.py"), *args, *TINY_FLAGS],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--- jax points in a worker" in proc.stdout and "Parity (naive" in proc.stdout
+    saved, verified = read_records(out / "results.jsonl")
+    assert saved["point"]["framework"] == "jax" and saved["point"]["impl"] == "xla"
+    assert verified["point"]["framework"] == "torch" and verified["point"]["jax_impl"] == "xla"
+    assert saved["status"] == verified["status"] == "ok"
+    meta = json.loads((path / bundle.META_JSON).read_text())
+    assert verified["point"]["shape_q"] == meta["shapes"]["q"] and meta["impl"] == "xla"
+    limit = verified["rtol"] * checks.GRAD_FACTOR
+    assert set(verified["errors"]) == {"out", "lse", "dq", "dk", "dv"}
+    assert all(e <= limit for e in verified["errors"].values())
+
+
 def test_torch_verifies_a_jax_cp_parity_bundle(tmp_path):
     from experiments.workloads import parity_jax
 

@@ -2,6 +2,10 @@
 
     python experiments/run.py --framework=jax --parity_bundle=/tmp/pb     # save (parity_jax.py)
     python experiments/run.py --framework=torch --parity_bundle=/tmp/pb   # verify here
+    python experiments/run.py --framework=both --parity_bundle=/tmp/pb    # both, a worker each
+
+Each side also appends a record in the driver's format (key, status, point, errors) to
+<out_dir>/results.jsonl (default results/local/parity).
 
 Orbax needs jax to read its checkpoints, so the bundle also carries `bundle.npz` (every tensor
 as float32, exact for bf16/fp16 values, plus the mask's slices) and `meta.json`; the torch side
@@ -18,10 +22,13 @@ from typing import Any
 import numpy as np
 
 from attn_masks import Mask, from_slices
+from experiments.core.outcomes import OK, WRONG
+from experiments.core.results import ResultsStore
 
 from .bundle import BUNDLE_NPZ, MASK_KEYS, META_JSON
 
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+OUT_DIR = "results/local/parity"
 
 
 def read_bundle(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict, Mask]:
@@ -119,19 +126,36 @@ def _save_from_flags(flag_values: Any, path: str) -> dict:
     return save_bundle(path, mask, inputs, backend)
 
 
-def run_from_flags(flag_values: Any) -> int:
-    """run.py --parity_bundle=PATH: save (framework jax), verify (torch) or both; exit code."""
+def record(framework: str, impl: str, meta: dict, status: str, **fields: Any) -> dict:
+    """The driver-format record of one side of a parity check of the bundle `meta` describes."""
+    cp = meta["cp"] or "none"
+    point = {"workload": "parity", "framework": framework, "impl": impl, "jax_impl": meta["impl"],
+             "cp": cp, "mask": meta["mask"], "shape_q": meta["shapes"]["q"],
+             "dtype": meta["dtype"]}  # fmt: skip
+    shape = "x".join(str(n) for n in meta["shapes"]["q"])
+    key = "/".join(("parity", framework, impl, meta["impl"], cp, meta["mask"], shape))
+    return {"key": f"{key}/{meta['dtype']}", "status": status, "point": point, **fields}
+
+
+def run_from_flags(flag_values: Any, store: ResultsStore | None = None) -> int:
+    """run.py --parity_bundle=PATH in one process: save (framework jax) or verify (torch), each
+    appending its record to `store` (None: none); exit code. run.py runs --framework=both as
+    one worker per framework."""
     path = flag_values["parity_bundle"].value
     framework = flag_values["framework"].value if "framework" in flag_values else "jax"
-    if framework in ("jax", "both"):
+    keep = store.append if store is not None else (lambda rec: None)
+    if framework == "jax":
         meta = _save_from_flags(flag_values, path)
         print(
             f"Parity bundle saved to {path}: {meta['mask']} {meta['shapes']['q']} "
             f"{meta['dtype']} by jax {meta['impl']} (cp {meta['cp']})",
             flush=True,
         )
-    if framework == "jax":
+        keep(record("jax", meta["impl"], meta, OK, bundle=str(path)))
         return 0
+    if not (Path(path) / META_JSON).exists():
+        print(f"no parity bundle at {path}: save one with --framework=jax first", flush=True)
+        return 2
     impls = flag_values["impl"].value if "impl" in flag_values else None
     impl = impls[0] if impls and impls[0] != "default" else "naive"
     rtol = flag_values["check_rtol"].value if "check_rtol" in flag_values else None
@@ -143,4 +167,7 @@ def run_from_flags(flag_values: Any) -> int:
         f"{verdict}; relative errors {errors} (rtol {result['rtol']:g})",
         flush=True,
     )
+    _, meta, _ = read_bundle(path)
+    fields = {k: result[k] for k in ("errors", "rtol", "device", "bundle")}
+    keep(record("torch", impl, meta, OK if result["ok"] else WRONG, **fields))
     return 0 if result["ok"] else 1
