@@ -265,6 +265,23 @@ def test_run_from_flags_writes_results_and_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
 
 
+def test_train_step_refuses_an_output_folder_another_run_holds(tmp_path, capsys):
+    """Two training runs into one folder would interleave their logs and checkpoints: the
+    second stops at once, naming the holder, before it trains anything."""
+    from experiments.core.results import OutDirBusy, locked_out_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fv = _parse_run_flags(["--workload=train_step", f"--out_dir={out}", "--steps=2", *TINY_FLAGS])
+    try:
+        with locked_out_dir(out):
+            assert train_step.run_from_flags(fv) == OutDirBusy.exit_code
+    finally:
+        fv.unparse_flags()
+    assert "in use by another run" in capsys.readouterr().err
+    assert not (out / "results.jsonl").exists() and not (out / "checkpoints").exists()
+
+
 def test_parity_of_both_frameworks_runs_a_worker_each_and_records_both_sides(tmp_path):
     """--framework=both: JAX saves the bundle and PyTorch verifies it, each in a worker process
     of its own (the driver's workers), each side a record in the driver's format."""

@@ -19,6 +19,7 @@ run with its error record (exit status 1).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from absl import flags
 from experiments.core import provenance
 from experiments.core.outcomes import ERROR, OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.progress import Progress
-from experiments.core.results import ResultsStore
+from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir
 from experiments.runners import checks, memory, timing
 from experiments.workloads.nnx_attention import AttentionBackend
 
@@ -345,6 +346,21 @@ def run_from_flags(flag_values: Any) -> int:
     cfgs = _usable_configs(flag_values, on_gpu)
     if cfgs is None:
         return USAGE_ERROR
+    # The writing process holds the output folder's lock for the whole run, as the sweep does.
+    writer = jax.process_index() == 0
+    try:
+        with locked_out_dir(cfgs[0].out_dir) if writer else contextlib.nullcontext():
+            return _train_all(cfgs, flag_values, on_gpu)
+    except OutDirBusy as e:
+        print(f"train_step: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+def _train_all(cfgs: list[TrainConfig], flag_values: Any, on_gpu: bool) -> int:
+    """Each config's run, the baseline kernel first (every other curve checked against it),
+    then the loss-curve plot; exit code."""
+    from . import flags as workload_flags
+
     if jax.process_index() == 0:
         if not on_gpu:
             print("No GPU: using the embedded CPU default sizes for flags left unset.", flush=True)
