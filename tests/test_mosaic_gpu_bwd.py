@@ -125,8 +125,13 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
+    "ws_dq_gaps": (KernelConfig(dq_warpgroups=2), "gaps_sq_ne_sk"),
+    "ws_both_d128_k128": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
+        "causal_gqa_ragged_fp16",
+    ),
 }
-HEAD_DIMS = {"ws_fused_d128": 128}  # D=128: each consumer reduces half of the head dim
+HEAD_DIMS = {"ws_fused_d128": 128, "ws_both_d128_k128": 128}  # D=128 paths
 
 
 @pytest.mark.parametrize("name", sorted(WARP_SPECIALISED))
@@ -144,6 +149,10 @@ def test_warp_specialised_needs_two_halves(interpret) -> None:
         _check(mask, KernelConfig(block_k=64, bwd_warpgroups=2), interpret, tiles=(128, 64))
     with pytest.raises(ValueError, match="valid values are 1 and 2"):
         KernelConfig(bwd_warpgroups=3)
+    with pytest.raises(ValueError, match="dq_warpgroups=2 .* block_q_dq None or 64"):
+        _check(mask, KernelConfig(dq_warpgroups=2, block_q_dq=128), interpret, tiles=(128, 128))
+    with pytest.raises(ValueError, match="dq_warpgroups=0 is invalid"):
+        KernelConfig(dq_warpgroups=0)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -230,10 +239,15 @@ def test_lowers_for_hopper(d: int) -> None:
     traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=fused, interpret=None)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1, "fused: one backward kernel, no dQ kernel"
-    for ws in (KernelConfig(bwd_warpgroups=2), KernelConfig(bwd_warpgroups=2, fused_bwd=True)):
+    for ws in (
+        KernelConfig(bwd_warpgroups=2),
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True),
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
+    ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
+        assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
 
 
 @pytest.mark.gpu
@@ -252,8 +266,15 @@ def test_gpu_lowering_s2048(d: int) -> None:
         (KernelConfig(block_k=128, num_stages_bwd=3), (2, 2)),
         (KernelConfig(block_k=128, bwd_warpgroups=2), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
+        (KernelConfig(block_k=128, dq_warpgroups=2), (2, 1)),
     ],
-    ids=["gqa_2stages", "mha_3stages", "warp_specialised_gqa", "warp_specialised_fused"],
+    ids=[
+        "gqa_2stages",
+        "mha_3stages",
+        "warp_specialised_gqa",
+        "warp_specialised_fused",
+        "warp_specialised_dq",
+    ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:
     """Forward, dK/dV and dQ under the interpreter's race detector: no warpgroup reads shared

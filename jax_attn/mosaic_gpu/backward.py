@@ -35,7 +35,7 @@ from ..kernel_inputs import (
     softmax_delta,
 )
 from ..mask_arrays import MaskArrays
-from . import dkv_specialized
+from . import dkv_specialized, dq_specialized
 from .bwd_steps import (
     DEFAULT_TILE,
     QUERY_COPIES,
@@ -46,6 +46,7 @@ from .bwd_steps import (
     add_dq,
     broadcast,
     dkv_step,
+    dq_step,
     fetch_queries,
     launch,
     launch_dkv,
@@ -54,11 +55,9 @@ from .bwd_steps import (
     store_tile,
     tile_smem,
     tile_start,
-    two_matmuls,
-    visible,
 )
 from .config import DTYPES, HEAD_DIMS, KernelConfig
-from .dkv_specialized import CONSUMERS
+from .ws_ring import CONSUMERS
 
 
 def _ring(
@@ -220,16 +219,9 @@ def _dq_kernel(
 
         def compute(n: jax.Array, slot: jax.Array, masked: bool) -> None:
             plgpu.barrier_wait(ring_bar.at[slot])
-            k, v = k_s.at[slot], v_s.at[slot]
-            s, dp = two_matmuls(
-                q_s, plgpu.transpose_ref(k, (1, 0)), do_s, plgpu.transpose_ref(v, (1, 0)), shape
-            )
-            s = s * kern.qk_scale
-            if masked:
-                key0 = tile_start(index_ref, outer, n, kern.mask_block_k, bk)
-                s = jnp.where(visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
-            p = jnp.exp2(s - lse)
-            plgpu.wgmma(dq_acc, (p * (dp - delta)).astype(k.dtype), k)  # dS: register A operand
+            key0 = tile_start(index_ref, outer, n, kern.mask_block_k, bk) if masked else None
+            rows = (q_s, do_s, lo_s, hi_s, lse, delta)
+            dq_step(kern, rows, k_s.at[slot], v_s.at[slot], key0, masked, dq_acc)
 
         _ring(total, n_masked, kern.stages, fetch, compute)
         return dq_acc[...]
@@ -237,6 +229,17 @@ def _dq_kernel(
     dq = pl.run_scoped(accumulate, plgpu.ACC((bq, q_s.shape[-1]), jnp.float32))
     store_tile(q_s, dq * kern.scale, dq_ref.at[batch, rows, head])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _check_split(field: str, mask_name: str, mask_tile: int, tile_name: str, tile: int) -> None:
+    """ValueError unless the mask tile splits into one 64-row/key kernel tile per consumer, as
+    the warp-specialised kernel that `field`=2 selects needs."""
+    if mask_tile != CONSUMERS * tile:
+        raise ValueError(
+            f"{field}={CONSUMERS} splits each mask tile between {CONSUMERS} consumer warpgroups "
+            f"of {WGMMA_ROWS}: it needs {mask_name}={CONSUMERS * WGMMA_ROWS} and {tile_name} "
+            f"None or {WGMMA_ROWS}, got {mask_name}={mask_tile}, {tile_name}={tile}"
+        )
 
 
 def _kernel_tile(tile: int | None, name: str, mask_tile: int) -> int:
@@ -285,12 +288,11 @@ def _kernels(
         hints=not interpret,
     )
     dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
-    if config.bwd_warpgroups == CONSUMERS and mbk != CONSUMERS * dkv_tile:
-        raise ValueError(
-            f"bwd_warpgroups={CONSUMERS} splits each mask key tile between {CONSUMERS} consumer "
-            f"warpgroups of {WGMMA_ROWS} keys: it needs block_k={CONSUMERS * WGMMA_ROWS} and "
-            f"block_k_dkv None or {WGMMA_ROWS}, got block_k={mbk}, block_k_dkv={dkv_tile}"
-        )
+    dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)
+    if config.bwd_warpgroups == CONSUMERS:
+        _check_split("bwd_warpgroups", "block_k", mbk, "block_k_dkv", dkv_tile)
+    if config.dq_warpgroups == CONSUMERS:
+        _check_split("dq_warpgroups", "the mask's block_q", mbq, "block_q_dq", dq_tile)
     return (
         Kernel(
             block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
@@ -299,7 +301,7 @@ def _kernels(
             **common,
         ),
         Kernel(
-            block_q=_kernel_tile(config.block_q_dq, "block_q_dq", mbq),
+            block_q=dq_tile,
             block_k=_kernel_tile(config.block_k_dq, "block_k_dq", mbk),
             **common,
         ),
@@ -325,7 +327,8 @@ def flash_attention_mosaic_bwd(
     Shapes are unpadded (B, S, H, D); lengths are padded to the mask tiles here, padded rows
     and keys contributing nothing. config's backward fields set the kernel sub-tiles and the TMA
     ring depth (KernelConfig), fused_bwd one kernel for all three gradients, bwd_warpgroups=2
-    the warp-specialised dK/dV kernel (dkv_specialized.py). interpret: an
+    the warp-specialised dK/dV kernel (dkv_specialized.py), dq_warpgroups=2 the
+    warp-specialised dQ kernel (dq_specialized.py). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
     cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
     """
@@ -346,7 +349,8 @@ def flash_attention_mosaic_bwd(
         dq = (dq * kernels[0].scale).astype(q.dtype)
     else:
         dk, dv = grads
-        dq = _dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
+        dq_call = dq_specialized.dq_call if config.dq_warpgroups == CONSUMERS else _dq_call
+        dq = dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 

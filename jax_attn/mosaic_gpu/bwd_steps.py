@@ -263,6 +263,25 @@ def dkv_step(
     return ds_t
 
 
+def dq_step(
+    kern: Kernel, rows: tuple, k: Any, v: Any, key0: jax.Array | None, masked: bool, dq_acc: Any
+) -> None:
+    """One (queries x keys) step of dQ: S and dP of the rows' (q, dO) against the slot's K, V,
+    the mask on partial tiles from the rows' intervals, then dQ += dS K issued with dS as the
+    register A operand. rows: (q, dO, lo, hi) SMEM refs and the broadcast LSE and delta; key0:
+    the first key of the step (read only when masked)."""
+    q, do, lo_s, hi_s, lse, delta = rows
+    shape = lse.shape
+    s, dp = two_matmuls(
+        q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape
+    )
+    s = s * kern.qk_scale
+    if masked:
+        s = jnp.where(visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
+    p = jnp.exp2(s - lse)
+    plgpu.wgmma(dq_acc, (p * (dp - delta)).astype(k.dtype), k)
+
+
 def add_dq(ds_t: jax.Array, k_s: Any, ds_s: Any, dq_s: Any, dst: Any) -> None:
     """dst (fp32 GMEM) += dS K, unscaled, by TMA reduce-add: dS^T goes to SMEM to be read as the
     transposed A operand, the product through the fp32 stage dq_s (waited free first)."""

@@ -26,9 +26,10 @@ class KernelConfig:
     ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
     the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add).
     bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
-    64 keys each and a producer; 128-key mask tiles). in_place_pv: the forward accumulates P V
-    into O's registers (run_state on an initialised accumulator) instead of a fresh
-    accumulator added to O; GPU lowering only.
+    64 keys each and a producer; 128-key mask tiles). dq_warpgroups: the same for the dQ kernel
+    (two consumers of 64 rows of a 128-row mask tile sharing one producer's K/V ring).
+    in_place_pv: the forward accumulates P V into O's registers (run_state on an initialised
+    accumulator) instead of a fresh accumulator added to O; GPU lowering only.
     """
 
     block_q: int = 64
@@ -41,6 +42,7 @@ class KernelConfig:
     num_stages_bwd: int | None = None
     fused_bwd: bool = False
     bwd_warpgroups: int = 1
+    dq_warpgroups: int = 1
     in_place_pv: bool = False
 
     def __post_init__(self) -> None:
@@ -65,10 +67,11 @@ class KernelConfig:
                 raise ValueError(
                     f"{name}={tile} is invalid: valid values are None or a positive multiple of 64"
                 )
-        if self.bwd_warpgroups not in (1, 2):
-            raise ValueError(
-                f"bwd_warpgroups={self.bwd_warpgroups} is invalid: valid values are 1 and 2"
-            )
+        for name in ("bwd_warpgroups", "dq_warpgroups"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is invalid: valid values are 1 and 2"
+                )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(
                 f"num_stages_bwd={self.num_stages_bwd} is invalid: valid range is [1, 4] (or None)"

@@ -14,7 +14,6 @@ the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -36,9 +35,8 @@ from .bwd_steps import (
     tile_smem,
 )
 from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+from .ws_ring import CONSUMERS, PRODUCER, consume, drain, produce
 
-CONSUMERS = 2
-PRODUCER = CONSUMERS  # index of the TMA warpgroup
 INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
 DS_BUFFERS = 2  # the fused dQ's shared dS^T tiles: step n writes buffer n mod 2
 
@@ -68,32 +66,19 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_own, kv_bar.at[wg])
 
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
-            def step(n: jax.Array, carry: jax.Array, masked: bool) -> jax.Array:
-                # Step n - 1's dK/dV matmuls were the last to read its slot: once they are
-                # done, release it to the producer.
-                plgpu.wgmma_wait(0)
-                previous = lax.rem(n + jnp.int32(stages - 1), jnp.int32(stages))
-                pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
-                slot = lax.rem(n, jnp.int32(stages))
-                plgpu.barrier_wait(ready.at[slot])
+            def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                 refs = tuple(x.at[slot] for x in ring)
                 ds_t = dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc)
                 if kern.fused:
                     start, head = walk.at(n)
                     dst = dq_ref.at[batch, pl.ds(start, bq), head]
                     _add_dq_shared(n, wg, ds_t, k_s, dst, shared_dq)
-                return carry
 
             plgpu.barrier_wait(kv_bar.at[wg])
-            zero = jnp.int32(0)
-            lax.fori_loop(zero, n_masked, functools.partial(step, masked=True), zero)
-            lax.fori_loop(n_masked, total, functools.partial(step, masked=False), zero)
-            plgpu.wgmma_wait(0)
-            last = lax.rem(total + jnp.int32(stages - 1), jnp.int32(stages))
-            pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
+            consume(total, n_masked, stages, ready, free, step)
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
-                lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, _drain(ds_free), None)
+                lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
             return dk_acc[...], dv_acc[...]
 
         dsts = (x.at[batch, keys, kv_head] for x in (dk_ref, dv_ref))
@@ -104,25 +89,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         sources = (q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref)
 
-        def issue(n: jax.Array, _: Any) -> None:
-            slot = lax.rem(n, jnp.int32(stages))
-            pl.when(n >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+        def fetch(n: jax.Array, slot: jax.Array) -> None:
             start, head = walk.at(n)
             slots = tuple(x.at[slot] for x in ring)
             fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
 
-        lax.fori_loop(jnp.int32(0), total, issue, None)
-        # Observe every release phase before the barriers are freed.
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, _drain(free), None)
-
-
-def _drain(barriers: Any) -> Any:
-    """fori_loop body waiting barrier n mod len(barriers): observes step n's phase."""
-
-    def wait(n: jax.Array, _: Any) -> None:
-        plgpu.barrier_wait(barriers.at[lax.rem(n, jnp.int32(barriers.shape[0]))])
-
-    return wait
+        produce(total, stages, free, fetch)
 
 
 def dq_columns(head_dim: int) -> list[slice]:
