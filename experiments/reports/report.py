@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.reports import plots, report_cp, report_sim, tuning_table
+from experiments.reports import plots, report_cp, report_sim, tile_efficiency, tuning_table
 from experiments.reports.report_parts import (
     POINT_FIELDS,
     ResultsPaths,
@@ -384,6 +384,7 @@ def write_markdown(
         keys = list(shared[0])
         lines += md_table(keys, [[c[k] for k in keys] for c in shared]) + [""]
     lines += tuning_table.section(rows)
+    lines += tile_efficiency.section(rows)
     if cp_report is not None:
         lines += [
             "## Context parallelism",
