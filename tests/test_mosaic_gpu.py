@@ -97,6 +97,21 @@ def test_ragged_sq_ne_sk_empty_rows_mha_fp16() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("name", ["causal_document", "block_sparse", "ragged_empty_rows"])
+def test_overlapped_forward(name: str) -> None:
+    """fwd_overlap (Q K^T of step n + 1 issued before the softmax of step n): the same outputs,
+    also where a q tile lists no key tile at all (rows seeing nothing)."""
+    config = dataclasses.replace(SMALL, fwd_overlap=True)
+    if name == "ragged_empty_rows":  # rows 100-300: two whole q tiles that see nothing
+        mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
+        arrays = prepare_mask(mask, *SMALL.tiles)
+        assert (np.asarray(arrays.kv.count) == 0).sum() == 2, "q tiles without keys"
+    else:
+        mask, arrays = MASKS[name], SHARED[name]
+    _check(mask, arrays, b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=config)
+
+
+@interpreted
 @pytest.mark.slow
 def test_head_dim_128_default_config() -> None:
     """head_dim 128 with the default config (128-key steps), causal documents, GQA 2:1."""
@@ -177,13 +192,17 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
         assert reason() is None  # a question about a GPU elsewhere is answered from the specs
 
 
-@pytest.mark.parametrize("d, in_place_pv", [(64, False), (128, False), (128, True)])
-def test_forward_and_backward_lower_for_hopper(d: int, in_place_pv: bool) -> None:
+@pytest.mark.parametrize(
+    "d, in_place_pv, overlap",
+    [(64, False, False), (128, False, False), (128, True, False), (64, True, True),
+     (128, True, True)],
+)  # fmt: skip
+def test_forward_and_backward_lower_for_hopper(d: int, in_place_pv: bool, overlap: bool) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
     in_place_pv (P V into O's registers) exists only on this path."""
     config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, d), jnp.bfloat16), None)
-    config = dataclasses.replace(config, in_place_pv=in_place_pv)
+    config = dataclasses.replace(config, in_place_pv=in_place_pv, fwd_overlap=overlap)
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)

@@ -29,7 +29,9 @@ class KernelConfig:
     64 keys each and a producer; 128-key mask tiles). dq_warpgroups: the same for the dQ kernel
     (two consumers of 64 rows of a 128-row mask tile sharing one producer's K/V ring).
     in_place_pv: the forward accumulates P V into O's registers (run_state on an initialised
-    accumulator) instead of a fresh accumulator added to O; GPU lowering only.
+    accumulator) instead of a fresh accumulator added to O; GPU lowering only. fwd_overlap: the
+    forward issues the next step's Q K^T before this step's softmax (FlashAttention-3's
+    intra-warpgroup overlap; one more fp32 score tile in registers).
     """
 
     block_q: int = 64
@@ -44,6 +46,7 @@ class KernelConfig:
     bwd_warpgroups: int = 1
     dq_warpgroups: int = 1
     in_place_pv: bool = False
+    fwd_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:

@@ -42,6 +42,7 @@ class Geometry:
     intervals: int
     config: KernelConfig
     in_place_pv: bool = False  # O += P V straight into O's registers (GPU lowering only)
+    overlap: bool = False  # S(n + 1) issued before the softmax of step n (KernelConfig.fwd_overlap)
 
     @property
     def group(self) -> int:
@@ -139,24 +140,13 @@ def _kernel(
             plgpu.barrier_wait(q_ready.at[wg])
             qk_scale = scale * LOG2E
 
-            def step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
+            def softmax(s: jax.Array, carry: tuple, n: jax.Array, masked: bool) -> tuple:
+                """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
+                dtype)."""
                 acc, m_prev, l_prev = carry
-                slot = lax.rem(n, stages)
-                start = index_ref[tile, n] * bk
-                plgpu.barrier_wait(k_ready.at[slot])
-
-                def qk(acc_ref: Any) -> jax.Array:
-                    plgpu.wgmma(
-                        acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0))
-                    )
-                    pingpong()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
                 s = s * qk_scale
                 if masked:
-                    s = _mask_scores(s, bounds, start)
+                    s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
                 m_next = jnp.maximum(m_prev, s.max(axis=1))
                 m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
                 alpha = jnp.exp2(m_prev - m_use)
@@ -164,24 +154,60 @@ def _kernel(
                 l_next = l_prev * alpha + p.sum(axis=1)
                 acc = acc * _rows(alpha, acc.shape)
                 p16 = p.astype(dtype)
-                acc, l_next, m_next, p16 = lax.optimization_barrier((acc, l_next, m_next, p16))
+                return lax.optimization_barrier((acc, m_next, l_next, p16))
+
+            def pv(acc: jax.Array, p16: jax.Array, slot: jax.Array) -> jax.Array:
+                """O + P V, once this warpgroup's turn on the tensor cores and V have come."""
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(sched)
-
                 if geo.in_place_pv:
-                    acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
+                    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
                         plgpu.ACC.init(acc)
                     )
-                else:
 
-                    def pv(acc_ref: Any) -> jax.Array:
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        return acc_ref[...]
+                def fresh(acc_ref: Any) -> jax.Array:
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    return acc_ref[...]
 
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                return acc + pl.run_scoped(fresh, plgpu.ACC((bq, d), jnp.float32))
+
+            def issue_qk(acc_ref: Any, slot: jax.Array) -> None:
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+
+            def step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
+                slot = lax.rem(n, stages)
+
+                def qk(acc_ref: Any) -> jax.Array:
+                    issue_qk(acc_ref, slot)
+                    pingpong()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                acc, m_next, l_next, p16 = softmax(s, carry, n, masked)
+                acc = pv(acc, p16, slot)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_next, l_next
+
+            def overlapped_step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
+                """step with S(n + 1) = Q K(n + 1)^T issued before the softmax of step n, whose
+                scores came in the carry, so the tensor cores work through the softmax."""
+                *state, s = carry
+                slot, later = lax.rem(n, stages), lax.rem(n + 1, stages)
+
+                def body(acc_ref: Any) -> tuple:
+                    pl.when(n + 1 < count)(lambda: issue_qk(acc_ref, later))
+                    pingpong()
+                    acc, m_next, l_next, p16 = softmax(s, tuple(state), n, masked)
+                    acc = pv(acc, p16, slot)  # waits for every wgmma: S(n + 1) is done too
+                    return acc, m_next, l_next, acc_ref[...]
+
+                out = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                pl.when(n + 1 < count)(lambda: plgpu.barrier_arrive(k_free.at[later]))
+                return out
 
             carry = (
                 _tile_layout(jnp.zeros((bq, d), jnp.float32)),
@@ -190,10 +216,22 @@ def _kernel(
             )
             n_partial = n_partial_ref[tile]
             pl.when(wg == 1)(pingpong)
-            carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(n_partial, count, functools.partial(step, masked=False), carry)
+            if geo.overlap:
+
+                def first(acc_ref: Any) -> jax.Array:
+                    pl.when(count > 0)(lambda: issue_qk(acc_ref, jnp.int32(0)))
+                    return acc_ref[...]
+
+                s0 = pl.run_scoped(first, plgpu.ACC((bq, bk), jnp.float32))
+                pl.when(count > 0)(lambda: plgpu.barrier_arrive(k_free.at[0]))
+                carry = (*carry, s0)
+                walk = overlapped_step
+            else:
+                walk = step
+            carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
+            carry = lax.fori_loop(n_partial, count, functools.partial(walk, masked=False), carry)
             pl.when(wg == 0)(pingpong)
-            acc, m, denom = carry
+            acc, m, denom = carry[:3]
             empty = denom == 0.0
             denom = jnp.where(empty, 1.0, denom)
             out = acc * _rows(1.0 / denom, acc.shape)
@@ -291,6 +329,7 @@ def forward(
         intervals=bounds.shape[1] // 2,
         config=config,
         in_place_pv=config.in_place_pv and not interpret,
+        overlap=config.fwd_overlap,
     )
     kernel = plgpu.kernel(
         functools.partial(_kernel, geo=geo, scale=float(scale)),
