@@ -54,13 +54,20 @@ def _run_workers(
     return not any(p.returncode for p in procs), tails
 
 
+def _wrote(out_dir: Path, world: int) -> bool:
+    """Whether any rank wrote a result line."""
+    files = [out_dir / f"rank{r}.jsonl" for r in range(world)]
+    return any(f.exists() and f.read_text().strip() for f in files)
+
+
 def launch(
     worker: Path, world: int, out_dir: Path, env: dict[str, str], timeout_s: float
 ) -> list[dict]:
-    """Run the workers (again on another port if the first one was taken meanwhile) and return
-    every JSON line they wrote, rank by rank."""
+    """Run the workers and return every JSON line they wrote, rank by rank. A launch whose group
+    never formed (its port taken meanwhile, or no rank wrote a line) is tried once more on
+    another port; a launch that produced results is never retried."""
     ok, tails = _run_workers(worker, world, out_dir, env, timeout_s)
-    if not ok and "address already in use" in tails.lower():
+    if not ok and ("address already in use" in tails.lower() or not _wrote(out_dir, world)):
         ok, tails = _run_workers(worker, world, out_dir, env, timeout_s)
     if not ok:
         pytest.fail(f"CP workers failed or timed out after {timeout_s}s:\n{tails}")
