@@ -125,11 +125,7 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
-    "ws_dq_gaps": (KernelConfig(dq_warpgroups=2), "gaps_sq_ne_sk"),
-    "ws_both_k128": (
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
-        "causal_document_gqa",
-    ),
+    "ws_both": (KernelConfig(bwd_warpgroups=2, dq_warpgroups=2), "gaps_sq_ne_sk"),
 }
 HEAD_DIMS = {"ws_fused_d128": 128}  # D=128: each consumer reduces half of the head dim
 
