@@ -56,8 +56,7 @@ from .bwd_steps import (
     tile_smem,
     tile_start,
 )
-from .config import DTYPES, HEAD_DIMS, KernelConfig
-from .ws_ring import CONSUMERS
+from .config import CONSUMER_WARPGROUPS, DTYPES, HEAD_DIMS, KernelConfig
 
 
 def _ring(
@@ -234,11 +233,12 @@ def _dq_kernel(
 def _check_split(field: str, mask_name: str, mask_tile: int, tile_name: str, tile: int) -> None:
     """ValueError unless the mask tile splits into one 64-row/key kernel tile per consumer, as
     the warp-specialised kernel that `field`=2 selects needs."""
-    if mask_tile != CONSUMERS * tile:
+    if mask_tile != CONSUMER_WARPGROUPS * tile:
+        n = CONSUMER_WARPGROUPS
         raise ValueError(
-            f"{field}={CONSUMERS} splits each mask tile between {CONSUMERS} consumer warpgroups "
-            f"of {WGMMA_ROWS}: it needs {mask_name}={CONSUMERS * WGMMA_ROWS} and {tile_name} "
-            f"None or {WGMMA_ROWS}, got {mask_name}={mask_tile}, {tile_name}={tile}"
+            f"{field}={n} splits each mask tile between {n} consumer warpgroups of {WGMMA_ROWS}: "
+            f"it needs {mask_name}={n * WGMMA_ROWS} and {tile_name} None or {WGMMA_ROWS}, got "
+            f"{mask_name}={mask_tile}, {tile_name}={tile}"
         )
 
 
@@ -289,9 +289,9 @@ def _kernels(
     )
     dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
     dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)
-    if config.bwd_warpgroups == CONSUMERS:
+    if config.bwd_warpgroups == CONSUMER_WARPGROUPS:
         _check_split("bwd_warpgroups", "block_k", mbk, "block_k_dkv", dkv_tile)
-    if config.dq_warpgroups == CONSUMERS:
+    if config.dq_warpgroups == CONSUMER_WARPGROUPS:
         _check_split("dq_warpgroups", "the mask's block_q", mbq, "block_q_dq", dq_tile)
     return (
         Kernel(
@@ -342,14 +342,16 @@ def flash_attention_mosaic_bwd(
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
     lo, hi = padded_intervals(arrays, pad)
     operands = (qp, kp, vp, dop, lse2, delta, lo, hi)
-    dkv = dkv_specialized.dkv_call if config.bwd_warpgroups == CONSUMERS else _dkv_call
+    dkv = dkv_specialized.dkv_call if config.bwd_warpgroups == CONSUMER_WARPGROUPS else _dkv_call
     grads = dkv(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
     if kernels[0].fused:
         dk, dv, dq = grads
         dq = (dq * kernels[0].scale).astype(q.dtype)
     else:
         dk, dv = grads
-        dq_call = dq_specialized.dq_call if config.dq_warpgroups == CONSUMERS else _dq_call
+        dq_call = (
+            dq_specialized.dq_call if config.dq_warpgroups == CONSUMER_WARPGROUPS else _dq_call
+        )
         dq = dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 

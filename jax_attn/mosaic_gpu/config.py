@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 CONSUMER_WARPGROUPS = 2  # warpgroups computing attention; a third one only issues TMA loads
+PRODUCER = CONSUMER_WARPGROUPS  # index of the warpgroup that issues the TMA loads
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one Hopper CTA may use

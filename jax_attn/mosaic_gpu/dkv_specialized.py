@@ -34,8 +34,9 @@ from .bwd_steps import (
     query_ring,
     tile_smem,
 )
+from .config import CONSUMER_WARPGROUPS, PRODUCER
 from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
-from .ws_ring import CONSUMERS, PRODUCER, consume, drain, produce
+from .ws_ring import consume, drain, produce
 
 INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
 DS_BUFFERS = 2  # the fused dQ's shared dS^T tiles: step n writes buffer n mod 2
@@ -56,7 +57,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     walk = QueryTiles(kern, index_ref, tile, kv_head)
     total, n_masked = walk.steps(count_ref, n_partial_ref)
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         col0 = tile * kern.mask_block_k + wg * bk
@@ -100,7 +101,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 def dq_columns(head_dim: int) -> list[slice]:
     """Each consumer's slice of the head dim in the fused dQ share: halves of at least 64
     columns (a 128-byte swizzle atom of the K tile), so at D=64 consumer 0 takes it all."""
-    width = max(WGMMA_ROWS, head_dim // CONSUMERS)
+    width = max(WGMMA_ROWS, head_dim // CONSUMER_WARPGROUPS)
     return [slice(c, min(c + width, head_dim)) for c in range(0, head_dim, width)]
 
 
@@ -123,7 +124,7 @@ def _add_dq_shared(
         @pl.when(wg == c)
         def _share(cols: slice = cols, c: int = c) -> None:
             def run(acc: Any) -> jax.Array:
-                for j in range(CONSUMERS):
+                for j in range(CONSUMER_WARPGROUPS):
                     ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
                     plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
                 return acc[...]
@@ -146,21 +147,23 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
     scratch = [
-        tile_smem((CONSUMERS, bk, d), q.dtype),
-        tile_smem((CONSUMERS, bk, d), q.dtype),
+        tile_smem((CONSUMER_WARPGROUPS, bk, d), q.dtype),
+        tile_smem((CONSUMER_WARPGROUPS, bk, d), q.dtype),
         *query_ring(st, bq, d, q.dtype, intervals),
-        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMER_WARPGROUPS),
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
+        plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=st),
     ]
     if kern.fused:  # the shared dS^T buffers, each consumer's fp32 dQ stage, their barriers
         width = dq_columns(d)[0].stop
         scratch += [
-            tile_smem((DS_BUFFERS, CONSUMERS, bk, bq), q.dtype),
-            plgpu.SMEM((CONSUMERS, bq, width), jnp.float32),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=DS_BUFFERS),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=DS_BUFFERS),
+            tile_smem((DS_BUFFERS, CONSUMER_WARPGROUPS, bk, bq), q.dtype),
+            plgpu.SMEM((CONSUMER_WARPGROUPS, bq, width), jnp.float32),
+            plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
+            plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
         ]
     grid = (k.shape[1] // kern.mask_block_k, k.shape[2], k.shape[0])
     name = "mosaic_flash_dkv_ws"
-    return launch_dkv(_kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMERS)
+    return launch_dkv(
+        _kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMER_WARPGROUPS
+    )

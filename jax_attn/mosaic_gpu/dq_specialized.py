@@ -28,8 +28,9 @@ from .bwd_steps import (
     tile_smem,
     tile_start,
 )
+from .config import CONSUMER_WARPGROUPS, PRODUCER
 from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
-from .ws_ring import CONSUMERS, PRODUCER, consume, produce
+from .ws_ring import consume, produce
 
 ROW_COPIES = 6  # q, dO, LSE, delta, lo, hi of a consumer's rows: its row barrier's arrivals
 
@@ -46,7 +47,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     total = count_ref[tile] * per_tile
     n_masked = n_partial_ref[tile] * per_tile
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         rows = pl.ds(pl.multiple_of(tile * kern.mask_block_q + wg * bq, bq), bq)
@@ -97,20 +98,20 @@ def dq_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> jax.
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
     scratch = [
-        tile_smem((CONSUMERS, bq, d), q.dtype),
-        tile_smem((CONSUMERS, bq, d), q.dtype),
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-        plgpu.SMEM((CONSUMERS, intervals, bq), jnp.int32),
-        plgpu.SMEM((CONSUMERS, intervals, bq), jnp.int32),
+        tile_smem((CONSUMER_WARPGROUPS, bq, d), q.dtype),
+        tile_smem((CONSUMER_WARPGROUPS, bq, d), q.dtype),
+        plgpu.SMEM((CONSUMER_WARPGROUPS, bq), jnp.float32),
+        plgpu.SMEM((CONSUMER_WARPGROUPS, bq), jnp.float32),
+        plgpu.SMEM((CONSUMER_WARPGROUPS, intervals, bq), jnp.int32),
+        plgpu.SMEM((CONSUMER_WARPGROUPS, intervals, bq), jnp.int32),
         tile_smem((st, bk, d), q.dtype),
         tile_smem((st, bk, d), q.dtype),
-        plgpu.Barrier(num_arrivals=ROW_COPIES, num_barriers=CONSUMERS),
+        plgpu.Barrier(num_arrivals=ROW_COPIES, num_barriers=CONSUMER_WARPGROUPS),
         plgpu.Barrier(num_arrivals=2, num_barriers=st),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=st),
+        plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=st),
     ]
     grid = (q.shape[1] // kern.mask_block_q, q.shape[2], q.shape[0])
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     name = "mosaic_flash_dq_ws"
-    call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMERS + 1)
+    call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMER_WARPGROUPS + 1)
     return call(*operands, *lists)

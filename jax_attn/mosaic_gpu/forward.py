@@ -22,9 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LN2, LOG2E
-from .config import CONSUMER_WARPGROUPS, KernelConfig
+from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig
 
-PRODUCER = CONSUMER_WARPGROUPS  # index of the TMA warpgroup
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 

@@ -2,9 +2,9 @@
 step's operands from a ring of SMEM slots that a producer warpgroup fills by TMA.
 
 Slot n mod stages holds step n. `ready[slot]` completes when the slot's copies landed; each
-consumer releases a slot on `free[slot]` (CONSUMERS arrivals) once the matmuls of its step on it
-are done, which it waits at the start of its next step; the producer refills a slot only after
-both released it, and at the end observes the release phases it has not waited yet.
+consumer releases a slot on `free[slot]` (one arrival per consumer) once the matmuls of its step
+on it are done, which it waits at the start of its next step; the producer refills a slot only
+after both released it, and at the end observes the release phases it has not waited yet.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-CONSUMERS = 2
-PRODUCER = CONSUMERS  # index of the TMA warpgroup
 
 
 def consume(
