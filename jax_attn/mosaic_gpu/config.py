@@ -123,13 +123,16 @@ class KernelConfig:
 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): FA3-like 128-key
-    steps, two stages (three at D=64), P V accumulated in place, the warp-specialised dK/dV."""
+    steps, two stages (three at D=64), P V accumulated in place, the warp-specialised dK/dV and
+    dQ kernels (dQ over 128-key steps)."""
     del dtype
     return KernelConfig(
         block_q=64,
         block_k=128,
         max_concurrent_steps=2 if head_dim > 64 else 3,
+        block_k_dq=128,
         bwd_warpgroups=2,
+        dq_warpgroups=2,
         in_place_pv=True,
     )
 
