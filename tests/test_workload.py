@@ -261,8 +261,34 @@ def test_run_from_flags_writes_results_and_checkpoints(tmp_path):
     assert m["time_ms"]["median"] > 0 and m["tokens_per_s"]["median"] > 0
     assert m["tflops"]["median"] > 0 and 0 < m["attention_flop_share"] < 1
     assert m["attention_time_share"] > 0 and m["timed_steps"] == 2
+    assert m["attention_time_steps"] == [1, 2]  # the timed steps, each timed on its own mask
     assert len(read_records(out / "train_log.jsonl")) == 3
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+
+
+def test_attention_time_share_relates_each_sampled_mask_to_its_own_step():
+    """Attention's share of the step time pairs each sampled step's time with the attention call
+    timed on that step's mask (documents, and so attention's cost, change every step); a sampled
+    step that was not timed (warm-up, compiling) is left out when timed ones exist."""
+    from experiments.workloads.records import StepTime, step_metrics
+
+    rng = np.random.default_rng()
+    times = rng.uniform(100, 500, 4)
+    steps = [
+        StepTime(i, 2.0, float(t), {"total": 1e12, "attention": 4e11}, 0.5, i > 0)
+        for i, t in enumerate(times)
+    ]
+    attn = {i: list(rng.uniform(5, 40, 3)) for i in range(4)}
+    m = step_metrics(
+        steps,
+        tokens_per_step=1024,
+        num_devices=1,
+        depth=8,
+        attention_ms=[(steps[i], attn[i]) for i in (0, 1, 3)],
+    )
+    want = 8 * (np.median(attn[1]) + np.median(attn[3])) / (times[1] + times[3])
+    assert m["attention_time_steps"] == [1, 3]
+    np.testing.assert_allclose(m["attention_time_share"], want, rtol=1e-12)
 
 
 def test_train_step_refuses_an_output_folder_another_run_holds(tmp_path, capsys):

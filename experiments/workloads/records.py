@@ -102,12 +102,14 @@ def step_metrics(
     tokens_per_step: int,
     num_devices: int,
     depth: int,
-    attention_ms: list[float] | None,
+    attention_ms: list[tuple[StepTime, list[float]]] | None,
 ) -> dict:
     """Step time, tokens/s, model TFLOP/s per device and attention's FLOP and time shares.
 
     Timing quantiles use the timed steps (past warm-up, not compiling); if there are none, all
-    steps, flagged by `timed_steps` = 0.
+    steps, flagged by `timed_steps` = 0. attention_ms pairs sampled steps with one layer's
+    attention call timed alone on that step's mask: the time share is depth x the sum of those
+    medians over the sum of the same steps' times (each step's documents set its attention cost).
     """
     timed = [s for s in steps if s.timed] or steps
     t = timing.time_stats([s.time_ms for s in timed])
@@ -133,9 +135,11 @@ def step_metrics(
         "mean_window": min(MOVING_AVERAGE, len(steps)),
     }
     if attention_ms:
-        a = timing.time_stats(attention_ms)
-        metrics["attention_time_ms"] = a
-        metrics["attention_time_share"] = depth * a["median"] / t["median"]
+        sampled = [(s, t) for s, t in attention_ms if s.timed] or attention_ms
+        medians = [float(np.median(t)) for _, t in sampled]
+        metrics["attention_time_ms"] = timing.time_stats(medians)
+        metrics["attention_time_steps"] = [s.step for s, _ in sampled]
+        metrics["attention_time_share"] = depth * sum(medians) / sum(s.time_ms for s, _ in sampled)
     return metrics
 
 

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 
 from experiments.core import provenance
@@ -50,6 +51,7 @@ from .config import (
 )
 
 USAGE_ERROR = 2  # exit status of a flag value train_step cannot use (nothing ran)
+ATTENTION_SAMPLES = 4  # steps whose masks attention is timed on alone, for its time share
 
 
 @dataclass(frozen=True)
@@ -101,14 +103,26 @@ def _step_inputs(cfg: TrainConfig, backend: AttentionBackend, step: int):
     return batch, jax.block_until_ready(arrays), mask_arg
 
 
-def _attention_ms(cfg: TrainConfig, backend: AttentionBackend, mask_arg: Any) -> list[float]:
-    """Per-call times of one layer's attention fwd+bwd alone ([] when not asked for)."""
-    if cfg.attention_iters <= 0:
+def _attention_sample_steps(cfg: TrainConfig, start: int) -> set[int]:
+    """Up to ATTENTION_SAMPLES steps, evenly spread over the timed ones, whose masks the
+    attention call is timed on alone (none when not asked for)."""
+    first = min(start + cfg.warmup, cfg.steps - 1)
+    if cfg.attention_iters <= 0 or first < start:
+        return set()
+    return {int(x) for x in np.linspace(first, cfg.steps - 1, ATTENTION_SAMPLES).round()}
+
+
+def _attention_ms(
+    cfg: TrainConfig, backend: AttentionBackend, sampled: list[tuple[records.StepTime, Any]]
+) -> list[tuple[records.StepTime, list[float]]]:
+    """Each sampled step with the per-call times of one layer's attention fwd+bwd alone on that
+    step's mask ([] when none was sampled)."""
+    if not sampled:
         return []
     m, d = cfg.model, cfg.data
-    return attention_time.time_attention(
+    times = attention_time.time_attention(
         backend,
-        mask_arg,
+        [mask_arg for _, mask_arg in sampled],
         shape_q=(d.batch, d.seqlen, m.heads_q, m.head_dim),
         heads_kv=m.heads_kv,
         dtype=jnp.dtype(m.dtype),
@@ -116,6 +130,7 @@ def _attention_ms(cfg: TrainConfig, backend: AttentionBackend, mask_arg: Any) ->
         iters=cfg.attention_iters,
         seed=d.seed,
     )
+    return [(s, t) for (s, _), t in zip(sampled, times)]
 
 
 def _departure(check: dict) -> str:
@@ -256,16 +271,18 @@ def run(
     key = run_key(cfg, backend)
     log = records.StepLog(cfg.out_dir) if cfg.out_dir and writer else None
     executed: list[records.StepTime] = []
-    first_mask = None
+    sampled: list[tuple[records.StepTime, Any]] = []  # (step, its mask argument)
     try:
         start = trainer.restore(say)
         if log is not None:
             log.drop_steps_from(key, start)  # this run logs them again
         progress = Progress(cfg.steps, start, stream=out) if writer else None
+        sample_steps = _attention_sample_steps(cfg, start)
         for step in range(start, cfg.steps):
             s, compile_s, mask_arg = trainer.step(step)
             s.timed = s.timed and step - start >= cfg.warmup
-            first_mask = mask_arg if first_mask is None else first_mask
+            if step in sample_steps:
+                sampled.append((s, mask_arg))
             executed.append(s)
             if log is not None:
                 log.append(records.step_record(key, s, compile_s))
@@ -286,7 +303,7 @@ def run(
         tokens_per_step=cfg.data.batch * cfg.data.seqlen,
         num_devices=device_count(backend),
         depth=cfg.model.depth,
-        attention_ms=_attention_ms(cfg, backend, first_mask),
+        attention_ms=_attention_ms(cfg, backend, sampled),
     )
     peak = timing.jax_peak_bytes(jax.local_devices())
     metrics["peak_mem_gib"] = None if peak is None else peak / timing.GIB
