@@ -257,9 +257,10 @@ def test_real_lowering_s2048(name: str) -> None:
 
 @interpreted
 def test_persistent_forward() -> None:
-    """persistent_fwd (3 CTAs walking all 18 (q tile, head, batch) items, the K/V ring running on
-    across items, the next item's Q prefetched into the other buffer): the same outputs on every
-    row, with partial tiles, ragged lengths and items that list no key tile at all."""
+    """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
+    partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
+    prefetched into the other buffer): the same outputs on every row, with partial tiles, ragged
+    lengths and items that list no key tile at all."""
     config = dataclasses.replace(SMALL, persistent_fwd=True)
     mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
     arrays = prepare_mask(mask, *SMALL.tiles)

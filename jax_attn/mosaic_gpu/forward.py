@@ -27,7 +27,7 @@ from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
-INTERPRET_CTAS = 3  # persistent CTAs under the interpreter: several items each, unevenly
+INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +115,19 @@ def _item(geo: Geometry, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
     return geo.num_q_tiles - 1 - q, head, lax.div(rest, geo.heads_q)
 
 
+def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
+    """Work item of persistent CTA `cta`'s local step `local`: row `local` of the item list in
+    rows of `ctas`, walked left to right on even rows and right to left on odd ones, so a CTA
+    given a costly item in one row gets a cheap one in the next (causal: longest q tiles first)."""
+    column = jnp.where(lax.rem(local, 2) == 0, cta, geo.ctas - 1 - cta)
+    return local * geo.ctas + column
+
+
 def _local_items(geo: Geometry, cta: jax.Array) -> jax.Array:
-    """How many work items persistent CTA `cta` runs (items cta, cta + ctas, ...)."""
-    return lax.div(geo.num_items - cta + geo.ctas - 1, geo.ctas)
+    """How many work items persistent CTA `cta` runs: one per full row, and one of the partial
+    last row if its column there is inside it."""
+    rows, tail = divmod(geo.num_items, geo.ctas)
+    return rows + (_snake(geo, cta, rows) - rows * geo.ctas < tail).astype(jnp.int32)
 
 
 def _kernel(
@@ -309,17 +319,17 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
 
             if geo.persistent:
-                load_item(_item(geo, cta), 0)
+                load_item(_item(geo, _snake(geo, cta, 0)), 0)
                 pl.when(wg == 1)(pingpong)
 
                 def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
-                    flat = local * geo.ctas + cta
+                    flat = _snake(geo, cta, local)
                     b = lax.rem(local, 2)
 
                     @pl.when(local + 1 < local_items)
                     def _prefetch() -> None:
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O, LSE
-                        load_item(_item(geo, flat + geo.ctas), 1 - b)
+                        load_item(_item(geo, _snake(geo, cta, local + 1)), 1 - b)
 
                     item = _item(geo, flat)
                     run_item(item, b, base, turns=False)
@@ -372,7 +382,7 @@ def _kernel(
                 steps = lax.fori_loop(
                     0,
                     local_items,
-                    lambda local, base: produce(_item(geo, local * geo.ctas + cta), base),
+                    lambda local, base: produce(_item(geo, _snake(geo, cta, local)), base),
                     jnp.int32(0),
                 )
             else:
