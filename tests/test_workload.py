@@ -269,7 +269,7 @@ def test_run_from_flags_writes_results_and_checkpoints(tmp_path):
 def test_attention_time_share_relates_each_sampled_mask_to_its_own_step():
     """Attention's share of the step time pairs each sampled step's time with the attention call
     timed on that step's mask (documents, and so attention's cost, change every step); a sampled
-    step that was not timed (warm-up, compiling) is left out when timed ones exist."""
+    step that was not timed (warm-up, compiling) is left out when other steps are timed."""
     from experiments.workloads.records import StepTime, step_metrics
 
     rng = np.random.default_rng()
@@ -289,6 +289,11 @@ def test_attention_time_share_relates_each_sampled_mask_to_its_own_step():
     want = 8 * (np.median(attn[1]) + np.median(attn[3])) / (times[1] + times[3])
     assert m["attention_time_steps"] == [1, 3]
     np.testing.assert_allclose(m["attention_time_share"], want, rtol=1e-12)
+    # only a compiling step sampled while others are timed: no share rather than a wrong one
+    m = step_metrics(
+        steps, tokens_per_step=1024, num_devices=1, depth=8, attention_ms=[(steps[0], attn[0])]
+    )
+    assert "attention_time_share" not in m
 
 
 def test_train_step_refuses_an_output_folder_another_run_holds(tmp_path, capsys):

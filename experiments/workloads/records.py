@@ -134,9 +134,10 @@ def step_metrics(
         "last_mean_loss": float(np.mean([s.loss for s in steps[-MOVING_AVERAGE:]])),
         "mean_window": min(MOVING_AVERAGE, len(steps)),
     }
-    if attention_ms:
-        sampled = [(s, t) for s, t in attention_ms if s.timed] or attention_ms
-        medians = [float(np.median(t)) for _, t in sampled]
+    # sampled steps that compiled count only when no step is timed (as the step quantiles above)
+    sampled = [(s, t) for s, t in attention_ms or [] if s.timed or not any(x.timed for x in steps)]
+    if sampled:
+        medians = [float(np.median(times)) for _, times in sampled]
         metrics["attention_time_ms"] = timing.time_stats(medians)
         metrics["attention_time_steps"] = [s.step for s, _ in sampled]
         metrics["attention_time_share"] = depth * sum(medians) / sum(s.time_ms for s, _ in sampled)

@@ -117,8 +117,7 @@ def _item(geo: Geometry, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
 
 def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
     """Work item of persistent CTA `cta`'s local step `local`: row `local` of the item list in
-    rows of `ctas`, walked left to right on even rows and right to left on odd ones, so a CTA
-    given a costly item in one row gets a cheap one in the next (causal: longest q tiles first)."""
+    rows of `ctas`, walked left to right on even rows and right to left on odd ones."""
     column = jnp.where(lax.rem(local, 2) == 0, cta, geo.ctas - 1 - cta)
     return local * geo.ctas + column
 
