@@ -135,7 +135,8 @@ def step_metrics(
         "mean_window": min(MOVING_AVERAGE, len(steps)),
     }
     # sampled steps that compiled count only when no step is timed (as the step quantiles above)
-    sampled = [(s, t) for s, t in attention_ms or [] if s.timed or not any(x.timed for x in steps)]
+    any_timed = any(s.timed for s in steps)
+    sampled = [pair for pair in attention_ms or [] if pair[0].timed or not any_timed]
     if sampled:
         medians = [float(np.median(times)) for _, times in sampled]
         metrics["attention_time_ms"] = timing.time_stats(medians)
