@@ -20,11 +20,24 @@ CFG = data.DataConfig(seqlen=8192, batch=3, vocab=256, seed=5)
 STEPS = range(6)
 
 
+def _codec_table(text: bytes) -> bool:
+    """A generated character-map codec: a line that starts a module-level decoding table/map."""
+    return any(
+        line.startswith((b"decoding_table = (", b"decoding_map = ")) for line in text.splitlines()
+    )
+
+
 @pytest.fixture(scope="module")
-def files() -> dict[str, bytes]:
-    """Every corpus file's bytes, read directly (the loader's concatenation is not used)."""
+def source() -> dict[str, bytes]:
+    """Every file under the corpus's folders, read directly (the loader is not used)."""
     root = text_corpus.stdlib_root()
     return {name: (root / name).read_bytes() for name in text_corpus.source_files(root)}
+
+
+@pytest.fixture(scope="module")
+def files(source) -> dict[str, bytes]:
+    """The files the corpus should hold: not empty, not a generated codec table."""
+    return {name: text for name, text in source.items() if text and not _codec_table(text)}
 
 
 def _documents(batch: data.PackedBatch) -> list[tuple[int, int, bytes]]:
@@ -54,11 +67,20 @@ def test_corpus_is_the_sorted_non_empty_stdlib_source(files):
     assert all(name.endswith(".py") for name in corpus.names)
     assert not any(EXCLUDED & set(name.split("/")[:-1]) for name in corpus.names)
     assert "os.py" in corpus.names and "json/__init__.py" in corpus.names
-    assert corpus.names == tuple(name for name in sorted(files) if files[name])  # empty: dropped
+    assert corpus.names == tuple(sorted(files))
     assert corpus.sizes.tolist() == [len(files[name]) for name in corpus.names]
     i = corpus.names.index("os.py")
     start, size = corpus.starts[i], corpus.sizes[i]
     assert corpus.data[start : start + size].tobytes() == files["os.py"]
+
+
+def test_generated_codec_tables_are_left_out(source):
+    """The codecs gencodec.py wrote from vendor tables are dropped, hand-written codecs kept."""
+    names = text_corpus.load().names
+    tables = sorted(name for name, text in source.items() if _codec_table(text))
+    assert "encodings/cp1252.py" in tables and len(tables) > 30
+    assert not set(tables) & set(names)
+    assert {"encodings/__init__.py", "encodings/utf_8.py", "encodings/aliases.py"} <= set(names)
 
 
 def test_unigram_entropy_and_summary(files):
@@ -88,8 +110,8 @@ def test_batches_are_deterministic_per_seed_and_step():
 
 def test_layouts_are_file_sizes_until_the_sequence_is_full():
     sizes = set(text_corpus.load().sizes.tolist())
-    layouts = [data.document_lengths(CFG, step) for step in STEPS]
-    assert sum(len(lens) > 1 for lens in layouts) >= 3, layouts  # real boundaries are exercised
+    layouts = [data.document_lengths(CFG, step) for step in range(20)]
+    assert sum(len(lens) > 1 for lens in layouts) >= 5, layouts  # real boundaries are exercised
     for lens in layouts:
         assert sum(lens) == CFG.seqlen and min(lens) > 0
         assert all(n in sizes for n in lens[:-1]), lens  # the last one is cropped

@@ -199,6 +199,58 @@ def test_cpu_default_learns(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_curve_check_compares_moving_means_so_batch_noise_passes_and_a_bias_departs():
+    """Steps past the 20th that alternate +-5% around the baseline (correct kernels parting
+    chaotically) pass a 2% check of the 20-step means; the same noise from step 10 departs
+    there; a steady +3% departs at step 0; a NaN departs where it is."""
+    from experiments.workloads.curves import compare
+
+    rng = np.random.default_rng(3)
+    base = {s: float(x) for s, x in enumerate(rng.uniform(2.0, 4.0, 60))}
+    noisy = {s: x * (1.0 if s < 20 else 1.05 if s % 2 else 0.95) for s, x in base.items()}
+    check = compare(noisy, base, baseline_name="xla", tol=0.02)
+    assert check["passed"] and check["first_departure"] is None
+    assert check["max_step_rel_diff"] == pytest.approx(0.05)
+    assert check["max_rel_diff"] < 0.02
+    early = {s: x * (1.0 if s < 10 else 1.05 if s % 2 else 0.95) for s, x in base.items()}
+    assert compare(early, base, baseline_name="xla", tol=0.02)["first_departure"] == 10
+    biased = {s: x * 1.03 for s, x in base.items()}
+    check = compare(biased, base, baseline_name="xla", tol=0.02)
+    assert (check["passed"], check["first_departure"]) == (False, 0)
+    assert check["max_rel_diff"] == pytest.approx(0.03)
+    broken = {**base, 37: float("nan")}
+    assert compare(broken, base, baseline_name="xla", tol=0.02)["first_departure"] == 37
+    with pytest.raises(ValueError, match="no step in common"):
+        compare({100: 1.0}, base, baseline_name="xla", tol=0.02)
+
+
+def test_learning_trend_blocks_and_worst_spike_match_a_direct_count():
+    """curves.learning against loops written from its definition, on a random falling curve with
+    a planted spike and, separately, one block that rises."""
+    from experiments.workloads.curves import learning
+
+    rng = np.random.default_rng(7)
+    n, w = 130, 20
+    losses = list(6.0 * np.exp(-np.arange(n) / 60.0) + rng.uniform(0.0, 0.05, n))
+    losses[77] *= 1.8
+    got = learning(losses, w)
+    blocks = [sum(losses[i : i + w]) / w for i in range(0, n - w + 1, w)]
+    assert len(got["block_means"]) == n // w
+    np.testing.assert_allclose(got["block_means"], blocks, rtol=1e-12)
+    ratios = {
+        i: losses[i] / (sum(losses[max(0, i - w) : i]) / len(losses[max(0, i - w) : i]))
+        for i in range(1, n)
+    }
+    worst = max(ratios, key=ratios.get)
+    assert got["worst_spike_step"] == worst == 77
+    assert got["worst_spike_ratio"] == pytest.approx(ratios[worst], rel=1e-12)
+    assert got["blocks_falling"] is True
+    assert got["last_over_first"] == pytest.approx(np.mean(losses[-w:]) / np.mean(losses[:w]))
+    rising = losses[:]
+    rising[60:80] = [x + 1.0 for x in rising[60:80]]
+    assert learning(rising, w)["blocks_falling"] is False
+
+
 def _layer(backend: AttentionBackend | None = None) -> Attention:
     return Attention(64, 4, 2, backend=backend, rngs=nnx.Rngs(0))
 

@@ -2,10 +2,14 @@
 
 Two correct attention kernels differ only by rounding, so with the same seed and data their
 training curves agree step by step. The tolerance is the correctness check's per-dtype relative
-threshold (experiments/runners/checks.py, the bound a correct kernel's output stays within)
-applied to the baseline's loss at each step: |loss - baseline| <= rtol(dtype) * baseline. A wrong
-gradient (a kernel whose backward is off by a few percent or more) moves the curve by more than
-that within a few steps; rounding noise, amplified by training, stays below it over 50 steps.
+threshold (experiments/runners/checks.py, the bound a correct kernel's output stays within),
+relative to the baseline, and it applies to each of the first MOVING_AVERAGE steps and to the
+mean of the last MOVING_AVERAGE steps up to every step (the curve the plots draw bold).
+Rounding differences grow chaotically in training: in bf16 at GPU scale, single steps of correct
+kernels agree within 1% for the first 20 steps, then part by up to 10% by step 50 with signs that
+alternate from batch to batch, while their 20-step means stay within 1.4% (docs/training.md). A
+wrong gradient shows in the first steps (a dQ that mixes in a tenth of the neighbouring row's
+departs by step 3 on the CPU).
 """
 
 from __future__ import annotations
@@ -32,26 +36,41 @@ def compare(
 ) -> dict:
     """The check of one curve against the baseline over the steps both ran.
 
-    passed is False when a step's loss is not finite or departs by more than tol relative;
-    first_departure is that step (None when it passes).
+    passed is False when a step's loss is not finite, one of the first MOVING_AVERAGE steps
+    departs from the baseline's by more than tol relative, or the moving average up to a step
+    departs from the baseline's; first_departure is that step (None when it passes).
+    max_rel_diff is the largest checked departure, max_step_rel_diff that of any single step.
     """
     steps = sorted(set(losses) & set(baseline))
     if not steps:
         raise ValueError("no step in common with the baseline curve")
     got = np.array([losses[s] for s in steps])
     want = np.array([baseline[s] for s in steps])
-    diff = np.abs(got - want)
-    bad = ~np.isfinite(got) | (diff > tol * np.abs(want))
-    rel = diff / np.maximum(np.abs(want), 1e-12)
+    single = _relative(got, want)
+    early = np.arange(len(steps)) < MOVING_AVERAGE
+    rel = np.maximum(
+        _relative(moving_average(got), moving_average(want)), np.where(early, single, 0.0)
+    )
+    bad = ~np.isfinite(got) | ~(rel <= tol)
     return {
         "kind": "loss_curve",
         "baseline": baseline_name,
         "steps": len(steps),
         "rtol": tol,
-        "max_rel_diff": float(np.nanmax(rel)) if np.isfinite(rel).any() else float("inf"),
+        "window": MOVING_AVERAGE,
+        "max_rel_diff": _largest(rel),
+        "max_step_rel_diff": _largest(single),
         "first_departure": int(np.asarray(steps)[bad][0]) if bad.any() else None,
         "passed": not bool(bad.any()),
     }
+
+
+def _relative(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    return np.abs(got - want) / np.maximum(np.abs(want), 1e-12)
+
+
+def _largest(rel: np.ndarray) -> float:
+    return float(np.nanmax(rel)) if np.isfinite(rel).any() else float("inf")
 
 
 def moving_average(values: list[float], window: int = MOVING_AVERAGE) -> np.ndarray:
@@ -61,6 +80,25 @@ def moving_average(values: list[float], window: int = MOVING_AVERAGE) -> np.ndar
     n = np.arange(1, len(x) + 1)
     lo = np.maximum(n - window, 0)
     return (c[n] - c[lo]) / (n - lo)
+
+
+def learning(losses: list[float], window: int = MOVING_AVERAGE) -> dict:
+    """Whether a run learns steadily: means over consecutive `window`-step blocks and whether each
+    is below the one before, the last block's mean over the first's, and the step that most
+    exceeds the mean of the up to `window` steps before it (a spike; step 0 has none before it)."""
+    x = np.asarray(losses, dtype=np.float64)
+    blocks = [float(x[i : i + window].mean()) for i in range(0, len(x) - window + 1, window)]
+    before = moving_average(losses, window)[:-1]  # mean of the steps before each step from 1 on
+    spikes = x[1:] / before if len(x) > 1 else np.array([])
+    worst = int(np.argmax(spikes)) + 1 if spikes.size else None
+    return {
+        "window": window,
+        "block_means": blocks,
+        "blocks_falling": len(blocks) > 1 and all(b < a for a, b in zip(blocks, blocks[1:])),
+        "last_over_first": float(x[-window:].mean() / x[:window].mean()),
+        "worst_spike_step": worst,
+        "worst_spike_ratio": None if worst is None else float(spikes[worst - 1]),
+    }
 
 
 def plot(

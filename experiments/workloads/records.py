@@ -19,7 +19,7 @@ import numpy as np
 from experiments.core.results import ResultsStore, latest_by_key, read_records
 from experiments.runners import timing
 
-from .curves import MOVING_AVERAGE
+from .curves import MOVING_AVERAGE, learning
 
 STEP_LOG_FILE = "train_log.jsonl"
 
@@ -133,6 +133,7 @@ def step_metrics(
         "first_mean_loss": float(np.mean([s.loss for s in steps[:MOVING_AVERAGE]])),
         "last_mean_loss": float(np.mean([s.loss for s in steps[-MOVING_AVERAGE:]])),
         "mean_window": min(MOVING_AVERAGE, len(steps)),
+        "learning": learning([s.loss for s in steps]),
     }
     # sampled steps that compiled count only when no step is timed (as the step quantiles above)
     any_timed = any(s.timed for s in steps)

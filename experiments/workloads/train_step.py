@@ -476,8 +476,17 @@ def _loss_change(metrics: dict) -> str:
     if "first_mean_loss" not in metrics:
         return f"loss {metrics['first_loss']:.4f} -> {metrics['last_loss']:.4f}"
     n = metrics["mean_window"]
-    return (
+    change = (
         f"loss ({n}-step means) {metrics['first_mean_loss']:.4f} -> {metrics['last_mean_loss']:.4f}"
+    )
+    trend = metrics.get("learning")
+    if trend is None or trend["worst_spike_step"] is None:
+        return change
+    blocks = "falling" if trend["blocks_falling"] else "NOT falling"
+    return (
+        f"{change} ({trend['last_over_first']:.2f}x; {len(trend['block_means'])} {n}-step block "
+        f"means {blocks}; worst step {trend['worst_spike_step']} at "
+        f"{trend['worst_spike_ratio']:.2f}x the mean of the {n} before)"
     )
 
 
@@ -489,7 +498,8 @@ def _print_summary(record: dict, out_dir: str | None) -> None:
     verdict = ""
     if check is not None:
         verdict = (
-            f" Curve within {check['rtol']:g} of {check['baseline']}'s at every step."
+            f" Curve within {check['rtol']:g} of {check['baseline']}'s (first "
+            f"{check.get('window', 0)} steps and {check.get('window', 1)}-step means)."
             if check["passed"]
             else f" WRONG: {record['reason']}."
         )
