@@ -482,11 +482,13 @@ def _loss_change(metrics: dict) -> str:
     trend = metrics.get("learning")
     if trend is None or trend["worst_spike_step"] is None:
         return change
-    blocks = "falling" if trend["blocks_falling"] else "NOT falling"
+    blocks = len(trend["block_means"])
+    falling = "falling" if trend["blocks_falling"] else "NOT falling"
+    trend_words = f"{blocks} {n}-step block means {falling}; " if blocks > 1 else ""
     return (
-        f"{change} ({trend['last_over_first']:.2f}x; {len(trend['block_means'])} {n}-step block "
-        f"means {blocks}; worst step {trend['worst_spike_step']} at "
-        f"{trend['worst_spike_ratio']:.2f}x the mean of the {n} before)"
+        f"{change} ({trend['last_over_first']:.2f}x; {trend_words}worst step "
+        f"{trend['worst_spike_step']} at {trend['worst_spike_ratio']:.2f}x the mean of the "
+        f"{n} before)"
     )
 
 
