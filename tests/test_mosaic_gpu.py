@@ -168,6 +168,10 @@ def test_config_validation_names_value_and_range() -> None:
         KernelConfig(block_k_dq=96)
     with pytest.raises(ValueError, match=r"num_stages_bwd=0.*\[1, 4\]"):
         KernelConfig(num_stages_bwd=0)
+    three = KernelConfig(block_k=128, max_concurrent_steps=3)
+    three.check(128, jnp.bfloat16)  # fits with one Q buffer, not with the persistent two
+    with pytest.raises(ValueError, match="persistent_fwd needs .* shared memory"):
+        dataclasses.replace(three, persistent_fwd=True).check(128, jnp.bfloat16)
 
 
 def test_wrong_mask_tiles_rejected() -> None:
@@ -193,16 +197,21 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize(
-    "d, in_place_pv, overlap",
-    [(64, False, False), (128, False, False), (128, True, False), (64, True, True),
-     (128, True, True)],
+    "d, in_place_pv, overlap, persistent",
+    [(64, False, False, False), (128, False, False, False), (128, True, False, False),
+     (64, True, True, False), (128, True, True, False), (128, True, False, True),
+     (64, True, True, True)],
 )  # fmt: skip
-def test_forward_and_backward_lower_for_hopper(d: int, in_place_pv: bool, overlap: bool) -> None:
+def test_forward_and_backward_lower_for_hopper(
+    d: int, in_place_pv: bool, overlap: bool, persistent: bool
+) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
     in_place_pv (P V into O's registers) exists only on this path."""
     config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, d), jnp.bfloat16), None)
-    config = dataclasses.replace(config, in_place_pv=in_place_pv, fwd_overlap=overlap)
+    config = dataclasses.replace(
+        config, in_place_pv=in_place_pv, fwd_overlap=overlap, persistent_fwd=persistent
+    )
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)
@@ -244,3 +253,16 @@ def test_real_lowering_s2048(name: str) -> None:
     _check(
         mask, arrays, b=1, hq=4, hkv=2, d=128, dtype=jnp.bfloat16, config=config, interpret=False
     )
+
+
+@interpreted
+def test_persistent_forward() -> None:
+    """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
+    partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
+    prefetched into the other buffer): the same outputs on every row, with partial tiles, ragged
+    lengths and items that list no key tile at all."""
+    config = dataclasses.replace(SMALL, persistent_fwd=True)
+    mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
+    arrays = prepare_mask(mask, *SMALL.tiles)
+    assert (np.asarray(arrays.kv.count) == 0).sum() == 2, "q tiles without keys"
+    _check(mask, arrays, b=2, hq=3, hkv=1, d=64, dtype=jnp.bfloat16, config=config, seed=4)

@@ -259,11 +259,16 @@ def test_gpu_lowering_s2048(d: int) -> None:
     "config, heads",
     [
         (KernelConfig(block_k=64), (2, 1)),
-        (KernelConfig(block_k=128, num_stages_bwd=3), (2, 2)),
+        (KernelConfig(block_k=128, num_stages_bwd=3, persistent_fwd=True), (2, 2)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, dq_warpgroups=2, fwd_overlap=True), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
     ],
-    ids=["gqa_2stages", "mha_3stages", "warp_specialised_gqa", "warp_specialised_fused"],
+    ids=[
+        "gqa_2stages",
+        "mha_3stages_persistent_fwd",
+        "warp_specialised_gqa",
+        "warp_specialised_fused",
+    ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:
     """Forward, dK/dV and dQ under the interpreter's race detector: no warpgroup reads shared

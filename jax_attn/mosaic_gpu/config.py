@@ -32,7 +32,10 @@ class KernelConfig:
     in_place_pv: the forward accumulates P V into O's registers (run_state on an initialised
     accumulator) instead of a fresh accumulator added to O; GPU lowering only. fwd_overlap: the
     forward issues the next step's Q K^T before this step's softmax (FlashAttention-3's
-    intra-warpgroup overlap; one more fp32 score tile in registers).
+    intra-warpgroup overlap; one more fp32 score tile in registers). persistent_fwd: one
+    forward CTA per SM walks the (q tile, head, batch) items in turn; the K/V ring runs on across
+    items and the next item's Q and row bounds load into a second buffer during this one, so a
+    CTA with few key tiles no longer pays the pipeline fill and Q load on its own.
     """
 
     block_q: int = 64
@@ -48,6 +51,7 @@ class KernelConfig:
     dq_warpgroups: int = 1
     in_place_pv: bool = False
     fwd_overlap: bool = False
+    persistent_fwd: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -93,9 +97,10 @@ class KernelConfig:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, intervals: int = 1) -> int:
         """Shared memory one CTA allocates (Q/O tiles, the K/V ring, row bounds, LSE)."""
-        q = self.mask_block_q * head_dim * itemsize
+        buffers = 2 if self.persistent_fwd else 1  # Q/O, row bounds and LSE per item
+        q = buffers * self.mask_block_q * head_dim * itemsize
         kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
-        rows = CONSUMER_WARPGROUPS * self.block_q * 4 * (2 * intervals + 1)
+        rows = buffers * CONSUMER_WARPGROUPS * self.block_q * 4 * (2 * intervals + 1)
         return q + kv + rows + 1024  # barriers and alignment slack
 
     def check(self, head_dim: int, dtype: object, intervals: int = 1) -> None:
@@ -115,8 +120,9 @@ class KernelConfig:
         need = self.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, intervals)
         if need > SMEM_BYTES:
             raise ValueError(
-                f"block_k={self.block_k} with max_concurrent_steps={self.max_concurrent_steps} "
-                f"needs {need} bytes of shared memory at head_dim={head_dim}; the valid range is "
+                f"block_k={self.block_k} with max_concurrent_steps={self.max_concurrent_steps}"
+                f"{' and persistent_fwd' if self.persistent_fwd else ''} needs {need} bytes of "
+                f"shared memory at head_dim={head_dim}; the valid range is "
                 f"at most {SMEM_BYTES} (lower block_k or max_concurrent_steps)"
             )
 

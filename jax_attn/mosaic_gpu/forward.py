@@ -26,6 +26,8 @@ from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig
 
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
+INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,16 @@ class Geometry:
     config: KernelConfig
     in_place_pv: bool = False  # O += P V straight into O's registers (GPU lowering only)
     overlap: bool = False  # S(n + 1) issued before the softmax of step n (KernelConfig.fwd_overlap)
+    ctas: int = 0  # persistent CTAs walking the work items in turn (0: one CTA per item)
+
+    @property
+    def persistent(self) -> bool:
+        return self.ctas > 0
+
+    @property
+    def num_items(self) -> int:
+        """(q tile, q head, batch) work items: the CTAs of the non-persistent grid."""
+        return self.num_q_tiles * self.heads_q * self.batch
 
     @property
     def group(self) -> int:
@@ -84,6 +96,39 @@ def _mask_scores(s: jax.Array, bounds: list[tuple[jax.Array, jax.Array]], start:
     return out
 
 
+def _persistent_ctas(interpret: Any) -> int:
+    """One persistent CTA per SM of the GPU."""
+    if interpret is not None:
+        return INTERPRET_CTAS
+    try:
+        return jax.local_devices(backend="gpu")[0].core_count
+    except RuntimeError:
+        return HOPPER_SMS
+
+
+def _item(geo: Geometry, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q tile, q head, batch) of work item `flat`, in the order the non-persistent grid's CTAs
+    are launched: the q tile fastest, longest (last) q tiles first."""
+    q = lax.rem(flat, geo.num_q_tiles)
+    rest = lax.div(flat, geo.num_q_tiles)
+    head = lax.rem(rest, geo.heads_q)
+    return geo.num_q_tiles - 1 - q, head, lax.div(rest, geo.heads_q)
+
+
+def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
+    """Work item of persistent CTA `cta`'s local step `local`: row `local` of the item list in
+    rows of `ctas`, walked left to right on even rows and right to left on odd ones."""
+    column = jnp.where(lax.rem(local, 2) == 0, cta, geo.ctas - 1 - cta)
+    return local * geo.ctas + column
+
+
+def _local_items(geo: Geometry, cta: jax.Array) -> jax.Array:
+    """How many work items persistent CTA `cta` runs: one per full row, and one of the partial
+    last row if its column there is inside it."""
+    rows, tail = divmod(geo.num_items, geo.ctas)
+    return rows + (_snake(geo, cta, rows) - rows * geo.ctas < tail).astype(jnp.int32)
+
+
 def _kernel(
     q_ref: Any,
     k_ref: Any,
@@ -101,16 +146,27 @@ def _kernel(
     cfg = geo.config
     bq, bk, d, stages = cfg.block_q, cfg.block_k, geo.head_dim, cfg.max_concurrent_steps
     dtype = q_ref.dtype
+    buffers = 2 if geo.persistent else 1
 
     def body(smem: tuple, ready: tuple, free: tuple, sched: Any) -> None:
         q_smem, k_smem, v_smem, bounds_smem, lse_smem = smem
         k_ready, v_ready, q_ready, bounds_ready = ready
         k_free, v_free = free
         wg = lax.axis_index("wg")
-        batch = lax.axis_index("batch")
-        head = lax.axis_index("heads")
-        tile = geo.num_q_tiles - 1 - lax.axis_index("q")  # longest (last) q tiles first
-        count = count_ref[tile]
+
+        def buffer(ref: Any, b: Any) -> Any:
+            """This consumer's slot of a per-item buffer (two alternate when persistent)."""
+            return ref.at[b, wg] if geo.persistent else ref.at[wg]
+
+        def arrival(barriers: Any, b: Any) -> Any:
+            return barriers.at[b * CONSUMER_WARPGROUPS + wg] if geo.persistent else barriers.at[wg]
+
+        if geo.persistent:
+            cta = lax.axis_index("sm")
+            local_items = _local_items(geo, cta)
+        else:
+            tile = geo.num_q_tiles - 1 - lax.axis_index("q")  # longest (last) q tiles first
+            first = (tile, lax.axis_index("heads"), lax.axis_index("batch"))
 
         def pingpong() -> None:
             plgpu.barrier_arrive(sched)
@@ -119,174 +175,237 @@ def _kernel(
         @pl.when(wg < PRODUCER)
         def _consumer() -> None:
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-            row0 = tile * cfg.mask_block_q + wg * bq
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[batch, pl.ds(row0, bq), head], q_smem.at[wg], q_ready.at[wg]
-            )
-            plgpu.copy_gmem_to_smem(
-                bounds_ref.at[tile * CONSUMER_WARPGROUPS + wg],
-                bounds_smem.at[wg],
-                bounds_ready.at[wg],
-            )
-            plgpu.barrier_wait(bounds_ready.at[wg])
-            bounds = [
-                (
-                    _row_layout(bounds_smem[wg, 2 * r]),
-                    _row_layout(bounds_smem[wg, 2 * r + 1]),
-                )
-                for r in range(geo.intervals)
-            ]
-            plgpu.barrier_wait(q_ready.at[wg])
             qk_scale = scale * LOG2E
 
-            def softmax(s: jax.Array, carry: tuple, n: jax.Array, masked: bool) -> tuple:
-                """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
-                dtype)."""
-                acc, m_prev, l_prev = carry
-                s = s * qk_scale
-                if masked:
-                    s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
-                m_next = jnp.maximum(m_prev, s.max(axis=1))
-                m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
-                alpha = jnp.exp2(m_prev - m_use)
-                p = jnp.exp2(s - _rows(m_use, s.shape))
-                l_next = l_prev * alpha + p.sum(axis=1)
-                acc = acc * _rows(alpha, acc.shape)
-                p16 = p.astype(dtype)
-                return lax.optimization_barrier((acc, m_next, l_next, p16))
+            def load_item(item: tuple, b: Any) -> None:
+                """TMA-load an item's Q rows and row bounds into buffer b."""
+                tile, head, batch = item
+                row0 = tile * cfg.mask_block_q + wg * bq
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, pl.ds(row0, bq), head], buffer(q_smem, b), arrival(q_ready, b)
+                )
+                plgpu.copy_gmem_to_smem(
+                    bounds_ref.at[tile * CONSUMER_WARPGROUPS + wg],
+                    buffer(bounds_smem, b),
+                    arrival(bounds_ready, b),
+                )
 
-            def pv(acc: jax.Array, p16: jax.Array, slot: jax.Array) -> jax.Array:
-                """O + P V, once this warpgroup's turn on the tensor cores and V have come."""
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(sched)
-                if geo.in_place_pv:
-                    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
-                        plgpu.ACC.init(acc)
-                    )
+            def run_item(item: tuple, b: Any, base: Any, turns: bool) -> None:
+                """Attention of one item's rows from buffer b; its key tiles are ring steps
+                base, base + 1, ... (None: 0, 1, ...). turns: offset the two consumers' turns
+                on the tensor cores around this item's walk (else the caller does, once)."""
+                tile, head, batch = item
+                count = count_ref[tile]
+                q_tile = buffer(q_smem, b)
+                plgpu.barrier_wait(arrival(bounds_ready, b))
+                rows_smem = buffer(bounds_smem, b)
+                bounds = [
+                    (_row_layout(rows_smem[2 * r]), _row_layout(rows_smem[2 * r + 1]))
+                    for r in range(geo.intervals)
+                ]
+                plgpu.barrier_wait(arrival(q_ready, b))
 
-                def fresh(acc_ref: Any) -> jax.Array:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    return acc_ref[...]
+                def ring(n: jax.Array) -> jax.Array:
+                    return lax.rem(n if base is None else n + base, stages)
 
-                return acc + pl.run_scoped(fresh, plgpu.ACC((bq, d), jnp.float32))
+                def softmax(s: jax.Array, carry: tuple, n: jax.Array, masked: bool) -> tuple:
+                    """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
+                    dtype)."""
+                    acc, m_prev, l_prev = carry
+                    s = s * qk_scale
+                    if masked:
+                        s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
+                    m_next = jnp.maximum(m_prev, s.max(axis=1))
+                    m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
+                    alpha = jnp.exp2(m_prev - m_use)
+                    p = jnp.exp2(s - _rows(m_use, s.shape))
+                    l_next = l_prev * alpha + p.sum(axis=1)
+                    acc = acc * _rows(alpha, acc.shape)
+                    p16 = p.astype(dtype)
+                    return lax.optimization_barrier((acc, m_next, l_next, p16))
 
-            def issue_qk(acc_ref: Any, slot: jax.Array) -> None:
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                def pv(acc: jax.Array, p16: jax.Array, slot: jax.Array) -> jax.Array:
+                    """O + P V, once this warpgroup's turn on the tensor cores and V have
+                    come."""
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(sched)
+                    if geo.in_place_pv:
+                        return pl.run_state(
+                            lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        )(plgpu.ACC.init(acc))
 
-            def step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
-                slot = lax.rem(n, stages)
+                    def fresh(acc_ref: Any) -> jax.Array:
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        return acc_ref[...]
 
-                def qk(acc_ref: Any) -> jax.Array:
-                    issue_qk(acc_ref, slot)
-                    pingpong()
-                    return acc_ref[...]
+                    return acc + pl.run_scoped(fresh, plgpu.ACC((bq, d), jnp.float32))
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                acc, m_next, l_next, p16 = softmax(s, carry, n, masked)
-                acc = pv(acc, p16, slot)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_next, l_next
+                def issue_qk(acc_ref: Any, slot: jax.Array) -> None:
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
 
-            def overlapped_step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
-                """step with S(n + 1) = Q K(n + 1)^T issued before the softmax of step n, whose
-                scores came in the carry, so the tensor cores work through the softmax."""
-                *state, s = carry
-                slot, later = lax.rem(n, stages), lax.rem(n + 1, stages)
+                def step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
+                    slot = ring(n)
 
-                def body(acc_ref: Any) -> tuple:
-                    pl.when(n + 1 < count)(lambda: issue_qk(acc_ref, later))
-                    pingpong()
-                    acc, m_next, l_next, p16 = softmax(s, tuple(state), n, masked)
-                    acc = pv(acc, p16, slot)  # waits for every wgmma: S(n + 1) is done too
-                    return acc, m_next, l_next, acc_ref[...]
+                    def qk(acc_ref: Any) -> jax.Array:
+                        issue_qk(acc_ref, slot)
+                        pingpong()
+                        return acc_ref[...]
 
-                out = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
-                pl.when(n + 1 < count)(lambda: plgpu.barrier_arrive(k_free.at[later]))
-                return out
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    acc, m_next, l_next, p16 = softmax(s, carry, n, masked)
+                    acc = pv(acc, p16, slot)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_next, l_next
 
-            carry = (
-                _tile_layout(jnp.zeros((bq, d), jnp.float32)),
-                _row_layout(jnp.full((bq,), -jnp.inf, jnp.float32)),
-                _row_layout(jnp.zeros((bq,), jnp.float32)),
-            )
-            n_partial = n_partial_ref[tile]
-            pl.when(wg == 1)(pingpong)
-            if geo.overlap:
+                def overlapped_step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
+                    """step with S(n + 1) = Q K(n + 1)^T issued before the softmax of step n,
+                    whose scores came in the carry, so the tensor cores work through the
+                    softmax."""
+                    *state, s = carry
+                    slot, later = ring(n), ring(n + 1)
 
-                def first(acc_ref: Any) -> jax.Array:
-                    pl.when(count > 0)(lambda: issue_qk(acc_ref, jnp.int32(0)))
-                    return acc_ref[...]
+                    def body(acc_ref: Any) -> tuple:
+                        pl.when(n + 1 < count)(lambda: issue_qk(acc_ref, later))
+                        pingpong()
+                        acc, m_next, l_next, p16 = softmax(s, tuple(state), n, masked)
+                        acc = pv(acc, p16, slot)  # waits for every wgmma: S(n + 1) is done too
+                        return acc, m_next, l_next, acc_ref[...]
 
-                s0 = pl.run_scoped(first, plgpu.ACC((bq, bk), jnp.float32))
-                pl.when(count > 0)(lambda: plgpu.barrier_arrive(k_free.at[0]))
-                carry = (*carry, s0)
-                walk = overlapped_step
+                    out = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    pl.when(n + 1 < count)(lambda: plgpu.barrier_arrive(k_free.at[later]))
+                    return out
+
+                carry = (
+                    _tile_layout(jnp.zeros((bq, d), jnp.float32)),
+                    _row_layout(jnp.full((bq,), -jnp.inf, jnp.float32)),
+                    _row_layout(jnp.zeros((bq,), jnp.float32)),
+                )
+                n_partial = n_partial_ref[tile]
+                if turns:
+                    pl.when(wg == 1)(pingpong)
+                if geo.overlap:
+
+                    def first_qk(acc_ref: Any) -> jax.Array:
+                        pl.when(count > 0)(lambda: issue_qk(acc_ref, ring(jnp.int32(0))))
+                        return acc_ref[...]
+
+                    s0 = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
+                    pl.when(count > 0)(lambda: plgpu.barrier_arrive(k_free.at[ring(jnp.int32(0))]))
+                    carry = (*carry, s0)
+                    walk = overlapped_step
+                else:
+                    walk = step
+                carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
+                carry = lax.fori_loop(
+                    n_partial, count, functools.partial(walk, masked=False), carry
+                )
+                if turns:
+                    pl.when(wg == 0)(pingpong)
+                acc, m, denom = carry[:3]
+                empty = denom == 0.0
+                denom = jnp.where(empty, 1.0, denom)
+                out = acc * _rows(1.0 / denom, acc.shape)
+                q_tile[...] = out.astype(dtype)  # Q is read: its buffer stages O for the store
+                lse_tile = buffer(lse_smem, b)
+                lse_tile[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(denom))
+                plgpu.commit_smem()
+                row0 = tile * cfg.mask_block_q + wg * bq
+                plgpu.copy_smem_to_gmem(q_tile, out_ref.at[batch, pl.ds(row0, bq), head])
+                plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
+
+            if geo.persistent:
+                load_item(_item(geo, _snake(geo, cta, 0)), 0)
+                pl.when(wg == 1)(pingpong)
+
+                def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
+                    flat = _snake(geo, cta, local)
+                    b = lax.rem(local, 2)
+
+                    @pl.when(local + 1 < local_items)
+                    def _prefetch() -> None:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O, LSE
+                        load_item(_item(geo, _snake(geo, cta, local + 1)), 1 - b)
+
+                    item = _item(geo, flat)
+                    run_item(item, b, base, turns=False)
+                    return base + count_ref[item[0]]
+
+                lax.fori_loop(0, local_items, persistent_item, jnp.int32(0))
+                pl.when(wg == 0)(pingpong)
             else:
-                walk = step
-            carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
-            carry = lax.fori_loop(n_partial, count, functools.partial(walk, masked=False), carry)
-            pl.when(wg == 0)(pingpong)
-            acc, m, denom = carry[:3]
-            empty = denom == 0.0
-            denom = jnp.where(empty, 1.0, denom)
-            out = acc * _rows(1.0 / denom, acc.shape)
-            q_smem[wg] = out.astype(dtype)
-            lse_smem[wg] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(denom))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[batch, pl.ds(row0, bq), head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, bq)])
+                load_item(first, 0)
+                run_item(first, 0, None, turns=True)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == PRODUCER)
         def _producer() -> None:
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            kv_head = lax.div(head, jnp.int32(geo.group))
 
-            def issue(n: jax.Array, _: Any) -> None:
-                slot = lax.rem(n, stages)
-                rows = (batch, pl.ds(index_ref[tile, n] * bk, bk), kv_head)
+            def produce(item: tuple, base: Any) -> Any:
+                """Load an item's K and V tiles into ring steps base, base + 1, ...; the next
+                base."""
+                tile, head, batch = item
+                kv_head = lax.div(head, jnp.int32(geo.group))
+                count = count_ref[tile]
 
-                @pl.when(n >= stages)
-                def _() -> None:
-                    plgpu.barrier_wait(k_free.at[slot])
+                def issue(n: jax.Array, _: Any) -> None:
+                    step = n if base is None else n + base
+                    slot = lax.rem(step, stages)
+                    rows = (batch, pl.ds(index_ref[tile, n] * bk, bk), kv_head)
 
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                    @pl.when(step >= stages)
+                    def _() -> None:
+                        plgpu.barrier_wait(k_free.at[slot])
 
-                @pl.when(n >= stages)
-                def _() -> None:
-                    plgpu.barrier_wait(v_free.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+                    @pl.when(step >= stages)
+                    def _() -> None:
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+                lax.fori_loop(0, count, issue, None)
+                return count if base is None else count + base
 
             def drain(n: jax.Array, _: Any) -> None:
                 slot = lax.rem(n, stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-            lax.fori_loop(0, count, issue, None)
+            if geo.persistent:
+                steps = lax.fori_loop(
+                    0,
+                    local_items,
+                    lambda local, base: produce(_item(geo, _snake(geo, cta, local)), base),
+                    jnp.int32(0),
+                )
+            else:
+                steps = produce(first, None)
             # Wait for the consumers to release the last stages, so that every phase of the
             # release barriers is observed before they are freed.
-            lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, None)
+            lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
 
     transforms = _smem_transforms()
+    per_item = (buffers, CONSUMER_WARPGROUPS) if geo.persistent else (CONSUMER_WARPGROUPS,)
     pl.run_scoped(
         lambda *refs: body(*refs),
         (
-            plgpu.SMEM((CONSUMER_WARPGROUPS, bq, d), dtype, transforms=transforms),
+            plgpu.SMEM((*per_item, bq, d), dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-            plgpu.SMEM((CONSUMER_WARPGROUPS, 2 * geo.intervals, bq), jnp.int32),
-            plgpu.SMEM((CONSUMER_WARPGROUPS, bq), jnp.float32),
+            plgpu.SMEM((*per_item, 2 * geo.intervals, bq), jnp.int32),
+            plgpu.SMEM((*per_item, bq), jnp.float32),
         ),
         (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=CONSUMER_WARPGROUPS),
-            plgpu.Barrier(num_barriers=CONSUMER_WARPGROUPS),
+            plgpu.Barrier(num_barriers=buffers * CONSUMER_WARPGROUPS),
+            plgpu.Barrier(num_barriers=buffers * CONSUMER_WARPGROUPS),
         ),
         (
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=stages),
@@ -330,14 +449,16 @@ def forward(
         in_place_pv=config.in_place_pv and not interpret,
         overlap=config.fwd_overlap,
     )
+    if config.persistent_fwd:
+        geo = dataclasses.replace(geo, ctas=min(geo.num_items, _persistent_ctas(interpret)))
     kernel = plgpu.kernel(
         functools.partial(_kernel, geo=geo, scale=float(scale)),
         out_type=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
         ),
-        grid=(geo.num_q_tiles, heads_q, batch),
-        grid_names=("q", "heads", "batch"),
+        grid=(geo.ctas,) if geo.persistent else (geo.num_q_tiles, heads_q, batch),
+        grid_names=("sm",) if geo.persistent else ("q", "heads", "batch"),
         num_threads=CONSUMER_WARPGROUPS + 1,
         thread_name="wg",
         kernel_name="mosaic_flash_fwd",
