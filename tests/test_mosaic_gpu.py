@@ -16,6 +16,7 @@ from jax_attn.adapters.mosaic import MOSAIC
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
+from jax_attn.mosaic_gpu import forward as mosaic_forward
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
@@ -266,3 +267,39 @@ def test_persistent_forward() -> None:
     arrays = prepare_mask(mask, *SMALL.tiles)
     assert (np.asarray(arrays.kv.count) == 0).sum() == 2, "q tiles without keys"
     _check(mask, arrays, b=2, hq=3, hkv=1, d=64, dtype=jnp.bfloat16, config=config, seed=4)
+
+
+@pytest.mark.parametrize(
+    "name, heads, bound", [("causal", 16, 1.01), ("causal_document", 16, 1.05), ("full", 16, 1.04)]
+)
+def test_persistent_deal_covers_every_item_once_and_balances_key_tiles(
+    name: str, heads: int, bound: float
+) -> None:
+    """The persistent forward's deal (items by decreasing key-tile count, snake rows over 132
+    CTAs), replayed outside the kernel: each (q tile, head) item goes to exactly one CTA, and the
+    busiest CTA's cost (its items' key tiles, plus one for each item's own work) stays within
+    `bound` of the larger of the mean cost and the costliest item. At 16 heads the launch order
+    it replaced left causal at 1.52 of that."""
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
+    count = np.asarray(prepare_mask(make_mask(name, 8192), *config.tiles).kv.count)
+    ctas = 132
+    geo = mosaic_forward.Geometry(
+        batch=1, seq_q=8192, seq_k=8192, heads_q=heads, heads_kv=heads // 8, head_dim=128,
+        intervals=1, config=config, ctas=ctas,
+    )  # fmt: skip
+    order = jnp.argsort(-jnp.asarray(count), stable=True).astype(jnp.int32)
+    cta = jnp.arange(ctas, dtype=jnp.int32)
+    runs = np.asarray(mosaic_forward._local_items(geo, cta))
+    local = jnp.arange(int(runs.max()), dtype=jnp.int32)
+    flat = np.asarray(mosaic_forward._snake(geo, cta[:, None], local[None, :]))
+    valid = local[None, :] < runs[:, None]
+    assert sorted(flat[valid].tolist()) == list(range(len(count) * heads))
+    tile, head, _ = (
+        np.asarray(x) for x in mosaic_forward._item(geo, order, jnp.asarray(flat[valid]))
+    )
+    assert sorted(zip(tile.tolist(), head.tolist())) == sorted(
+        (t, h) for t in range(len(count)) for h in range(heads)
+    )
+    cost = np.zeros(ctas)
+    np.add.at(cost, np.nonzero(valid)[0], count[tile] + 1)
+    assert cost.max() <= bound * max(cost.sum() / ctas, count.max() + 1), cost.max()

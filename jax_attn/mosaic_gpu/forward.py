@@ -106,13 +106,17 @@ def _persistent_ctas(interpret: Any) -> int:
         return HOPPER_SMS
 
 
-def _item(geo: Geometry, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q tile, q head, batch) of work item `flat`, in the order the non-persistent grid's CTAs
-    are launched: the q tile fastest, longest (last) q tiles first."""
-    q = lax.rem(flat, geo.num_q_tiles)
-    rest = lax.div(flat, geo.num_q_tiles)
-    head = lax.rem(rest, geo.heads_q)
-    return geo.num_q_tiles - 1 - q, head, lax.div(rest, geo.heads_q)
+def _item(geo: Geometry, order_ref: Any, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q tile, q head, batch) of work item `flat` in the list of items by decreasing cost: the
+    q tiles in `order_ref`'s order (most key tiles first), each one's heads and batches together,
+    so dealt in snake rows the items come close to longest-first list scheduling."""
+    per_tile = geo.heads_q * geo.batch
+    rest = lax.rem(flat, per_tile)
+    return (
+        order_ref[lax.div(flat, per_tile)],
+        lax.rem(rest, geo.heads_q),
+        lax.div(rest, geo.heads_q),
+    )
 
 
 def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
@@ -137,12 +141,12 @@ def _kernel(
     index_ref: Any,
     n_partial_ref: Any,
     count_ref: Any,
-    out_ref: Any,
-    lse_ref: Any,
-    *,
+    *refs: Any,
     geo: Geometry,
     scale: float,
 ) -> None:
+    """refs: the q tiles by decreasing key-tile count (persistent grid only), out, lse."""
+    order_ref, out_ref, lse_ref = refs if geo.persistent else (None, *refs)
     cfg = geo.config
     bq, bk, d, stages = cfg.block_q, cfg.block_k, geo.head_dim, cfg.max_concurrent_steps
     dtype = q_ref.dtype
@@ -318,7 +322,7 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
 
             if geo.persistent:
-                load_item(_item(geo, _snake(geo, cta, 0)), 0)
+                load_item(_item(geo, order_ref, _snake(geo, cta, 0)), 0)
                 pl.when(wg == 1)(pingpong)
 
                 def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
@@ -328,9 +332,9 @@ def _kernel(
                     @pl.when(local + 1 < local_items)
                     def _prefetch() -> None:
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O, LSE
-                        load_item(_item(geo, _snake(geo, cta, local + 1)), 1 - b)
+                        load_item(_item(geo, order_ref, _snake(geo, cta, local + 1)), 1 - b)
 
-                    item = _item(geo, flat)
+                    item = _item(geo, order_ref, flat)
                     run_item(item, b, base, turns=False)
                     return base + count_ref[item[0]]
 
@@ -381,7 +385,9 @@ def _kernel(
                 steps = lax.fori_loop(
                     0,
                     local_items,
-                    lambda local, base: produce(_item(geo, _snake(geo, cta, local)), base),
+                    lambda local, base: produce(
+                        _item(geo, order_ref, _snake(geo, cta, local)), base
+                    ),
                     jnp.int32(0),
                 )
             else:
@@ -465,4 +471,10 @@ def forward(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    return kernel(q, k, v, bounds, index, n_partial, count)
+    if count.shape != (geo.num_q_tiles,):
+        raise ValueError(
+            f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
+        )
+    # The persistent walk's q tiles by decreasing key-tile count (ties in tile order).
+    order = [jnp.argsort(-count, stable=True).astype(jnp.int32)] if geo.persistent else []
+    return kernel(q, k, v, bounds, index, n_partial, count, *order)
