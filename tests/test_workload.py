@@ -245,6 +245,8 @@ def test_learning_trend_blocks_and_worst_spike_match_a_direct_count():
     assert got["worst_spike_step"] == worst == 77
     assert got["worst_spike_ratio"] == pytest.approx(ratios[worst], rel=1e-12)
     assert got["blocks_falling"] is True
+    assert got["first_mean"] == pytest.approx(np.mean(losses[:w]), rel=1e-12)
+    assert got["last_mean"] == pytest.approx(np.mean(losses[-w:]), rel=1e-12)
     assert got["last_over_first"] == pytest.approx(np.mean(losses[-w:]) / np.mean(losses[:w]))
     rising = losses[:]
     rising[60:80] = [x + 1.0 for x in rising[60:80]]

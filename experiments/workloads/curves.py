@@ -83,19 +83,23 @@ def moving_average(values: list[float], window: int = MOVING_AVERAGE) -> np.ndar
 
 
 def learning(losses: list[float], window: int = MOVING_AVERAGE) -> dict:
-    """Whether a run learns steadily: means over consecutive `window`-step blocks and whether each
-    is below the one before, the last block's mean over the first's, and the step that most
-    exceeds the mean of the up to `window` steps before it (a spike; step 0 has none before it)."""
+    """Whether a run learns steadily: the means of its first and last `window` steps and their
+    ratio, means over consecutive `window`-step blocks and whether each is below the one before,
+    and the step that most exceeds the mean of the up to `window` steps before it (a spike; step
+    0 has none before it)."""
     x = np.asarray(losses, dtype=np.float64)
+    first, last = float(x[:window].mean()), float(x[-window:].mean())
     blocks = [float(x[i : i + window].mean()) for i in range(0, len(x) - window + 1, window)]
     before = moving_average(losses, window)[:-1]  # mean of the steps before each step from 1 on
     spikes = x[1:] / before if len(x) > 1 else np.array([])
     worst = int(np.argmax(spikes)) + 1 if spikes.size else None
     return {
         "window": window,
+        "first_mean": first,
+        "last_mean": last,
         "block_means": blocks,
         "blocks_falling": len(blocks) > 1 and all(b < a for a, b in zip(blocks, blocks[1:])),
-        "last_over_first": float(x[-window:].mean() / x[:window].mean()),
+        "last_over_first": last / first,
         "worst_spike_step": worst,
         "worst_spike_ratio": None if worst is None else float(spikes[worst - 1]),
     }

@@ -112,6 +112,7 @@ def step_metrics(
     medians over the sum of the same steps' times (each step's documents set its attention cost).
     """
     timed = [s for s in steps if s.timed] or steps
+    trend = learning([s.loss for s in steps])
     t = timing.time_stats([s.time_ms for s in timed])
     flops = float(np.mean([s.flops["total"] for s in timed]))
     attn_flops = float(np.mean([s.flops["attention"] for s in timed]))
@@ -130,10 +131,10 @@ def step_metrics(
         "first_loss": steps[0].loss,
         "last_loss": steps[-1].loss,
         # the means of the first and last MOVING_AVERAGE steps run: what the summary prints
-        "first_mean_loss": float(np.mean([s.loss for s in steps[:MOVING_AVERAGE]])),
-        "last_mean_loss": float(np.mean([s.loss for s in steps[-MOVING_AVERAGE:]])),
+        "first_mean_loss": trend["first_mean"],
+        "last_mean_loss": trend["last_mean"],
         "mean_window": min(MOVING_AVERAGE, len(steps)),
-        "learning": learning([s.loss for s in steps]),
+        "learning": trend,
     }
     # sampled steps that compiled count only when no step is timed (as the step quantiles above)
     any_timed = any(s.timed for s in steps)

@@ -501,7 +501,7 @@ def _print_summary(record: dict, out_dir: str | None) -> None:
     if check is not None:
         verdict = (
             f" Curve within {check['rtol']:g} of {check['baseline']}'s (first "
-            f"{check.get('window', 0)} steps and {check.get('window', 1)}-step means)."
+            f"{check['window']} steps and {check['window']}-step means)."
             if check["passed"]
             else f" WRONG: {record['reason']}."
         )

@@ -471,10 +471,12 @@ def forward(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
+    if not geo.persistent:
+        return kernel(q, k, v, bounds, index, n_partial, count)
     if count.shape != (geo.num_q_tiles,):
         raise ValueError(
             f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
         )
     # The persistent walk's q tiles by decreasing key-tile count (ties in tile order).
-    order = [jnp.argsort(-count, stable=True).astype(jnp.int32)] if geo.persistent else []
-    return kernel(q, k, v, bounds, index, n_partial, count, *order)
+    order = jnp.argsort(-count, stable=True).astype(jnp.int32)
+    return kernel(q, k, v, bounds, index, n_partial, count, order)
