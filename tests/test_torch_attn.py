@@ -325,6 +325,87 @@ def test_flash_impls_report_not_installed_or_need_cuda():
         assert isinstance(answer, str) and ("not installed" in answer or "CUDA" in answer)
 
 
+class Flash4Conventions:
+    """flash-attn 4's two entry points computed densely in float64 with its conventions, so that
+    the flash4 adapter's translation (mask -> causal/window_size/cu_seqlens, LSE layouts) runs on
+    CPU: bottom-right causal and windows with None for an unbounded side, varlen inputs packed
+    (total, H, D) with LSE (H, total), dense inputs with LSE (B, H, S); always (out, lse)."""
+
+    @staticmethod
+    def _dense(q, k, v, visible, scale):
+        group = q.shape[2] // k.shape[2]
+        kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+        s = s.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None])  # every row of these cases sees a key
+        return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
+
+    def flash_attn_func(self, q, k, v, *, softmax_scale, causal, window_size, return_lse=False):
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq)[:, None] + (sk - sq)
+        j = torch.arange(sk)[None, :]
+        left, right = window_size
+        visible = torch.ones(sq, sk, dtype=torch.bool)
+        if causal:
+            visible &= j <= i
+        if left is not None:
+            visible &= j >= i - left
+        if right is not None:
+            visible &= j <= i + right
+        out, lse = self._dense(q, k, v, visible, softmax_scale)
+        return out, (lse if return_lse else None)
+
+    def flash_attn_varlen_func(
+        self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, return_lse=False,
+    ):  # fmt: skip
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k)
+        cu = cu_seqlens_q.tolist()
+        assert max(b - a for a, b in zip(cu[:-1], cu[1:])) == max_seqlen_q == max_seqlen_k
+        outs, lses = [], []
+        for a, b in zip(cu[:-1], cu[1:]):
+            visible = torch.ones(b - a, b - a, dtype=torch.bool)
+            if causal:
+                visible = visible.tril()
+            out, lse = self._dense(q[None, a:b], k[None, a:b], v[None, a:b], visible, softmax_scale)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), (torch.cat(lses, dim=1) if return_lse else None)
+
+
+FLASH4_CASES = [c for c in CASES if c[0] in (
+    "full", "full_64x130", "causal", "causal_64x130", "full_document", "causal_document",
+    "window_causal", "window_two_sided")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FLASH4_CASES, ids=[c[0] for c in FLASH4_CASES])
+def test_flash4_adapter_translates_masks_and_lse(case, monkeypatch):
+    """The flash4 adapter on flash-attn 4's conventions: out, the kernel's LSE (layouts of both
+    entry points) and gradients of both against the float64 oracle (flash4 itself: GPU only)."""
+    from torch_attn import api, flash
+
+    monkeypatch.setattr(flash, "load", lambda impl: Flash4Conventions())
+    adapter = api.ADAPTERS["flash4"]
+    monkeypatch.setitem(api.ADAPTERS, "flash4", adapter.__class__(
+        adapter.name, adapter.note, lambda mask, problem: True, adapter.run))  # fmt: skip
+    _, build, hq, hkv, dtype = case
+    mask = build()
+    arrays = make_inputs(mask, hq, hkv, dtype, "flash4")
+    dlse = _rng("flash4 dlse", case[0]).standard_normal((2, hq, mask.seqlen_q))
+    ref = reference_attention(*arrays[:3], mask, dout=arrays[3])
+    (q, k, v), (out, lse) = run("flash4", mask, arrays, dtype, grad=True)
+    assert_close(out, ref.out, dtype, "out")
+    assert_lse(lse, ref.lse, dtype)
+    loss = (out * torch.tensor(arrays[3])).sum() + (lse * torch.tensor(dlse)).sum()
+    loss.backward()
+    # gradients of <out, dout> + <lse, dlse>: against the naive impl (itself oracle-checked above)
+    (qn, kn, vn), (out_n, lse_n) = run("naive", mask, arrays, dtype, grad=True)
+    ((out_n * torch.tensor(arrays[3])).sum() + (lse_n * torch.tensor(dlse)).sum()).backward()
+    for got, want, what in ((q, qn, "dq"), (k, kn, "dk"), (v, vn, "dv")):
+        assert_close(got.grad, want.grad.numpy(), dtype, what)
+
+
 @pytest.mark.parametrize("impl", ["sdpa_efficient", "sdpa_cudnn"])
 def test_cpu_sdpa_rejections_are_real(impl):
     """What supports() refuses on CPU, torch itself refuses."""

@@ -3,9 +3,10 @@
 Expressible masks: full, bottom-right causal and bottom-right sliding windows (window_size), and
 square block-diagonal documents that are all full or all causal (varlen with cu_seqlens derived
 from the mask's rows, batch folded into the packed sequence). Anything else is Unsupported with
-the mask's kind in the reason. The kernels' own LSE outputs differ between versions, so
+the mask's kind in the reason. flash4 returns its kernel's LSE (natural log, -inf on empty rows,
+differentiable); flash2/flash3's LSE outputs differ between versions, so for them
 return_lse=True runs the separate masked log-sum-exp pass of `lse.py`. CUDA only; these paths
-are exercised by the GPU tests, not on CPU.
+are exercised by the GPU tests and the acceptance command, not on CPU.
 """
 
 from __future__ import annotations
@@ -113,16 +114,25 @@ def _packed_cu_seqlens(mask: Mask, pattern: MaskPattern, batch: int, device) -> 
 
 
 def attention(
-    impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, *, scale: float
-) -> torch.Tensor:
-    """out (B,Sq,Hq,D) from flash-attn."""
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    scale: float,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out (B,Sq,Hq,D), lse (B,Hq,Sq) fp32 or None) from flash-attn; lse only from flash4 and
+    only when asked (the kernel then keeps it for the backward of <lse, dlse>)."""
     module = load(impl)
     pattern = classify(mask)
+    lse_kwargs = {"return_lse": True} if return_lse and impl == "flash4" else {}
     if pattern.kind in ("full_document", "causal_document"):
         b, s, hq, d = q.shape
         cu = _packed_cu_seqlens(mask, pattern, b, q.device)
         longest = int(np.diff(pattern.cu_seqlens).max())
-        out = module.flash_attn_varlen_func(
+        result = module.flash_attn_varlen_func(
             q.reshape(b * s, hq, d),
             k.reshape(b * s, k.shape[2], d),
             v.reshape(b * s, v.shape[2], d),
@@ -132,7 +142,12 @@ def attention(
             max_seqlen_k=longest,
             softmax_scale=scale,
             causal=pattern.kind == "causal_document",
+            **lse_kwargs,
         )
-        return _first(out).reshape(b, s, hq, d)
-    out = module.flash_attn_func(q, k, v, softmax_scale=scale, **_window_kwargs(impl, pattern))
-    return _first(out)
+        out = _first(result).reshape(b, s, hq, d)
+        lse = result[1].reshape(hq, b, s).transpose(0, 1) if lse_kwargs else None
+        return out, lse
+    result = module.flash_attn_func(
+        q, k, v, softmax_scale=scale, **_window_kwargs(impl, pattern), **lse_kwargs
+    )
+    return _first(result), (result[1] if lse_kwargs else None)

@@ -19,6 +19,8 @@ PACKAGES = (
     "triton",
     "jax-triton",
     "flash-attn",
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
     "absl-py",
     "matplotlib",
 )
