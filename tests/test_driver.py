@@ -631,6 +631,72 @@ def test_input_shards_match_the_global_inputs():
     assert not np.array_equal(inputs.block("k", shape, 42, 4), whole)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_inputs_are_their_seeded_chunks_whatever_the_threads(threads, monkeypatch):
+    """Each 4096-token chunk is drawn from its own seed, so the threads that draw them change no
+    value; batch 2 makes every chunk a strided slice of the result."""
+    monkeypatch.setattr(inputs.os, "cpu_count", lambda: threads)
+    inputs._cached_block.cache_clear()
+    shape = (2, 9000, 3, 4)
+    got = inputs.block("v", shape, 7, 1)
+    chunks = [
+        np.random.default_rng([7, 1, inputs.NAMES.index("v"), c]).standard_normal(
+            (2, min(inputs.CHUNK, 9000 - c * inputs.CHUNK), 3, 4), dtype=np.float32
+        )
+        for c in range(3)
+    ]
+    np.testing.assert_array_equal(got, np.concatenate(chunks, axis=1))
+    np.testing.assert_array_equal(
+        inputs.block("v", shape, 7, 1, slice(4000, 8200)), got[:, 4000:8200]
+    )
+    inputs._cached_block.cache_clear()
+
+
+def test_device_inputs_build_once_and_drop_the_oldest():
+    built: list[str] = []
+
+    def build(key: str, nbytes: int):
+        return lambda: built.append(key) or {"x": np.zeros(nbytes, np.uint8)}
+
+    cache = inputs.DeviceInputs(entries=2, max_bytes=100)
+    first = cache.get("a", 10, build("a", 10))
+    assert cache.get("a", 10, build("a", 10)) is first and built == ["a"]
+    cache.get("b", 10, build("b", 10))
+    cache.get("c", 10, build("c", 10))  # two entries at most: "a" goes
+    cache.get("a", 10, build("a", 10))
+    assert built == ["a", "b", "c", "a"]
+    cache.get("big", 95, build("big", 95))  # 100 bytes at most: every other entry goes
+    assert cache.held_bytes() == 95
+    cache.get("c", 10, build("c", 10))
+    assert built[-2:] == ["big", "c"] and cache.held_bytes() == 10
+
+
+def test_torch_inputs_are_shared_storage_but_their_own_grad_flags():
+    from experiments.runners.torch_runner import TorchRunner
+
+    (grid,) = presets.get_preset("smoke", on_gpu=False).kernel
+    kw = dict(seed=42, num_devices=1, ulysses_size=None, ulysses_intra_node=True)
+    point = expand(grid, "torch", ("naive",), **kw)[0]
+    runner = TorchRunner()
+    a = runner.inputs(point, 0)
+    a["q"].requires_grad_(True)
+    b = runner.inputs(point, 0)
+    assert b["q"].data_ptr() == a["q"].data_ptr() and not b["q"].requires_grad
+    want = inputs.block("q", tuple(b["q"].shape), point.seed, 0)
+    np.testing.assert_array_equal(b["q"].float().numpy(), want.astype(b["q"].numpy().dtype))
+
+
+def test_points_of_one_input_shape_run_in_a_row():
+    """Shape-major order: the inputs of a shape are generated once per sweep."""
+    (grid,) = presets.get_preset("cross", on_gpu=True).kernel
+    kw = dict(seed=42, num_devices=1, ulysses_size=None, ulysses_intra_node=True)
+    points = expand(grid, "jax", ("a", "b"), **kw)
+    shapes = [(p.heads_q, p.heads_kv, p.seqlen_total) for p in points]
+    runs = 1 + sum(x != y for x, y in zip(shapes, shapes[1:]))
+    assert runs == len(set(shapes)) == len(grid.heads) * len(grid.seqlens)
+    assert len(points) == len(set(p.key for p in points)) == 2 * 12 * 3 * 2 * 2
+
+
 def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024, status="ok"):
     """A report row of a kernel point with only the fields the comparison tables read."""
     return {

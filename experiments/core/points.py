@@ -159,12 +159,14 @@ def expand(
     ulysses_intra_node: bool,
     workload: str = "attention",
 ) -> list[Point]:
-    """All points of a grid for one framework, in a stable order (mask-major, seqlen-minor)."""
+    """All points of a grid for one framework, in a stable order: shape-major (heads, then
+    sequence length), so that every mode, mask and impl of one input shape run in a row and
+    their inputs are generated and copied to the device once."""
     points = []
     axes = itertools.product(
-        grid.modes, grid.masks, grid.heads, grid.cps, grid.layouts, impls, grid.seqlens
+        grid.heads, grid.seqlens, grid.modes, grid.masks, grid.cps, grid.layouts, impls
     )
-    for mode, mask, (hq, hkv), cp, layout, impl, seqlen in axes:
+    for (hq, hkv), seqlen, mode, mask, cp, layout, impl in axes:
         is_cp = cp != "none"
         n = num_devices if is_cp else 1
         total = total_seqlen(seqlen, grid.scaling, n, cp)

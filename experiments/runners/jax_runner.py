@@ -77,10 +77,6 @@ def build_call(mode: str, attn: Callable, a: dict) -> tuple[Callable, tuple, dic
     return fn, (q, k, v, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 
-INPUT_CACHE_SIZE = 4
-INPUT_CACHE_BYTES = 32 << 30
-
-
 class JaxRunner:
     """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
 
@@ -99,7 +95,7 @@ class JaxRunner:
         self.flush = timing.jax_l2_flusher(jax.local_devices())
         self.rtol_override = rtol_override
         self._meshes: dict = {}
-        self._input_cache: dict = {}
+        self._inputs = inputs.DeviceInputs()
         self._dispatch_qkv = jax.jit(_dispatch_qkv)
         self.simulator = CPSimulator(
             self,
@@ -135,31 +131,20 @@ class JaxRunner:
             point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )
         key = (tuple(sizes.items()), str(dtype), point.seed, index, id(mesh))
-        if key in self._input_cache:
-            return self._input_cache[key]
-        self._make_room(sum(int(np.prod(s)) for s in sizes.values()) * dtype.itemsize)
-        out = {}
-        for name, shape in sizes.items():
+        nbytes = sum(int(np.prod(s)) for s in sizes.values()) * dtype.itemsize
 
-            def shard(idx, name=name, shape=shape):
-                x = inputs.block(name, shape, point.seed, index, idx[1])
-                return x[idx[0], :, idx[2], idx[3]].astype(dtype)
+        def build() -> dict:
+            out = {}
+            for name, shape in sizes.items():
 
-            out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
-        self._input_cache[key] = out
-        return out
+                def shard(idx, name=name, shape=shape):
+                    x = inputs.block(name, shape, point.seed, index, idx[1])
+                    return x[idx[0], :, idx[2], idx[3]].astype(dtype)
 
-    def _make_room(self, nbytes: int) -> None:
-        """Drop the oldest cached inputs (host generation dominates large points, but device
-        memory bounds what is kept): at most INPUT_CACHE_SIZE entries and INPUT_CACHE_BYTES."""
+                out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
+            return out
 
-        def held() -> int:
-            return sum(x.nbytes for e in self._input_cache.values() for x in e.values())
-
-        while self._input_cache and (
-            len(self._input_cache) >= INPUT_CACHE_SIZE or held() + nbytes > INPUT_CACHE_BYTES
-        ):
-            self._input_cache.pop(next(iter(self._input_cache)))
+        return self._inputs.get(key, nbytes, build)
 
     def _barrier(self) -> Callable[[], None] | None:
         """Lines the processes up before each timed call in multi-process runs."""
