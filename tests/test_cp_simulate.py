@@ -287,16 +287,49 @@ def _real_timing(runner) -> None:
     assert e.value.status == "unsupported" and "divisible by 8" in e.value.reason
 
 
+def _record_draws(monkeypatch, ranks_type) -> list[tuple[str, int, bool]]:
+    """(input, tokens, inside a timed call) of every draw of real inputs the ranks make."""
+    from experiments.runners import inputs
+
+    draws, timing_now = [], []
+    real_rows, real_time = inputs.rows, ranks_type.time
+
+    def rows(name, shape, seed, index, positions, heads=None):
+        draws.append((name, len(positions), bool(timing_now)))
+        return real_rows(name, shape, seed, index, positions, heads)
+
+    def time(self, *args, **kw):
+        timing_now.append(1)
+        try:
+            return real_time(self, *args, **kw)
+        finally:
+            timing_now.pop()
+
+    monkeypatch.setattr(inputs, "rows", rows)
+    monkeypatch.setattr(ranks_type, "time", time)
+    return draws
+
+
+def _assert_rank_sized(draws, seqlen: int, shards: int) -> None:
+    """q and dout (all query heads) drawn a shard at a time, nothing drawn for timed calls."""
+    assert draws and not any(timed for _, _, timed in draws)
+    assert max(n for name, n, _ in draws if name in ("q", "dout")) <= seqlen // shards
+
+
 def _row_check(runner, monkeypatch) -> None:
-    """Above the whole-check size, the first rank and the busiest ring rank are checked at rows."""
+    """Above the whole-check size, the first rank and the busiest ring rank are checked at rows;
+    no rank draws more than its own queries, the timed calls draw nothing."""
     from experiments.runners import checks
+    from experiments.runners.cp_ranks_jax import JaxRanks
 
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    draws = _record_draws(monkeypatch, JaxRanks)
     point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
     result = runner.run(point)
     check = result["check"]
     assert check["ok"] and check["kind"] == "rows" and check["unchecked"] == ["dk", "dv"]
     assert result["masks"][0]["simulation"]["check_ranks"] == [0, 3]
+    _assert_rank_sized(draws, point.seqlen_total, 4)
 
 
 def _tile_time(args) -> float:
@@ -424,15 +457,20 @@ def test_torch_ranks_are_the_torch_executors_work(monkeypatch):
 
 
 def test_torch_rows_check_and_empty_pieces(monkeypatch):
-    """Above the whole-check size the torch ranks are checked at sampled rows; a mask with empty
-    rows and pieces (some steps of some ranks make no call) still passes."""
+    """Above the whole-check size the torch ranks are checked at sampled rows, drawing no more
+    than a rank's queries (the timed calls nothing); a mask with empty rows and pieces (some
+    steps of some ranks make no call) still passes."""
     from experiments.runners import checks
+    from experiments.runners.cp_ranks_torch import TorchRanks
     from experiments.runners.torch_runner import TorchRunner
 
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    result = TorchRunner().run(_torch_point("ring", "fwd_bwd", "causal", layout="contiguous"))
+    draws = _record_draws(monkeypatch, TorchRanks)
+    point = _torch_point("ring", "fwd_bwd", "causal", layout="contiguous")
+    result = TorchRunner().run(point)
     assert result["check"]["ok"] and result["check"]["kind"] == "rows"
     assert result["masks"][0]["simulation"]["check_ranks"] == [0, 3]
+    _assert_rank_sized(draws, point.seqlen_total, 4)
     monkeypatch.undo()
     from experiments.runners import cp_simulate
 

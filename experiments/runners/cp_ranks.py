@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from experiments.core.points import Point
-from experiments.runners import frameworks
+from experiments.runners import frameworks, inputs
 
 
 def plan_settings(point: Point) -> dict:
@@ -36,15 +36,35 @@ class Ranks(ABC):
     A rank is (ring rank r, Ulysses rank u): the query rows of ring shard r and the heads of
     Ulysses group position u (K/V heads repeated when U > Hkv, as the all-to-all delivers them).
     A call is (kind, ring rank, kept step, group start) with a kind of shard_strategies.simulate
-    (ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD), made on rank (r, 0)'s inputs.
+    (ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD), made with rank (r, 0)'s shapes and mask
+    piece. A rank's inputs are drawn for its own tokens only (`rows`), never the whole sequence,
+    which at 64 devices x 32K tokens would not fit one device; timed calls run on synthetic
+    inputs of the same shapes (`synthetic_shape`): a call's time depends on its shapes and mask
+    piece, not on the values, so only the checks need the real ones.
     """
 
-    def __init__(self, plan, impl: str, mode: str) -> None:
-        self.plan, self.impl, self.mode = plan, impl, mode
+    def __init__(self, plan, impl: str, point: Point, index: int) -> None:
+        self.plan, self.impl, self.mode = plan, impl, point.mode
+        self.batch = point.batch
+        self._shapes = inputs.shapes(
+            point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
+        )
+        self._source = (point.seed, index)
         u, hq, rep = plan.ulysses_size, plan.num_heads_q, plan.kv_replication
         hkv = plan.num_heads_kv * rep
         self.q_heads = [np.arange(j * hq // u, (j + 1) * hq // u) for j in range(u)]
         self.kv_heads = [np.arange(j * hkv // u, (j + 1) * hkv // u) // rep for j in range(u)]
+
+    def synthetic_shape(self, name: str, tokens: int, heads: int) -> tuple[int, int, int, int]:
+        """The (B, S, H, D) of a timed call's synthetic input `name`."""
+        return (self.batch, tokens, heads, self._shapes[name][3])
+
+    def rows(self, name: str, positions: np.ndarray | None = None, heads=None) -> np.ndarray:
+        """Float32 values of input `name` (q, k, v, dout) at token positions (default all; past
+        the end: zeros) and heads (default all), drawn for those tokens alone."""
+        if positions is None:
+            positions = np.arange(self._shapes[name][1])
+        return inputs.rows(name, self._shapes[name], *self._source, positions, heads)
 
     @staticmethod
     @abstractmethod
@@ -58,8 +78,8 @@ class Ranks(ABC):
 
     @abstractmethod
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        """Float32 host copy of input `name` (q, k, v, dout): all of it, or the given token rows
-        and heads."""
+        """Float32 host copy of input `name` (q, k, v, dout) as the kernels see it (rounded to
+        the point's dtype): all of it, or the given token rows and heads."""
 
     @abstractmethod
     def emulate(self, r: int, u: int) -> dict:
@@ -81,4 +101,5 @@ class Ranks(ABC):
 
     @abstractmethod
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
-        """Per-call milliseconds of one call, run once untimed first, then with the timing loop."""
+        """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
+        first, then with the timing loop."""

@@ -1,6 +1,7 @@
 """The CP predictor's JAX ranks: the JAX executor's plan (padded to kernel tiles) and its step
 functions (jax_cp.forward_step, backward_start, backward_step, local_attention), jitted once,
-run on each rank's inputs with the mask piece in the executor's stacked MaskArrays shapes."""
+run on each rank's inputs (its own tokens, drawn for it) with the mask piece in the executor's
+stacked MaskArrays shapes."""
 
 from __future__ import annotations
 
@@ -50,21 +51,6 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
     )
 
 
-@cache
-def _gather():
-    """Jitted (x, rows, heads) -> x at token positions `rows` (positions past its end are
-    padding: zeros) and `heads`."""
-    import jax
-    import jax.numpy as jnp
-
-    def gather(x, rows, heads):
-        real = rows < x.shape[1]
-        picked = jnp.take(jnp.take(x, jnp.where(real, rows, 0), 1), heads, 2)
-        return jnp.where(real[None, :, None, None], picked, jnp.zeros((), x.dtype))
-
-    return jax.jit(gather)
-
-
 class JaxRanks(Ranks):
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
 
@@ -74,16 +60,15 @@ class JaxRanks(Ranks):
 
         from shard_strategies import jax_cp
 
-        super().__init__(plan, impl, point.mode)
+        super().__init__(plan, impl, point, index)
         self.jax, self.jnp = jax, jnp
         self.flush = runner.flush
         self._digests: dict[tuple[int, int], str] = {}
+        self._synthetic: dict[tuple, object] = {}
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
-        self.x = runner.inputs(point, index, None)
-        dtype = frameworks.framework_dtype("jax", point.dtype)
-        self.arrays = jax_cp.ring_mask_arrays(plan, impl, d, dtype)
-        self._take = _gather()
+        self.dtype = frameworks.framework_dtype("jax", point.dtype)
+        self.arrays = jax_cp.ring_mask_arrays(plan, impl, d, self.dtype)
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -103,10 +88,7 @@ class JaxRanks(Ranks):
         return self.plan.core == RING_CORE
 
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        jnp, x = self.jnp, self.x[name]
-        if rows is not None:
-            x = jnp.take(jnp.take(x, jnp.asarray(rows), axis=1), jnp.asarray(heads), axis=2)
-        return np.asarray(x.astype(jnp.float32))
+        return self.rows(name, rows, heads).astype(self.dtype).astype(np.float32)
 
     def piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""
@@ -128,22 +110,33 @@ class JaxRanks(Ranks):
     def features(self) -> np.ndarray:
         return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
 
+    def _device(self, x: np.ndarray):
+        return self.jnp.asarray(x).astype(self.dtype)
+
     def queries(self, name: str, r: int, u: int):
         """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
-        rows = np.asarray(self.plan.layout.positions[r], np.int32)
-        return self._take(self.x[name], rows, self.q_heads[u].astype(np.int32))
+        return self._device(self.rows(name, self.plan.layout.positions[r], self.q_heads[u]))
 
     def keys(self, r: int, u: int, t: int):
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
-        rows = np.asarray(self.plan.key_positions(r, t), np.int32)
-        heads = self.kv_heads[u].astype(np.int32)
-        return tuple(self._take(self.x[n], rows, heads) for n in ("k", "v"))
+        rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
+        return tuple(self._device(self.rows(n, rows, heads)) for n in ("k", "v"))
+
+    def synthetic(self, name: str, tokens: int, heads: int):
+        """A timed call's input `name` of `tokens` tokens and `heads` heads (normal values,
+        drawn on the device once per shape)."""
+        shape = self.synthetic_shape(name, tokens, heads)
+        if (name, shape) not in self._synthetic:
+            jax = self.jax
+            key = jax.random.fold_in(jax.random.key(0), len(self._synthetic))
+            self._synthetic[name, shape] = jax.random.normal(key, shape, self.dtype)
+        return self._synthetic[name, shape]
 
     def _zero_lse(self, q):
         return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
 
     def call(self, call: str, r: int, t: int, group_start: bool):
-        """(jitted fn, args) of one timed call, on rank (r, 0)'s inputs.
+        """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
 
         Backward steps get the step's own output and LSE as residuals: the kernels' work depends
         on the mask tiles and shapes, not on these values.
@@ -151,14 +144,15 @@ class JaxRanks(Ranks):
         from shard_strategies import simulate
 
         s, jnp = self.steps, self.jnp
-        q = self.queries("q", r, 0)
-        k, v = self.keys(r, 0, t)
+        rows, keys = len(self.plan.layout.positions[r]), len(self.plan.key_positions(r, t))
+        q = self.synthetic("q", rows, len(self.q_heads[0]))
+        k, v = (self.synthetic(n, keys, len(self.kv_heads[0])) for n in ("k", "v"))
         a = self.piece(r, t)
         if call == simulate.ATTEND:
             if t == 0:
                 return s.fwd, (q, k, v, a, None, None)
             return s.fwd, (q, k, v, a, *s.fwd(q, k, v, a, None, None))
-        dout = self.queries("dout", r, 0)
+        dout = self.synthetic("dout", rows, len(self.q_heads[0]))
         if call == simulate.ATTEND_BWD:
             out, lse = s.fwd(q, k, v, a, None, None)
             out = out.astype(q.dtype)

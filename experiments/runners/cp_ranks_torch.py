@@ -1,6 +1,7 @@
 """The CP predictor's PyTorch ranks: the PyTorch executor's plan (torch_cp.get_plan), its split
 into trimmed pieces (torch_cp.plan_pieces) and its step functions (forward_step into an
-LseMerge, backward_step and add_grads, local_core), run on each rank's inputs.
+LseMerge, backward_step and add_grads, local_core), run on each rank's inputs (its own tokens,
+drawn for it).
 
 The executor makes no call for an empty piece, so such a (rank, step) costs nothing; a piece's
 call runs on its trimmed rows and columns, which are part of the call's class. The cost model
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, timing
+from experiments.runners import call_model, frameworks, timing
 from experiments.runners.cp_ranks import Ranks, plan_settings
 from shard_strategies import simulate
 from shard_strategies.strategies import LOCAL_CORE, RING_CORE
@@ -30,10 +31,11 @@ class TorchRanks(Ranks):
 
         from shard_strategies import torch_cp
 
-        super().__init__(plan, impl, point.mode)
+        super().__init__(plan, impl, point, index)
         self.torch, self.cp = torch, torch_cp
         self.device = runner.device
-        self.x = runner.inputs(point, index)
+        self.dtype = frameworks.framework_dtype("torch", point.dtype)
+        self._synthetic: dict[tuple, object] = {}
         self.scale = 1.0 / math.sqrt(plan.head_dim)
         self.pieces = torch_cp.plan_pieces(plan, impl)
         self._digests: dict[tuple[int, int], str] = {}
@@ -54,18 +56,13 @@ class TorchRanks(Ranks):
         return torch_cp.get_plan(mask, num_windows=None, **plan_settings(point))
 
     def _take(self, name: str, rows: np.ndarray, heads: np.ndarray):
-        """Input `name` at token positions `rows` (past its end: padding, zeros) and `heads`."""
-        torch, x = self.torch, self.x[name]
-        rows = torch.as_tensor(np.asarray(rows, np.int64), device=x.device)
-        heads = torch.as_tensor(np.asarray(heads, np.int64), device=x.device)
-        real = rows < x.shape[1]
-        picked = x.index_select(1, torch.where(real, rows, 0)).index_select(2, heads)
-        zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        return torch.where(real[None, :, None, None], picked, zero)
+        """Input `name` at token positions `rows` (past its end: padding, zeros) and `heads`,
+        on the device in the point's dtype."""
+        x = self.torch.from_numpy(self.rows(name, rows, heads))
+        return x.to(self.device, self.dtype)
 
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        x = self.x[name] if rows is None else self._take(name, rows, heads)
-        return _f32(x)
+        return _f32(self.torch.from_numpy(self.rows(name, rows, heads)).to(self.dtype))
 
     def queries(self, name: str, r: int, u: int):
         """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
@@ -75,6 +72,23 @@ class TorchRanks(Ranks):
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
         return tuple(self._take(n, rows, heads) for n in ("k", "v"))
+
+    def synthetic(self, name: str, tokens: int, heads: int):
+        """A timed call's input `name` of `tokens` tokens and `heads` heads (normal values,
+        drawn on the device once per shape)."""
+        shape = self.synthetic_shape(name, tokens, heads)
+        if (name, shape) not in self._synthetic:
+            gen = self.torch.Generator(self.device).manual_seed(len(self._synthetic))
+            x = self.torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+            self._synthetic[name, shape] = x
+        return self._synthetic[name, shape]
+
+    def _timed_queries(self, name: str, r: int):
+        return self.synthetic(name, len(self.plan.layout.positions[r]), len(self.q_heads[0]))
+
+    def _timed_keys(self, r: int, t: int) -> tuple:
+        n = len(self.plan.key_positions(r, t))
+        return tuple(self.synthetic(name, n, len(self.kv_heads[0])) for name in ("k", "v"))
 
     @property
     def _local(self) -> bool:
@@ -106,11 +120,14 @@ class TorchRanks(Ranks):
     def features(self) -> np.ndarray:
         return call_model.piece_features(None, self.plan.piece_area)
 
-    def _local_inputs(self, r: int, u: int, grads: bool) -> tuple:
-        """(q, k, v) of the local core on rank (r, u), leaves that require grad when grads."""
-        return tuple(
-            x.requires_grad_(grads) for x in (self.queries("q", r, u), *self.keys(r, u, 0))
-        )
+    def _local_inputs(self, r: int, u: int, grads: bool, timed: bool = False) -> tuple:
+        """(q, k, v) of the local core on rank (r, u) (timed: synthetic, of rank (r, 0)'s
+        shapes), leaves that require grad when grads."""
+        if timed:
+            qkv = (self._timed_queries("q", r), *self._timed_keys(r, 0))
+        else:
+            qkv = (self.queries("q", r, u), *self.keys(r, u, 0))
+        return tuple(x.detach().requires_grad_(grads) for x in qkv)
 
     def _local_core(self, r: int, qkv: tuple):
         """The local core's (out, lse) of ring rank r, as the executor calls it."""
@@ -126,7 +143,8 @@ class TorchRanks(Ranks):
         return merge.out.to(q.dtype), merge.lse
 
     def call(self, kind: str, r: int, t: int, group_start: bool) -> Callable[[], object]:
-        """One timed call on rank (r, 0)'s inputs, as the executor makes it at kept step t.
+        """One timed call with rank (r, 0)'s shapes and piece, as the executor makes it at kept
+        step t.
 
         A backward step gets the step's own output and LSE as the merged ones: the kernels'
         work depends on the piece and shapes, not on these values.
@@ -134,7 +152,7 @@ class TorchRanks(Ranks):
         torch, cp = self.torch, self.cp
         if self._local:
             grads = self.mode != "fwd"
-            qkv = self._local_inputs(r, 0, grads)
+            qkv = self._local_inputs(r, 0, grads, timed=True)
             if kind == simulate.ATTEND_ONCE:
 
                 def attend():
@@ -144,10 +162,10 @@ class TorchRanks(Ranks):
                 return attend
             with torch.enable_grad():
                 out, _ = self._local_core(r, qkv)
-            dout = self.queries("dout", r, 0)
+            dout = self._timed_queries("dout", r)
             return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
-        q, piece = self.queries("q", r, 0), self.pieces[r][t]
-        kv = torch.stack(self.keys(r, 0, t))
+        q, piece = self._timed_queries("q", r), self.pieces[r][t]
+        kv = torch.stack(self._timed_keys(r, t))
         if kind in (simulate.ATTEND, simulate.ATTEND_ONCE):
             fresh = all(p is None for p in self.pieces[r][:t])
             merge = cp.LseMerge(q)  # an earlier step's result, when not fresh
@@ -160,7 +178,7 @@ class TorchRanks(Ranks):
 
             return forward
         out, lse = self._forward(q, {t: kv}, r)
-        dout = self.queries("dout", r, 0)
+        dout = self._timed_queries("dout", r)
         dt = cp.acc_dtype(q.dtype)
         once = kind == simulate.ATTEND_ONCE_BWD  # all-gather: dK/dV in the input dtype
         cot, dq = cp.Cotangents.build(dout, out, lse, None), torch.zeros_like(q, dtype=dt)

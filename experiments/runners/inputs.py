@@ -45,29 +45,65 @@ def block(
     return _cached_block(name, tuple(shape), seed, index, start, stop).copy()
 
 
+def _draw(name: str, shape: tuple[int, int, int, int], seed: int, index: int, c: int) -> np.ndarray:
+    """Chunk c (tokens c * CHUNK onwards) of input `name`, from its own seed."""
+    b, s, h, d = shape
+    rng = np.random.default_rng([seed, index, NAMES.index(name), c])
+    return rng.standard_normal((b, min(CHUNK, s - c * CHUNK), h, d), dtype=np.float32)
+
+
+def _in_threads(fill: Callable[[int], None], chunks) -> None:
+    """fill(c) for every chunk, on every host core (numpy's generators release the GIL)."""
+    chunks = list(chunks)
+    with ThreadPoolExecutor(max(1, min(len(chunks), os.cpu_count() or 1))) as pool:
+        list(pool.map(fill, chunks))
+
+
 @functools.lru_cache(maxsize=8)
 def _cached_block(
     name: str, shape: tuple[int, int, int, int], seed: int, index: int, start: int, stop: int
 ) -> np.ndarray:
     """Generated once per (input, shape, seed, mask, tokens): points that differ only in mask or
-    impl reuse it, since drawing billions of normals dominates large points. The chunks are
-    drawn in threads (numpy's generators release the GIL), each from its own seed, so the values
-    do not depend on how many threads ran."""
+    impl reuse it, since drawing billions of normals dominates large points. The chunks are drawn
+    in threads, each from its own seed, so the values do not depend on how many threads ran."""
     b, s, h, d = shape
-    first, last = start // CHUNK, (stop - 1) // CHUNK
     out = np.empty((b, stop - start, h, d), np.float32)
 
     def fill(c: int) -> None:
-        lo, hi = c * CHUNK, min((c + 1) * CHUNK, s)
-        rng = np.random.default_rng([seed, index, NAMES.index(name), c])
-        chunk = rng.standard_normal((b, hi - lo, h, d), dtype=np.float32)
-        a, z = max(lo, start), min(hi, stop)
+        lo = c * CHUNK
+        chunk = _draw(name, shape, seed, index, c)
+        a, z = max(lo, start), min(lo + chunk.shape[1], stop)
         out[:, a - start : z - start] = chunk[:, a - lo : z - lo]
 
-    chunks = range(first, last + 1)
-    with ThreadPoolExecutor(max(1, min(len(chunks), os.cpu_count() or 1))) as pool:
-        list(pool.map(fill, chunks))
+    _in_threads(fill, range(start // CHUNK, (stop - 1) // CHUNK + 1))
     out.flags.writeable = False
+    return out
+
+
+def rows(
+    name: str,
+    shape: tuple[int, int, int, int],
+    seed: int,
+    index: int,
+    positions: np.ndarray,
+    heads: np.ndarray | None = None,
+) -> np.ndarray:
+    """Float32 values of input `name` at token `positions` (any order; past the end: zeros) and
+    `heads` (default all), drawing only the chunks those positions fall in: what one rank of a
+    sequence too long for one device holds."""
+    b, s, h, d = shape
+    positions = np.asarray(positions, np.int64)
+    heads = np.arange(h) if heads is None else np.asarray(heads, np.int64)
+    out = np.zeros((b, positions.size, heads.size, d), np.float32)
+    real = np.flatnonzero(positions < s)
+    chunk_of = positions[real] // CHUNK
+
+    def fill(c: int) -> None:
+        sel = real[chunk_of == c]
+        chunk = _draw(name, shape, seed, index, c)
+        out[:, sel] = chunk[:, positions[sel] - c * CHUNK][:, :, heads]
+
+    _in_threads(fill, np.unique(chunk_of).tolist())
     return out
 
 
