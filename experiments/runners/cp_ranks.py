@@ -39,8 +39,8 @@ class Ranks(ABC):
     (ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD), made with rank (r, 0)'s shapes and mask
     piece. A rank's inputs are drawn for its own tokens only (`rows`), never the whole sequence,
     which at 64 devices x 32K tokens would not fit one device; timed calls run on synthetic
-    inputs of the same shapes (`synthetic_shape`): a call's time depends on its shapes and mask
-    piece, not on the values, so only the checks need the real ones.
+    inputs of the same shapes (`timed_queries`, `timed_keys`): a call's time depends on its
+    shapes and mask piece, not on the values, so only the checks need the real ones.
     """
 
     def __init__(self, plan, impl: str, point: Point, index: int) -> None:
@@ -50,14 +50,27 @@ class Ranks(ABC):
             point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )
         self._source = (point.seed, index)
+        self._timing_inputs: dict[tuple, object] = {}
         u, hq, rep = plan.ulysses_size, plan.num_heads_q, plan.kv_replication
         hkv = plan.num_heads_kv * rep
         self.q_heads = [np.arange(j * hq // u, (j + 1) * hq // u) for j in range(u)]
         self.kv_heads = [np.arange(j * hkv // u, (j + 1) * hkv // u) // rep for j in range(u)]
 
-    def synthetic_shape(self, name: str, tokens: int, heads: int) -> tuple[int, int, int, int]:
-        """The (B, S, H, D) of a timed call's synthetic input `name`."""
-        return (self.batch, tokens, heads, self._shapes[name][3])
+    def _synthetic(self, name: str, tokens: int, heads: int):
+        """A timed call's input `name` of `tokens` tokens and `heads` heads (once per shape)."""
+        shape = (self.batch, tokens, heads, self._shapes[name][3])
+        if (name, shape) not in self._timing_inputs:
+            self._timing_inputs[name, shape] = self.normal(shape, len(self._timing_inputs))
+        return self._timing_inputs[name, shape]
+
+    def timed_queries(self, name: str, r: int):
+        """Synthetic q or dout with ring rank r's shapes (Ulysses rank 0's heads)."""
+        return self._synthetic(name, len(self.plan.layout.positions[r]), len(self.q_heads[0]))
+
+    def timed_keys(self, r: int, t: int) -> tuple:
+        """Synthetic K and V with the shapes of ring rank r's block at kept step t."""
+        n, heads = len(self.plan.key_positions(r, t)), len(self.kv_heads[0])
+        return tuple(self._synthetic(name, n, heads) for name in ("k", "v"))
 
     def rows(self, name: str, positions: np.ndarray | None = None, heads=None) -> np.ndarray:
         """Float32 values of input `name` (q, k, v, dout) at token positions (default all; past
@@ -80,6 +93,10 @@ class Ranks(ABC):
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
         """Float32 host copy of input `name` (q, k, v, dout) as the kernels see it (rounded to
         the point's dtype): all of it, or the given token rows and heads."""
+
+    @abstractmethod
+    def normal(self, shape: tuple[int, ...], seed: int):
+        """A device array of standard normal values in the point's dtype."""
 
     @abstractmethod
     def emulate(self, r: int, u: int) -> dict:

@@ -64,7 +64,6 @@ class JaxRanks(Ranks):
         self.jax, self.jnp = jax, jnp
         self.flush = runner.flush
         self._digests: dict[tuple[int, int], str] = {}
-        self._synthetic: dict[tuple, object] = {}
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
@@ -122,15 +121,8 @@ class JaxRanks(Ranks):
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
         return tuple(self._device(self.rows(n, rows, heads)) for n in ("k", "v"))
 
-    def synthetic(self, name: str, tokens: int, heads: int):
-        """A timed call's input `name` of `tokens` tokens and `heads` heads (normal values,
-        drawn on the device once per shape)."""
-        shape = self.synthetic_shape(name, tokens, heads)
-        if (name, shape) not in self._synthetic:
-            jax = self.jax
-            key = jax.random.fold_in(jax.random.key(0), len(self._synthetic))
-            self._synthetic[name, shape] = jax.random.normal(key, shape, self.dtype)
-        return self._synthetic[name, shape]
+    def normal(self, shape: tuple[int, ...], seed: int):
+        return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
 
     def _zero_lse(self, q):
         return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
@@ -144,15 +136,13 @@ class JaxRanks(Ranks):
         from shard_strategies import simulate
 
         s, jnp = self.steps, self.jnp
-        rows, keys = len(self.plan.layout.positions[r]), len(self.plan.key_positions(r, t))
-        q = self.synthetic("q", rows, len(self.q_heads[0]))
-        k, v = (self.synthetic(n, keys, len(self.kv_heads[0])) for n in ("k", "v"))
+        q, (k, v) = self.timed_queries("q", r), self.timed_keys(r, t)
         a = self.piece(r, t)
         if call == simulate.ATTEND:
             if t == 0:
                 return s.fwd, (q, k, v, a, None, None)
             return s.fwd, (q, k, v, a, *s.fwd(q, k, v, a, None, None))
-        dout = self.synthetic("dout", rows, len(self.q_heads[0]))
+        dout = self.timed_queries("dout", r)
         if call == simulate.ATTEND_BWD:
             out, lse = s.fwd(q, k, v, a, None, None)
             out = out.astype(q.dtype)

@@ -35,7 +35,6 @@ class TorchRanks(Ranks):
         self.torch, self.cp = torch, torch_cp
         self.device = runner.device
         self.dtype = frameworks.framework_dtype("torch", point.dtype)
-        self._synthetic: dict[tuple, object] = {}
         self.scale = 1.0 / math.sqrt(plan.head_dim)
         self.pieces = torch_cp.plan_pieces(plan, impl)
         self._digests: dict[tuple[int, int], str] = {}
@@ -73,22 +72,9 @@ class TorchRanks(Ranks):
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
         return tuple(self._take(n, rows, heads) for n in ("k", "v"))
 
-    def synthetic(self, name: str, tokens: int, heads: int):
-        """A timed call's input `name` of `tokens` tokens and `heads` heads (normal values,
-        drawn on the device once per shape)."""
-        shape = self.synthetic_shape(name, tokens, heads)
-        if (name, shape) not in self._synthetic:
-            gen = self.torch.Generator(self.device).manual_seed(len(self._synthetic))
-            x = self.torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
-            self._synthetic[name, shape] = x
-        return self._synthetic[name, shape]
-
-    def _timed_queries(self, name: str, r: int):
-        return self.synthetic(name, len(self.plan.layout.positions[r]), len(self.q_heads[0]))
-
-    def _timed_keys(self, r: int, t: int) -> tuple:
-        n = len(self.plan.key_positions(r, t))
-        return tuple(self.synthetic(name, n, len(self.kv_heads[0])) for name in ("k", "v"))
+    def normal(self, shape: tuple[int, ...], seed: int):
+        gen = self.torch.Generator(self.device).manual_seed(seed)
+        return self.torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
 
     @property
     def _local(self) -> bool:
@@ -124,7 +110,7 @@ class TorchRanks(Ranks):
         """(q, k, v) of the local core on rank (r, u) (timed: synthetic, of rank (r, 0)'s
         shapes), leaves that require grad when grads."""
         if timed:
-            qkv = (self._timed_queries("q", r), *self._timed_keys(r, 0))
+            qkv = (self.timed_queries("q", r), *self.timed_keys(r, 0))
         else:
             qkv = (self.queries("q", r, u), *self.keys(r, u, 0))
         return tuple(x.detach().requires_grad_(grads) for x in qkv)
@@ -162,10 +148,10 @@ class TorchRanks(Ranks):
                 return attend
             with torch.enable_grad():
                 out, _ = self._local_core(r, qkv)
-            dout = self._timed_queries("dout", r)
+            dout = self.timed_queries("dout", r)
             return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
-        q, piece = self._timed_queries("q", r), self.pieces[r][t]
-        kv = torch.stack(self._timed_keys(r, t))
+        q, piece = self.timed_queries("q", r), self.pieces[r][t]
+        kv = torch.stack(self.timed_keys(r, t))
         if kind in (simulate.ATTEND, simulate.ATTEND_ONCE):
             fresh = all(p is None for p in self.pieces[r][:t])
             merge = cp.LseMerge(q)  # an earlier step's result, when not fresh
@@ -178,7 +164,7 @@ class TorchRanks(Ranks):
 
             return forward
         out, lse = self._forward(q, {t: kv}, r)
-        dout = self._timed_queries("dout", r)
+        dout = self.timed_queries("dout", r)
         dt = cp.acc_dtype(q.dtype)
         once = kind == simulate.ATTEND_ONCE_BWD  # all-gather: dK/dV in the input dtype
         cot, dq = cp.Cotangents.build(dout, out, lse, None), torch.zeros_like(q, dtype=dt)

@@ -66,16 +66,7 @@ def _cached_block(
     """Generated once per (input, shape, seed, mask, tokens): points that differ only in mask or
     impl reuse it, since drawing billions of normals dominates large points. The chunks are drawn
     in threads, each from its own seed, so the values do not depend on how many threads ran."""
-    b, s, h, d = shape
-    out = np.empty((b, stop - start, h, d), np.float32)
-
-    def fill(c: int) -> None:
-        lo = c * CHUNK
-        chunk = _draw(name, shape, seed, index, c)
-        a, z = max(lo, start), min(lo + chunk.shape[1], stop)
-        out[:, a - start : z - start] = chunk[:, a - lo : z - lo]
-
-    _in_threads(fill, range(start // CHUNK, (stop - 1) // CHUNK + 1))
+    out = rows(name, shape, seed, index, np.arange(start, stop))
     out.flags.writeable = False
     return out
 
@@ -93,15 +84,15 @@ def rows(
     sequence too long for one device holds."""
     b, s, h, d = shape
     positions = np.asarray(positions, np.int64)
-    heads = np.arange(h) if heads is None else np.asarray(heads, np.int64)
-    out = np.zeros((b, positions.size, heads.size, d), np.float32)
+    width = h if heads is None else len(heads)
+    out = np.zeros((b, positions.size, width, d), np.float32)
     real = np.flatnonzero(positions < s)
     chunk_of = positions[real] // CHUNK
 
     def fill(c: int) -> None:
         sel = real[chunk_of == c]
-        chunk = _draw(name, shape, seed, index, c)
-        out[:, sel] = chunk[:, positions[sel] - c * CHUNK][:, :, heads]
+        chunk = _draw(name, shape, seed, index, c)[:, positions[sel] - c * CHUNK]
+        out[:, sel] = chunk if heads is None else chunk[:, :, np.asarray(heads, np.int64)]
 
     _in_threads(fill, np.unique(chunk_of).tolist())
     return out
