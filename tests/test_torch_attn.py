@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -325,11 +326,36 @@ def test_flash_impls_report_not_installed_or_need_cuda():
         assert isinstance(answer, str) and ("not installed" in answer or "CUDA" in answer)
 
 
+class SparseTables(NamedTuple):
+    """Stands in for flash-attn 4's BlockSparseTensorsTorch (same leading fields)."""
+
+    mask_block_cnt: torch.Tensor
+    mask_block_idx: torch.Tensor
+    full_block_cnt: torch.Tensor
+    full_block_idx: torch.Tensor
+    block_size: tuple[int, int]
+
+
+def _tile_kinds(tables: SparseTables, rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) blocks: 0 unlisted, 1 listed partial (mask_mod), 2 listed full."""
+    kinds = torch.zeros(rows, cols, dtype=torch.int8)
+    for kind, cnt, idx in ((1, tables.mask_block_cnt, tables.mask_block_idx),
+                           (2, tables.full_block_cnt, tables.full_block_idx)):  # fmt: skip
+        for r in range(rows):
+            listed = idx[0, 0, r, : int(cnt[0, 0, r])].long()
+            assert (kinds[r, listed] == 0).all(), "a block listed twice"
+            kinds[r, listed] = kind
+    return kinds
+
+
 class Flash4Conventions:
     """flash-attn 4's two entry points computed densely in float64 with its conventions, so that
-    the flash4 adapter's translation (mask -> causal/window_size/cu_seqlens, LSE layouts) runs on
-    CPU: bottom-right causal and windows with None for an unbounded side, varlen inputs packed
-    (total, H, D) with LSE (H, total), dense inputs with LSE (B, H, S); always (out, lse)."""
+    the flash4 adapter's translation (mask -> causal/window_size/cu_seqlens or block-sparse
+    tables with interval aux tensors, LSE layouts) runs on CPU: bottom-right causal and windows
+    with None for an unbounded side; block sparsity: listed full blocks visible, listed partial
+    blocks where the mask_mod (here: its interval semantics on the aux tensors) allows, the rest
+    not; varlen inputs packed (total, H, D) with LSE (H, total), dense inputs with LSE (B, H, S);
+    empty rows out 0, LSE -inf; always (out, lse)."""
 
     @staticmethod
     def _dense(q, k, v, visible, scale):
@@ -338,10 +364,30 @@ class Flash4Conventions:
         s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
         s = s.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., None])  # every row of these cases sees a key
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.where(visible, torch.exp(s - safe[..., None]), torch.zeros_like(s))
         return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
 
-    def flash_attn_func(self, q, k, v, *, softmax_scale, causal, window_size, return_lse=False):
+    @staticmethod
+    def _block_sparse(sq, sk, mask_mod, aux_tensors, fwd, bwd):
+        lo, hi = aux_tensors
+        assert lo.dtype == hi.dtype == torch.int32 and lo.shape[0] % fwd.block_size[0] == 0
+        assert mask_mod == ("interval mask_mod", lo.shape[1])
+        bq, bk = fwd.block_size
+        rows, cols = -(-sq // bq), -(-sk // bk)
+        kinds = _tile_kinds(fwd, rows, cols)
+        assert bwd.block_size == fwd.block_size
+        assert torch.equal(_tile_kinds(bwd, cols, rows).T, kinds), "dK/dV tables differ"
+        j = torch.arange(sk)[None, :, None]
+        inside = ((j >= lo[:sq, None, :]) & (j < hi[:sq, None, :])).any(dim=-1)
+        tile = kinds.repeat_interleave(bq, 0).repeat_interleave(bk, 1)[:sq, :sk]
+        return (tile == 2) | ((tile == 1) & inside)
+
+    def flash_attn_func(
+        self, q, k, v, *, softmax_scale, causal=False, window_size=(None, None),
+        mask_mod=None, aux_tensors=None, block_sparse_tensors=None,
+        block_sparse_tensors_bwd=None, return_lse=False,
+    ):  # fmt: skip
         sq, sk = q.shape[1], k.shape[1]
         i = torch.arange(sq)[:, None] + (sk - sq)
         j = torch.arange(sk)[None, :]
@@ -353,6 +399,10 @@ class Flash4Conventions:
             visible &= j >= i - left
         if right is not None:
             visible &= j <= i + right
+        if block_sparse_tensors is not None:
+            visible &= self._block_sparse(
+                sq, sk, mask_mod, aux_tensors, block_sparse_tensors, block_sparse_tensors_bwd
+            )
         out, lse = self._dense(q, k, v, visible, softmax_scale)
         return out, (lse if return_lse else None)
 
@@ -374,18 +424,20 @@ class Flash4Conventions:
         return torch.cat(outs), (torch.cat(lses, dim=1) if return_lse else None)
 
 
-FLASH4_CASES = [c for c in CASES if c[0] in (
-    "full", "full_64x130", "causal", "causal_64x130", "full_document", "causal_document",
-    "window_causal", "window_two_sided")]  # fmt: skip
+# a general mask large enough for 128 x 128 tiles the block tables list as full
+FLASH4_CASES = [*CASES, ("prefix_lm_full_tiles", lambda: prefix_lm(300, 200), 2, 1, F64)]
 
 
 @pytest.mark.parametrize("case", FLASH4_CASES, ids=[c[0] for c in FLASH4_CASES])
 def test_flash4_adapter_translates_masks_and_lse(case, monkeypatch):
-    """The flash4 adapter on flash-attn 4's conventions: out, the kernel's LSE (layouts of both
-    entry points) and gradients of both against the float64 oracle (flash4 itself: GPU only)."""
+    """The flash4 adapter on flash-attn 4's conventions, every mask (fixed patterns and block
+    sparsity): out, the kernel's LSE (layouts of both entry points) and gradients of both against
+    the float64 oracle (flash4 itself: GPU only)."""
     from torch_attn import api, flash
 
     monkeypatch.setattr(flash, "load", lambda impl: Flash4Conventions())
+    monkeypatch.setattr(flash, "_block_sparse_type", lambda: SparseTables)
+    monkeypatch.setattr(flash, "_interval_mask_mod", lambda width: ("interval mask_mod", width))
     adapter = api.ADAPTERS["flash4"]
     monkeypatch.setitem(api.ADAPTERS, "flash4", adapter.__class__(
         adapter.name, adapter.note, lambda mask, problem: True, adapter.run))  # fmt: skip
@@ -397,11 +449,16 @@ def test_flash4_adapter_translates_masks_and_lse(case, monkeypatch):
     (q, k, v), (out, lse) = run("flash4", mask, arrays, dtype, grad=True)
     assert_close(out, ref.out, dtype, "out")
     assert_lse(lse, ref.lse, dtype)
-    loss = (out * torch.tensor(arrays[3])).sum() + (lse * torch.tensor(dlse)).sum()
-    loss.backward()
+    seen = torch.tensor(np.isfinite(ref.lse))
+    dout, dlse = torch.tensor(arrays[3], dtype=dtype), torch.tensor(dlse, dtype=dtype)
+
+    def loss(out, lse):  # rows that see no key: LSE -inf, no cotangent
+        return (out * dout).sum() + (torch.where(seen, lse.to(dtype), 0.0) * dlse).sum()
+
+    loss(out, lse).backward()
     # gradients of <out, dout> + <lse, dlse>: against the naive impl (itself oracle-checked above)
     (qn, kn, vn), (out_n, lse_n) = run("naive", mask, arrays, dtype, grad=True)
-    ((out_n * torch.tensor(arrays[3])).sum() + (lse_n * torch.tensor(dlse)).sum()).backward()
+    loss(out_n, lse_n).backward()
     for got, want, what in ((q, qn, "dq"), (k, kn, "dk"), (v, vn, "dv")):
         assert_close(got.grad, want.grad.numpy(), dtype, what)
 

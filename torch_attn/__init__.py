@@ -16,7 +16,8 @@ Impls (`IMPLS`; `describe(impl)` gives the details of each):
   where the backend accepts one.
 - flex: compiled FlexAttention; BlockMask from the mask's block map, in-tile interval mask_mod;
   every mask; compiled once per shape, no recompile when the mask changes.
-- flash2, flash3, flash4: flash-attn when installed; full, causal, sliding windows, documents.
+- flash2, flash3, flash4: flash-attn when installed; full, causal, sliding windows, documents;
+  flash4 also any other mask through its block sparsity.
 
 Masks are never trusted by name: `attn_masks.classify` reads what a mask is from its slices.
 An impl that cannot compute a mask exactly says why (`supports`) and `attention` raises

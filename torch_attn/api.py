@@ -86,8 +86,8 @@ _NOTES = {
     "repeating K/V; LSE from the kernel; CUDA, or CPU under TRITON_INTERPRET=1",
     "flash2": "flash-attn 2: causal/window_size/varlen documents; LSE by a separate pass",
     "flash3": "flash-attn 3 (Hopper): causal/window_size/varlen documents; LSE by a separate pass",
-    "flash4": "flash-attn 4 (CuTe DSL, Hopper/Blackwell): causal/window/varlen documents; LSE "
-    "from the kernel",
+    "flash4": "flash-attn 4 (CuTe DSL, Hopper/Blackwell): causal/window/varlen documents, any "
+    "other mask by block sparsity (BlockMask tile tables, interval mask_mod); LSE from the kernel",
 }
 
 

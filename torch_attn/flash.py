@@ -2,11 +2,16 @@
 
 Expressible masks: full, bottom-right causal and bottom-right sliding windows (window_size), and
 square block-diagonal documents that are all full or all causal (varlen with cu_seqlens derived
-from the mask's rows, batch folded into the packed sequence). Anything else is Unsupported with
-the mask's kind in the reason. flash4 returns its kernel's LSE (natural log, -inf on empty rows,
-differentiable); flash2/flash3's LSE outputs differ between versions, so for them
-return_lse=True runs the separate masked log-sum-exp pass of `lse.py`. CUDA only; these paths
-are exercised by the GPU tests and the acceptance command, not on CPU.
+from the mask's rows, batch folded into the packed sequence). flash4 also takes every other mask
+through its block sparsity: the forward's and the dK/dV pass's 128 x 128 tile tables (those of
+FlexAttention's BlockMask, `blocks.py`; full tiles skip the mask test) and a CuTe DSL mask_mod
+that evaluates the per-row key intervals, passed as aux tensors, on partial tiles. For flash2
+and flash3 anything else is Unsupported with the mask's kind in the reason.
+
+flash4 returns its kernel's LSE (natural log, -inf on empty rows, differentiable); flash2/flash3's
+LSE outputs differ between versions, so for them return_lse=True runs the separate masked
+log-sum-exp pass of `lse.py`. CUDA only; these paths are exercised by the GPU tests and the
+acceptance command, not on CPU.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import torch
 
 from attn_masks import Mask, MaskPattern, classify
 
+from .blocks import BLOCK, flex_block_tables
 from .common import LOW_PRECISION, Problem, cuda_capability
-from .mask_utils import cached
+from .mask_utils import cached, interval_tensors
 
 IMPLS = ("flash2", "flash3", "flash4")
 _MODULES = {
@@ -77,7 +83,7 @@ def supports(impl: str, mask: Mask, problem: Problem) -> bool | str:
     if d is not None and (d % 8 or d > 256):
         return f"{impl} needs head_dim a multiple of 8 and <= 256, got {d}"
     pattern = classify(mask)
-    if pattern.kind not in EXPRESSIBLE:
+    if pattern.kind not in EXPRESSIBLE and impl != "flash4":
         return (
             f"mask not expressible: {impl} takes causal, window_size or varlen full/causal "
             f"documents; this mask is {pattern.kind} ({pattern.seqlen_q}x{pattern.seqlen_k})"
@@ -101,6 +107,65 @@ def _window_kwargs(impl: str, pattern: MaskPattern) -> dict:
         return {"causal": causal, "window_size": window}
     window = (left, right) if pattern.kind == "window" else (-1, -1)
     return {"causal": causal, "window_size": window}
+
+
+@functools.cache
+def _interval_mask_mod(width: int):
+    """flash-attn 4's mask_mod (CuTe DSL) for visible(q, k) = any_r lo[q, r] <= k < hi[q, r],
+    r < width unrolled at trace time; lo and hi (rows x width, int32) are its aux tensors."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def interval_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        lo, hi = aux_tensors[0], aux_tensors[1]
+        row = q_idx[0]
+        start = utils.scalar_to_ssa(lo[row, 0], cutlass.Int32)
+        stop = utils.scalar_to_ssa(hi[row, 0], cutlass.Int32)
+        visible = (kv_idx >= start) & (kv_idx < stop)
+        for r in cutlass.range_constexpr(1, width):
+            start = utils.scalar_to_ssa(lo[row, r], cutlass.Int32)
+            stop = utils.scalar_to_ssa(hi[row, r], cutlass.Int32)
+            visible = visible | ((kv_idx >= start) & (kv_idx < stop))
+        return visible
+
+    return interval_mask
+
+
+def _block_sparse_type():
+    """flash-attn 4's container of block-sparse tables (torch tensors)."""
+    return importlib.import_module("flash_attn.cute.block_sparsity").BlockSparseTensorsTorch
+
+
+def _block_sparse_kwargs(mask: Mask, device) -> dict:
+    """flash4's arguments for a mask no fixed pattern covers, built once per (mask, device)."""
+
+    def build() -> dict:
+        tables = {
+            name: torch.as_tensor(a).to(device)
+            for name, a in flex_block_tables(mask, BLOCK, BLOCK).items()
+        }
+        lo, hi = interval_tensors(mask, device, rows_to=BLOCK, dtype=torch.int32)
+        sparse = _block_sparse_type()
+
+        def pass_tables(by: str):
+            return sparse(
+                tables[f"{by}_num_blocks"],
+                tables[f"{by}_indices"],
+                tables[f"full_{by}_num_blocks"],
+                tables[f"full_{by}_indices"],
+                block_size=(BLOCK, BLOCK),
+            )
+
+        return {
+            "mask_mod": _interval_mask_mod(lo.shape[1]),
+            "aux_tensors": [lo, hi],
+            "block_sparse_tensors": pass_tables("kv"),
+            "block_sparse_tensors_bwd": pass_tables("q"),
+        }
+
+    return cached(mask, ("flash4_block_sparse", str(device)), build)
 
 
 def _packed_cu_seqlens(mask: Mask, pattern: MaskPattern, batch: int, device) -> torch.Tensor:
@@ -147,7 +212,9 @@ def attention(
         out = _first(result).reshape(b, s, hq, d)
         lse = result[1].reshape(hq, b, s).transpose(0, 1) if lse_kwargs else None
         return out, lse
-    result = module.flash_attn_func(
-        q, k, v, softmax_scale=scale, **_window_kwargs(impl, pattern), **lse_kwargs
-    )
+    if pattern.kind in EXPRESSIBLE:
+        mask_kwargs = _window_kwargs(impl, pattern)
+    else:
+        mask_kwargs = _block_sparse_kwargs(mask, q.device)
+    result = module.flash_attn_func(q, k, v, softmax_scale=scale, **mask_kwargs, **lse_kwargs)
     return _first(result), (result[1] if lse_kwargs else None)
