@@ -130,7 +130,9 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
     for impl in frameworks.impl_names(framework):
         if impl in own:
             continue
-        masks = STATIC_MASKS if impl in EVERY_STATIC_MASK[framework] else EVERY_IMPL_MASKS
+        masks = EVERY_IMPL_MASKS
+        if impl in EVERY_STATIC_MASK[framework]:
+            masks = tuple(dict.fromkeys(STATIC_MASKS + EVERY_IMPL_MASKS))
         out += [(impl, Case(m, **main)) for m in masks]
         out += [(impl, Case(m, **other)) for m in ("full", "causal_document")]
     for impl in own:
