@@ -289,14 +289,13 @@ def _real_timing(runner) -> None:
 
 def _record_draws(monkeypatch, ranks_type) -> list[tuple[str, int, bool]]:
     """(input, tokens, inside a timed call) of every draw of real inputs the ranks make."""
-    from experiments.runners import inputs
-
     draws, timing_now = [], []
-    real_rows, real_time = inputs.rows, ranks_type.time
+    real_rows, real_time = ranks_type.device_rows, ranks_type.time
 
-    def rows(name, shape, seed, index, positions, heads=None):
-        draws.append((name, len(positions), bool(timing_now)))
-        return real_rows(name, shape, seed, index, positions, heads)
+    def device_rows(self, name, positions=None, heads=None):
+        tokens = self._shapes[name][1] if positions is None else len(positions)
+        draws.append((name, tokens, bool(timing_now)))
+        return real_rows(self, name, positions, heads)
 
     def time(self, *args, **kw):
         timing_now.append(1)
@@ -305,7 +304,7 @@ def _record_draws(monkeypatch, ranks_type) -> list[tuple[str, int, bool]]:
         finally:
             timing_now.pop()
 
-    monkeypatch.setattr(inputs, "rows", rows)
+    monkeypatch.setattr(ranks_type, "device_rows", device_rows)
     monkeypatch.setattr(ranks_type, "time", time)
     return draws
 

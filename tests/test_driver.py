@@ -608,6 +608,38 @@ def test_row_check_matches_full_reference():
     assert auto.cols.size == auto.rows.max() + 1
 
 
+def test_row_check_samples_heads_across_kv_groups():
+    """Past MAX_HEADS query heads the row check compares a spread of them (first and last
+    always, every K/V group of a 64:8 layout), exactly, and fails on a wrong sampled head."""
+    from attn_masks import make_mask, reference_attention
+
+    heads = checks.sample_heads(64)
+    assert heads.size == checks.MAX_HEADS and heads[0] == 0 and heads[-1] == 63
+    assert set((heads // 8).tolist()) == set(range(8))
+    assert checks.sample_heads(3).tolist() == [0, 1, 2]
+    hq, hkv, s = 16, 4, 64
+    mask = make_mask("causal_document", s, seed=5)
+    rng = np.random.default_rng(11)
+    full_in = {
+        n: rng.standard_normal(shape).astype(np.float32)
+        for n, shape in inputs.shapes(1, s, hq, hkv, 8).items()
+    }
+    full = reference_attention(full_in["q"], full_in["k"], full_in["v"], mask, dout=full_in["dout"])
+    rows = np.array([0, 9, 40, 63])
+    plan = checks.CheckPlan(rows, np.arange(s), checks.sample_heads(hq))
+    inp = checks.Inputs(**{n: x[:, rows] if n in ("q", "dout") else x for n, x in full_in.items()})
+    part = checks.rows_reference(inp, mask, plan, 1 / np.sqrt(8), grads=True)
+    sampled = {n: getattr(full, n)[:, rows][:, :, plan.heads] for n in ("out", "dq")}
+    np.testing.assert_allclose(part["out"], sampled["out"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(part["dq"], sampled["dq"], rtol=1e-10, atol=1e-12)
+    got = {"out": full.out[:, rows].copy(), "dq": full.dq[:, rows]}
+    ok = checks.compare(mask, inp, got, plan=plan, grads=True, rtol=1e-6, finite={})
+    assert ok.ok and ok.heads == plan.heads.size
+    got["out"][:, :, plan.heads[-1]] *= 1.5
+    bad = checks.compare(mask, inp, got, plan=plan, grads=True, rtol=1e-6, finite={})
+    assert not bad.ok and "out" in bad.message
+
+
 def test_exception_classification_and_seqlen_parsing():
     assert outcomes.classify(MemoryError())[0] == "oom"
     assert outcomes.classify(RuntimeError("RESOURCE_EXHAUSTED: out of HBM"))[0] == "oom"

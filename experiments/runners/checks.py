@@ -2,12 +2,13 @@
 
 Small problems (B*Hq*Sq*Sk <= FULL_CHECK_ELEMENTS) are compared whole with
 `attn_masks.reference_attention`: out, and dq, dk, dv in backward modes. Larger ones compare a
-random subset of query rows (always the first and last row too), all heads and batches: the
-output rows and, for backward modes, the dq rows are exact functions of those rows alone
-(dq_i = scale * sum_j P_ij (dP_ij - dO_i.O_i) K_j), so they are computed exactly in float64 over
-just the keys those rows see; only those rows of q/dout and those keys of k/v leave the device.
-dk/dv need every query row that sees a key (O(S^2) work), so at large sizes they are only
-checked to be finite.
+random subset of query rows (always the first and last row too) in a spread of at most MAX_HEADS
+query heads (the first and last always, the rest evenly between them, so that with grouped K/V
+heads the sample spans the groups), every batch: the output rows and, for backward modes, the dq
+rows are exact functions of those rows alone (dq_i = scale * sum_j P_ij (dP_ij - dO_i.O_i) K_j),
+so they are computed exactly in float64 over just the keys those rows see; only those rows of
+q/dout and those keys of k/v leave the device. dk/dv need every query row that sees a key (O(S^2)
+work), so at large sizes they are only checked to be finite.
 
 Metric: relative Frobenius error ||got - ref|| / ||ref|| per tensor, against a per-dtype
 threshold (bf16 2e-2, fp16 1e-2, fp32 1e-4 on CPU / 2e-3 on GPU where fp32 matmuls may use TF32);
@@ -24,6 +25,7 @@ import numpy as np
 FULL_CHECK_ELEMENTS = 1 << 24
 ROW_CHECK_BUDGET = 1 << 22  # rows * keys per (batch, head) in the row check
 MAX_ROWS, MIN_ROWS = 64, 8
+MAX_HEADS = 8  # query heads a row check compares: its float64 work grows with each one
 RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
 RTOL_FP32_GPU = 2e-3
 GRAD_FACTOR = 2.0
@@ -32,10 +34,12 @@ GRADS = ("dq", "dk", "dv")
 
 @dataclass(frozen=True)
 class CheckPlan:
-    """What to compare: everything (rows None) or the given query rows over the keys `cols`."""
+    """What to compare: everything (rows None) or the given query rows over the keys `cols`, in
+    the query `heads` (None: all)."""
 
     rows: np.ndarray | None = None
     cols: np.ndarray | None = None
+    heads: np.ndarray | None = None
 
     @property
     def kind(self) -> str:
@@ -47,19 +51,24 @@ def plan_check(mask, batch: int, heads_q: int, seed: int) -> CheckPlan:
     sq, sk = mask.seqlen_q, mask.seqlen_k
     if batch * heads_q * sq * sk <= FULL_CHECK_ELEMENTS:
         return CheckPlan()
-    return sample_rows(mask, np.arange(sq), seed)
+    return sample_rows(mask, np.arange(sq), seed, heads_q)
 
 
-def sample_rows(mask, candidates: np.ndarray, seed: int) -> CheckPlan:
-    """A row plan over some of `candidates` (query rows; the first and last always) and the keys
-    those rows see."""
+def sample_heads(heads_q: int) -> np.ndarray:
+    """At most MAX_HEADS of heads_q query heads: the first, the last and an even spread."""
+    return np.unique(np.linspace(0, heads_q - 1, min(heads_q, MAX_HEADS)).round().astype(np.int64))
+
+
+def sample_rows(mask, candidates: np.ndarray, seed: int, heads_q: int) -> CheckPlan:
+    """A row plan over some of `candidates` (query rows; the first and last always), the keys
+    those rows see and a spread of the heads_q query heads (sample_heads)."""
     n = int(np.clip(ROW_CHECK_BUDGET // max(mask.seqlen_k, 1), MIN_ROWS, MAX_ROWS))
     rng = np.random.default_rng(seed + 7919)
     picked = rng.choice(candidates, size=min(n, candidates.size), replace=False)
     ends = [candidates.min(), candidates.max()]
     rows = np.unique(np.concatenate([ends, picked])).astype(np.int64)
     cols = np.flatnonzero(_visible(mask, rows).any(axis=0))
-    return CheckPlan(rows, cols)
+    return CheckPlan(rows, cols, sample_heads(heads_q))
 
 
 def _visible(mask, rows: np.ndarray) -> np.ndarray:
@@ -91,6 +100,7 @@ class CheckResult:
     rows: int | None = None
     unchecked: list[str] = field(default_factory=list)
     message: str = ""
+    heads: int | None = None  # query heads a row check compared (None: all)
 
     def as_dict(self) -> dict:
         """JSON-friendly form for the record."""
@@ -102,6 +112,7 @@ class CheckResult:
             "rows": self.rows,
             "unchecked": self.unchecked,
             "message": self.message,
+            "heads": self.heads,
         }
 
 
@@ -128,30 +139,33 @@ def _rel(got: np.ndarray, ref: np.ndarray) -> float:
 def rows_reference(
     inp: Inputs, mask, plan: CheckPlan, scale: float, grads: bool
 ) -> dict[str, np.ndarray]:
-    """Exact float64 out (and dq) for the plan's query rows, per (batch, head)."""
+    """Exact float64 out (and dq) for the plan's query rows and heads, per (batch, head); each
+    K/V head is converted once for the query heads that share it."""
     vis = _visible(mask, plan.rows)[:, plan.cols]
     b, nrows, hq, d = inp.q.shape
     group = hq // inp.k.shape[2]
-    out = np.zeros((b, nrows, hq, d))
+    heads = np.arange(hq) if plan.heads is None else np.asarray(plan.heads)
+    out = np.zeros((b, nrows, heads.size, d))
     dq = np.zeros_like(out)
     for bi in range(b):
-        for h in range(hq):
-            q = inp.q[bi, :, h].astype(np.float64)
-            k = inp.k[bi, :, h // group].astype(np.float64)
-            v = inp.v[bi, :, h // group].astype(np.float64)
-            s = np.where(vis, (q @ k.T) * scale, -np.inf)
-            m = s.max(axis=1, keepdims=True, initial=-np.inf)
-            m = np.where(np.isfinite(m), m, 0.0)
-            e = np.where(vis, np.exp(s - m), 0.0)
-            den = e.sum(axis=1, keepdims=True)
-            p = e / np.where(den > 0, den, 1.0)
-            o = p @ v
-            out[bi, :, h] = o
-            if grads:
-                do = inp.dout[bi, :, h].astype(np.float64)
-                dp = do @ v.T
-                delta = (do * o).sum(axis=1, keepdims=True)
-                dq[bi, :, h] = (p * (dp - delta)) @ k * scale
+        for kv in np.unique(heads // group):
+            k = inp.k[bi, :, kv].astype(np.float64)
+            v = inp.v[bi, :, kv].astype(np.float64)
+            for j in np.flatnonzero(heads // group == kv):
+                q = inp.q[bi, :, heads[j]].astype(np.float64)
+                s = np.where(vis, (q @ k.T) * scale, -np.inf)
+                m = s.max(axis=1, keepdims=True, initial=-np.inf)
+                m = np.where(np.isfinite(m), m, 0.0)
+                e = np.where(vis, np.exp(s - m), 0.0)
+                den = e.sum(axis=1, keepdims=True)
+                p = e / np.where(den > 0, den, 1.0)
+                o = p @ v
+                out[bi, :, j] = o
+                if grads:
+                    do = inp.dout[bi, :, heads[j]].astype(np.float64)
+                    dp = do @ v.T
+                    delta = (do * o).sum(axis=1, keepdims=True)
+                    dq[bi, :, j] = (p * (dp - delta)) @ k * scale
     return {"out": out, "dq": dq} if grads else {"out": out}
 
 
@@ -184,7 +198,8 @@ def compare(
     else:
         refs = rows_reference(inp, mask, plan, scale, grads)
     unchecked = [n for n in names if n not in refs]
-    errors = {n: _rel(got[n], refs[n]) for n in refs}
+    compared = {n: got[n] if plan.heads is None else got[n][:, :, plan.heads] for n in refs}
+    errors = {n: _rel(compared[n], refs[n]) for n in refs}
     bad = [n for n, e in errors.items() if not e <= tol[n]]
     for n in unchecked:
         if not (finite or {}).get(n, True):
@@ -199,6 +214,7 @@ def compare(
         rows=None if plan.rows is None else int(plan.rows.size),
         unchecked=unchecked,
         message=message,
+        heads=None if plan.heads is None else int(plan.heads.size),
     )
 
 

@@ -25,6 +25,7 @@ def _merge_checks(results: list[tuple[int, checks.CheckResult]]) -> checks.Check
         rows=sum(c.rows or 0 for _, c in results),
         unchecked=sorted({n for _, c in results for n in c.unchecked}),
         message="; ".join(bad),
+        heads=results[0][1].heads,
     )
 
 
@@ -60,7 +61,7 @@ def _rank_check(
     plan = ranks.plan
     res = ranks.emulate(r, u)
     pos = plan.layout.positions[r]
-    rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed)
+    rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed, len(ranks.q_heads[u]))
     order = np.argsort(pos)
     local = order[np.searchsorted(pos[order], rows_plan.rows)]
     qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])

@@ -37,8 +37,9 @@ class Ranks(ABC):
     Ulysses group position u (K/V heads repeated when U > Hkv, as the all-to-all delivers them).
     A call is (kind, ring rank, kept step, group start) with a kind of shard_strategies.simulate
     (ATTEND, ATTEND_BWD, ATTEND_ONCE, ATTEND_ONCE_BWD), made with rank (r, 0)'s shapes and mask
-    piece. A rank's inputs are drawn for its own tokens only (`rows`), never the whole sequence,
-    which at 64 devices x 32K tokens would not fit one device; timed calls run on synthetic
+    piece. A rank's inputs are drawn on the device for its own tokens only (`device_rows`),
+    never the whole sequence, which at 64 devices x 32K tokens would not fit one device, and the
+    checks copy back only the rows and keys they compare; timed calls run on synthetic
     inputs of the same shapes (`timed_queries`, `timed_keys`): a call's time depends on its
     shapes and mask piece, not on the values, so only the checks need the real ones.
     """
@@ -72,13 +73,6 @@ class Ranks(ABC):
         n, heads = len(self.plan.key_positions(r, t)), len(self.kv_heads[0])
         return tuple(self._synthetic(name, n, heads) for name in ("k", "v"))
 
-    def rows(self, name: str, positions: np.ndarray | None = None, heads=None) -> np.ndarray:
-        """Float32 values of input `name` (q, k, v, dout) at token positions (default all; past
-        the end: zeros) and heads (default all), drawn for those tokens alone."""
-        if positions is None:
-            positions = np.arange(self._shapes[name][1])
-        return inputs.rows(name, self._shapes[name], *self._source, positions, heads)
-
     @staticmethod
     @abstractmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -89,14 +83,25 @@ class Ranks(ABC):
     def executor_plan(point: Point, mask, impl: str):
         """The CPPlan the executor builds for the point (ValueError when it cannot)."""
 
-    @abstractmethod
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        """Float32 host copy of input `name` (q, k, v, dout) as the kernels see it (rounded to
-        the point's dtype): all of it, or the given token rows and heads."""
+        """Float32 host copy of input `name` as the kernels see it: all of it, or the given
+        token rows and heads (device_rows, copied back)."""
+        return self.to_host(self.device_rows(name, rows, heads))
 
     @abstractmethod
     def normal(self, shape: tuple[int, ...], seed: int):
         """A device array of standard normal values in the point's dtype."""
+
+    @abstractmethod
+    def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
+        """Input `name` (q, k, v, dout) at token positions (default all; past the end: zeros)
+        and heads (default all), drawn on the device in the point's dtype. A value depends only
+        on (input, batch, token, head, dim), so any rank's tokens and any sampled rows agree
+        without the host drawing anything."""
+
+    @abstractmethod
+    def to_host(self, x) -> np.ndarray:
+        """A float32 numpy copy of a device array."""
 
     @abstractmethod
     def emulate(self, r: int, u: int) -> dict:

@@ -1,7 +1,7 @@
 """The CP predictor's JAX ranks: the JAX executor's plan (padded to kernel tiles) and its step
 functions (jax_cp.forward_step, backward_start, backward_step, local_attention), jitted once,
-run on each rank's inputs (its own tokens, drawn for it) with the mask piece in the executor's
-stacked MaskArrays shapes."""
+run on each rank's inputs (its own tokens, drawn for it on the device) with the mask piece in
+the executor's stacked MaskArrays shapes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, frameworks, timing
+from experiments.runners import call_model, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, plan_settings
 from shard_strategies.strategies import RING_CORE
 
@@ -51,6 +51,27 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
     )
 
 
+@cache
+def _rows_at():
+    """jitted (key, positions, heads, seqlen, batch, heads_total, head_dim, dtype) -> the values
+    at those positions and heads (B, n, len(heads), D): each token's (B, H, D) values drawn from
+    the key folded with its position, zeros past seqlen. One compilation per shape, whatever the
+    positions (a rank's shard, a key block, sampled rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    def rows_at(key, positions, heads, seqlen, batch, num_heads, head_dim, dtype):
+        def token(p):
+            token_key = jax.random.fold_in(key, p)
+            return jax.random.normal(token_key, (batch, num_heads, head_dim), dtype)
+
+        x = jax.vmap(token)(positions)
+        x = jnp.where((positions < seqlen)[:, None, None, None], x, jnp.zeros((), dtype))
+        return jnp.moveaxis(x, 0, 1)[:, :, heads]
+
+    return jax.jit(rows_at, static_argnums=(3, 4, 5, 6, 7))
+
+
 class JaxRanks(Ranks):
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
 
@@ -86,9 +107,6 @@ class JaxRanks(Ranks):
     def ring_core(self) -> bool:
         return self.plan.core == RING_CORE
 
-    def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        return self.rows(name, rows, heads).astype(self.dtype).astype(np.float32)
-
     def piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""
         return self.jax.device_put(self.jax.tree.map(lambda a: a[r, t], self.arrays))
@@ -109,20 +127,28 @@ class JaxRanks(Ranks):
     def features(self) -> np.ndarray:
         return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
 
-    def _device(self, x: np.ndarray):
-        return self.jnp.asarray(x).astype(self.dtype)
-
     def queries(self, name: str, r: int, u: int):
         """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
-        return self._device(self.rows(name, self.plan.layout.positions[r], self.q_heads[u]))
+        return self.device_rows(name, self.plan.layout.positions[r], self.q_heads[u])
 
     def keys(self, r: int, u: int, t: int):
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
-        return tuple(self._device(self.rows(n, rows, heads)) for n in ("k", "v"))
+        return tuple(self.device_rows(n, rows, heads) for n in ("k", "v"))
 
     def normal(self, shape: tuple[int, ...], seed: int):
         return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
+
+    def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
+        b, s, h, d = self._shapes[name]
+        positions = np.arange(s) if positions is None else np.asarray(positions)
+        heads = np.arange(h) if heads is None else np.asarray(heads)
+        key = self.jax.random.key(inputs.device_seed(name, *self._source))
+        args = (positions.astype(np.int32), heads.astype(np.int32), s, b, h, d, self.dtype)
+        return _rows_at()(key, *args)
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x.astype(self.jnp.float32))
 
     def _zero_lse(self, q):
         return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)

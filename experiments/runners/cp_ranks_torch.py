@@ -1,7 +1,7 @@
 """The CP predictor's PyTorch ranks: the PyTorch executor's plan (torch_cp.get_plan), its split
 into trimmed pieces (torch_cp.plan_pieces) and its step functions (forward_step into an
 LseMerge, backward_step and add_grads, local_core), run on each rank's inputs (its own tokens,
-drawn for it).
+drawn for it on the device).
 
 The executor makes no call for an empty piece, so such a (rank, step) costs nothing; a piece's
 call runs on its trimmed rows and columns, which are part of the call's class. The cost model
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, frameworks, timing
+from experiments.runners import call_model, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, plan_settings
 from shard_strategies import simulate
 from shard_strategies.strategies import LOCAL_CORE, RING_CORE
@@ -54,27 +54,41 @@ class TorchRanks(Ranks):
 
         return torch_cp.get_plan(mask, num_windows=None, **plan_settings(point))
 
-    def _take(self, name: str, rows: np.ndarray, heads: np.ndarray):
-        """Input `name` at token positions `rows` (past its end: padding, zeros) and `heads`,
-        on the device in the point's dtype."""
-        x = self.torch.from_numpy(self.rows(name, rows, heads))
-        return x.to(self.device, self.dtype)
-
-    def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
-        return _f32(self.torch.from_numpy(self.rows(name, rows, heads)).to(self.dtype))
-
     def queries(self, name: str, r: int, u: int):
         """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
-        return self._take(name, self.plan.layout.positions[r], self.q_heads[u])
+        return self.device_rows(name, self.plan.layout.positions[r], self.q_heads[u])
 
     def keys(self, r: int, u: int, t: int) -> tuple:
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
-        return tuple(self._take(n, rows, heads) for n in ("k", "v"))
+        return tuple(self.device_rows(n, rows, heads) for n in ("k", "v"))
 
     def normal(self, shape: tuple[int, ...], seed: int):
         gen = self.torch.Generator(self.device).manual_seed(seed)
         return self.torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+
+    def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
+        """Drawn chunk by chunk (inputs.CHUNK tokens, each from its own seed), only the chunks
+        those positions fall in."""
+        torch = self.torch
+        b, s, h, d = self._shapes[name]
+        positions = np.arange(s) if positions is None else np.asarray(positions, np.int64)
+        heads = torch.as_tensor(np.arange(h) if heads is None else heads, device=self.device)
+        out = torch.zeros(
+            (b, positions.size, heads.numel(), d), device=self.device, dtype=self.dtype
+        )
+        chunk_of = np.where(positions < s, positions // inputs.CHUNK, -1)
+        for c in np.unique(chunk_of[chunk_of >= 0]).tolist():
+            sel = np.flatnonzero(chunk_of == c)
+            start = c * inputs.CHUNK
+            seed = inputs.device_seed(name, *self._source, c)
+            drawn = self.normal((b, min(inputs.CHUNK, s - start), h, d), seed)
+            local = torch.as_tensor(positions[sel] - start, device=self.device)
+            out[:, torch.as_tensor(sel, device=self.device)] = drawn[:, local][:, :, heads]
+        return out
+
+    def to_host(self, x) -> np.ndarray:
+        return _f32(x)
 
     @property
     def _local(self) -> bool:

@@ -45,6 +45,12 @@ def block(
     return _cached_block(name, tuple(shape), seed, index, start, stop).copy()
 
 
+def device_seed(name: str, seed: int, index: int, chunk: int = 0) -> int:
+    """A 32-bit seed of input `name` for mask `index` of a point (of one chunk of it, where a
+    generator draws in chunks), for generators that draw on a device (the CP predictor's ranks)."""
+    return int(np.random.SeedSequence([seed, index, NAMES.index(name), chunk]).generate_state(1)[0])
+
+
 def _draw(name: str, shape: tuple[int, int, int, int], seed: int, index: int, c: int) -> np.ndarray:
     """Chunk c (tokens c * CHUNK onwards) of input `name`, from its own seed."""
     b, s, h, d = shape
