@@ -776,6 +776,30 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
     assert cross[2048]["cudnn_jax_over_torch"] == "-"
 
 
+def test_jax_vs_torch_heatmap_cells(tmp_path):
+    """Each cell is best JAX / best torch of its (mask, length); a side without an ok point
+    leaves the cell without a ratio (drawn grey, labelled), never a number."""
+    from experiments.reports.report import cross_cells, write_cross_plot
+
+    rows = [
+        _flat("jax", "mosaic", 300.0),
+        _flat("jax", "cudnn", 360.0),
+        _flat("torch", "flex", 200.0),
+        _flat("torch", "flash4", 400.0),
+        _flat("jax", "mosaic", 250.0, seqlen=2048),
+        _flat("torch", "flex", None, seqlen=2048, status="unsupported"),
+        _flat("jax", "mosaic", 100.0, seqlen=4096),
+    ]
+    (panel,) = cross_cells(rows).values()
+    cells = {c["col"]: c for c in panel}
+    assert sorted(cells) == [1024, 2048]  # 4096 ran in one framework only
+    assert cells[1024]["ratio"] == pytest.approx(360.0 / 400.0)
+    assert cells[1024]["label"] == "0.90x\ncudnn / flash4"
+    assert cells[2048]["ratio"] is None and cells[2048]["label"] == "jax only: mosaic"
+    path = write_cross_plot(rows, tmp_path)
+    assert path.exists() and path.stat().st_size > 0
+
+
 @pytest.mark.parametrize("framework", ["torch", "both"])
 def test_a_framework_that_is_not_installed_is_one_line_with_the_install_command(
     framework, tmp_path, monkeypatch, capsys

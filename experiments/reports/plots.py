@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 from matplotlib import image as mpimg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 MARKERS = {
     "oom": ("OOM", "x", "tab:red"),
@@ -112,3 +112,57 @@ def image_grid(paths: list[Path], out: str | Path, *, tile_inches: float = 5.0) 
     fig.tight_layout()
     fig.savefig(out, dpi=150)
     return out
+
+
+def ratio_heatmap(panels: dict[str, list[dict]], path: str | Path, *, title: str) -> Path:
+    """One panel per key: rows x columns of cells (dicts with row, col, ratio or None, label),
+    coloured by the ratio on a log scale centred at 1 (red below, blue above) and labelled;
+    a cell without a ratio is grey with its label, never coloured as a value."""
+    from matplotlib.colors import LogNorm
+
+    names = list(panels)
+    fig = Figure(figsize=(6.5 * len(names), 0.55 * max(len(_axis(panels, "row")), 4) + 2.0))
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    ratios = [c["ratio"] for cells in panels.values() for c in cells if c["ratio"]]
+    span = max([abs(math.log(r)) for r in ratios] or [0.1], default=0.1) or 0.1
+    norm = LogNorm(math.exp(-span), math.exp(span))
+    cmap = matplotlib.colormaps["RdBu"]
+    image = None
+    for ax, name in zip(axes, names):
+        rows = sorted({c["row"] for c in panels[name]})
+        cols = sorted({c["col"] for c in panels[name]})
+        grid = [[float("nan")] * len(cols) for _ in rows]
+        for c in panels[name]:
+            i, j = rows.index(c["row"]), cols.index(c["col"])
+            if c["ratio"]:
+                grid[i][j] = c["ratio"]
+            else:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, color="0.85"))
+            dark = c["ratio"] and abs(math.log(c["ratio"])) > 0.6 * span
+            ax.text(
+                j,
+                i,
+                c["label"],
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+            )
+        image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+        ax.set_xticks(range(len(cols)), [seqlen_label(c) for c in cols])
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_title(name, fontsize=9)
+    if image is not None:
+        bar = fig.colorbar(image, ax=list(axes), shrink=0.8, label="ratio (log scale)")
+        ticks = [math.exp(span * f) for f in (-1, -0.5, 0, 0.5, 1)]
+        bar.ax.yaxis.set_ticks(ticks, [f"{t:.2f}x" for t in ticks])
+        bar.ax.yaxis.set_ticks([], minor=True)
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+def _axis(panels: dict[str, list[dict]], name: str) -> set:
+    return {c[name] for cells in panels.values() for c in cells}

@@ -266,6 +266,40 @@ def cross_framework(rows: list[dict]) -> list[dict]:
     return out
 
 
+def cross_cells(rows: list[dict]) -> dict[str, list[dict]]:
+    """Per (mode, config) of the single-device points both frameworks ran: a cell per (mask,
+    length) with best JAX / best torch (ratio None where a side has no ok point) and a label
+    naming the two impls, for ratio_heatmap."""
+    panels: dict[str, list[dict]] = defaultdict(list)
+    for (cp, mask, total, _, mode, cfg), members in sorted(_point_groups(rows).items()):
+        if cp != "none":
+            continue
+        best = {}
+        for fw in ("jax", "torch"):
+            ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
+            best[fw] = max(ok, key=lambda r: r["tflops"]) if ok else None
+        jax_best, torch_best = best["jax"], best["torch"]
+        if jax_best and torch_best:
+            ratio = jax_best["tflops"] / torch_best["tflops"]
+            label = f"{ratio:.2f}x\n{jax_best['impl']} / {torch_best['impl']}"
+        else:
+            ratio = None
+            only = [f"{fw} only: {b['impl']}" for fw, b in best.items() if b]
+            label = only[0] if only else "no ok point"
+        cell = {"row": mask, "col": total, "ratio": ratio, "label": label}
+        panels[f"{mode}, {cfg}"].append(cell)
+    return dict(panels)
+
+
+def write_cross_plot(rows: list[dict], out_dir: Path) -> Path | None:
+    """The JAX-vs-PyTorch heatmap (best of each framework per mask and length), if any."""
+    panels = cross_cells(rows)
+    if not panels:
+        return None
+    title = "best JAX impl / best PyTorch impl, TFLOP/s (blue: JAX faster)"
+    return plots.ratio_heatmap(panels, out_dir / "jax_vs_torch.png", title=title)
+
+
 def same_kernel(rows: list[dict]) -> list[dict]:
     """The one kernel launched from both frameworks: per point, both rates and their gap.
 
@@ -321,6 +355,7 @@ def write_markdown(
     shared: list[dict] | None = None,
     cp_report: Path | None = None,
     predicted: list[str] | None = None,
+    cross_plot: Path | None = None,
 ) -> Path:
     """report.md: the command(s), provenance, legend, status counts, TFLOP/s tables,
     cross-framework table, figures."""
@@ -360,6 +395,8 @@ def write_markdown(
             "Best impl of each framework per point, with cuDNN in both as a control.",
             "",
         ]
+        if cross_plot is not None:
+            lines += [f"![jax_vs_torch]({cross_plot.relative_to(out_dir)})", ""]
         keys = [
             "cp",
             "mask",
@@ -420,6 +457,7 @@ def write_report(
     plot_paths = write_plots(rows, out_dir)
     mask_paths, mask_note = write_mask_pictures(rows, out_dir)
     cross = cross_framework(rows)
+    cross_plot = write_cross_plot(rows, out_dir)
     cross_path = None
     if cross:
         cross_path = write_csv(cross, out_dir / "cross_framework.csv", list(cross[0]))
@@ -436,7 +474,17 @@ def write_report(
         sim = report_sim.write_sim_report(records, out_dir, measured)
     plot_paths = plot_paths + sim["plots"]
     md = write_markdown(
-        rows, records, out_dir, plot_paths, mask_paths, cross, notes, shared, cp, sim["lines"]
+        rows,
+        records,
+        out_dir,
+        plot_paths,
+        mask_paths,
+        cross,
+        notes,
+        shared,
+        cp,
+        sim["lines"],
+        cross_plot,
     )
     return {
         "comparison": sim["comparison"],
@@ -445,6 +493,7 @@ def write_report(
         "plots": plot_paths,
         "masks": mask_paths,
         "cross_framework": cross_path,
+        "cross_plot": cross_plot,
         "grid": grid,
         "cp_report": cp,
     }
