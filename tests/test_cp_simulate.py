@@ -818,3 +818,39 @@ def test_dispatch_model_matches_the_compiled_executor():
     assert sum(found["collective-permute"]) == pytest.approx(
         sum(t.nbytes for t in ring) + sum(t.nbytes for t in moves)
     )
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_device_rows_depend_only_on_the_position_and_head(framework):
+    """A value drawn on the device is a function of (input, batch, token, head, dim) alone:
+    any subset of positions (in any order, across chunk borders) and heads equals the same
+    slice of the whole input, positions past the end are zeros, inputs differ, values are
+    N(0, 1)."""
+    from experiments.runners import inputs
+
+    if framework == "jax":
+        from experiments.runners.cp_ranks_jax import JaxRanks as ranks_type
+        from experiments.runners.jax_runner import JaxRunner as runner_type
+    else:
+        from experiments.runners.cp_ranks_torch import TorchRanks as ranks_type
+        from experiments.runners.torch_runner import TorchRunner as runner_type
+    per_device = (2 * inputs.CHUNK + 100) // 4  # three chunks where the generator draws in chunks
+    point = _point(
+        "ring", 4, "fwd", sim.LinkModel(), "causal", seqlen=per_device, framework=framework
+    )
+    point = dataclasses.replace(point, seed=5)
+    seqlen = point.seqlen_total
+    mask = named_mask("causal", seqlen)
+    runner = runner_type()
+    impl = ranks_type.resolve_impl(point, runner)
+    ranks = ranks_type(ranks_type.executor_plan(point, mask, impl), impl, point, 0, runner)
+    whole = ranks.host("k")
+    assert whole.shape == (1, seqlen, HKV, D)
+    assert abs(whole.mean()) < 0.05 and abs(whole.std() - 1) < 0.05
+    positions = np.array([seqlen + 3, inputs.CHUNK + 1, 0, seqlen - 1, inputs.CHUNK - 1, 7])
+    heads = np.array([HKV - 1, 0])
+    part = ranks.host("k", positions, heads)
+    real = positions < seqlen
+    np.testing.assert_array_equal(part[:, real], whole[:, positions[real]][:, :, heads])
+    assert not part[:, ~real].any()
+    assert not np.array_equal(ranks.host("v", positions, heads), part)
