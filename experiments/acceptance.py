@@ -39,7 +39,7 @@ from absl import app, flags, logging
 from attn_masks import Mask, make_mask, random_slices
 from attn_masks import reference_attention as oracle
 from experiments import workers
-from experiments.core import caches, provenance
+from experiments.core import provenance
 from experiments.core.outcomes import ERROR, OK, UNSUPPORTED, WRONG
 from experiments.core.presets import STATIC_MASKS
 from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir
@@ -573,7 +573,11 @@ def _worker_env(lock_fd: int) -> dict[str, str]:
     """The driver's worker environment (the parent's PID and lock), and: workers allocate GPU
     memory as they need it (they run side by side); compilation caches persist in .cache/, so a
     second run on the same machine compiles nothing."""
-    env = {**caches.compilation_cache_env(), **workers.worker_env(lock_fd)}
+    cache = Path(__file__).resolve().parents[1] / ".cache"
+    env = workers.worker_env(lock_fd)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the workers share one GPU
     return env

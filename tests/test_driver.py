@@ -838,31 +838,3 @@ def test_a_gpu_preset_on_a_cpu_is_refused_unless_asked_for(tmp_path, capsys):
     assert not (tmp_path / "results.jsonl").exists()
     assert _run_in_process([*args, "--allow_slow", "--dry_run"]) == 0
     assert "points" in capsys.readouterr().out
-
-
-def test_gpu_runs_keep_compiled_programs_in_the_ignored_cache_folder():
-    """JAX's persistent cache goes to .cache/jax (an ignored folder) unless the environment chose
-    one, and worker processes get the same folders by default."""
-    import jax
-
-    from experiments.core import caches
-
-    root = Path(__file__).resolve().parents[1]
-    assert caches.CACHE_ROOT == root / ".cache"
-    assert "/.cache/" in (root / ".gitignore").read_text().splitlines()
-    env = caches.compilation_cache_env()
-    assert env["JAX_COMPILATION_CACHE_DIR"] == str(root / ".cache" / "jax")
-    before = (
-        jax.config.jax_compilation_cache_dir,
-        jax.config.jax_persistent_cache_min_compile_time_secs,
-    )
-    try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        assert caches.use_jax_compilation_cache(jax)
-        assert jax.config.jax_compilation_cache_dir == env["JAX_COMPILATION_CACHE_DIR"]
-        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
-        assert not caches.use_jax_compilation_cache(jax)
-        assert jax.config.jax_compilation_cache_dir == "/elsewhere"
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before[0])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

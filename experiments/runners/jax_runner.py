@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments.core import caches
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
@@ -93,8 +92,6 @@ class JaxRunner:
         self.jax = jax
         self.device = jax.local_devices()[0]
         self.on_gpu = jax.default_backend() == "gpu"
-        if self.on_gpu:
-            caches.use_jax_compilation_cache(jax)
         self.flush = timing.jax_l2_flusher(jax.local_devices())
         self.rtol_override = rtol_override
         self._meshes: dict = {}
