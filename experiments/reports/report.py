@@ -246,6 +246,12 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 POINT_COLUMNS = ("cp", "mask", "seqlen_total", "seqlen_per_device", "mode", "config")
 
 
+def _best(members: list[dict], framework: str) -> dict | None:
+    """The fastest ok row of a framework among a point's rows (None: no ok row)."""
+    ok = [r for r in members if r["framework"] == framework and r["status"] == "ok"]
+    return max(ok, key=lambda r: r["tflops"]) if ok else None
+
+
 def cross_framework(rows: list[dict]) -> list[dict]:
     """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
     out = []
@@ -253,9 +259,7 @@ def cross_framework(rows: list[dict]) -> list[dict]:
         row = dict(zip(POINT_COLUMNS, point))
         best, control = {}, {}
         for fw in ("jax", "torch"):
-            ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
-            best[fw] = max(ok, key=lambda r: r["tflops"]) if ok else None
-            b = best[fw]
+            best[fw] = b = _best(members, fw)
             row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
             found = [r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]]
             control[fw] = found[0] if found else None
@@ -274,10 +278,7 @@ def cross_cells(rows: list[dict]) -> dict[str, list[dict]]:
     for (cp, mask, total, _, mode, cfg), members in sorted(_point_groups(rows).items()):
         if cp != "none":
             continue
-        best = {}
-        for fw in ("jax", "torch"):
-            ok = [r for r in members if r["framework"] == fw and r["status"] == "ok"]
-            best[fw] = max(ok, key=lambda r: r["tflops"]) if ok else None
+        best = {fw: _best(members, fw) for fw in ("jax", "torch")}
         jax_best, torch_best = best["jax"], best["torch"]
         if jax_best and torch_best:
             ratio = jax_best["tflops"] / torch_best["tflops"]
