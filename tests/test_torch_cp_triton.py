@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -24,6 +22,7 @@ pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
+from gloo_ranks import launch, leave_group  # noqa: E402
 
 import torch_attn  # noqa: E402
 from attn_masks import Mask, MaskType, from_slices, make_mask, reference_attention  # noqa: E402
@@ -35,7 +34,6 @@ HEAD_DIM = 32
 HEADS = (4, 2)
 SEED = 1234
 DOCS = [37, 1, 2, 40, 25, 23]  # sums to SEQLEN; 1- and 2-token documents too
-REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ring", "allgather", "ulysses")
 MASKS = ("causal_document", "empty_rows")
 DTYPES = ("float32", "float16")
@@ -43,7 +41,6 @@ TOL = {  # relative Frobenius errors; measured ~3e-7 (fp32) and ~4e-4 (fp16), ls
     "float32": {"out": 1e-5, "lse": 1e-5, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5},
     "float16": {"out": 5e-3, "lse": 1e-4, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3},
 }
-TEARDOWN = "terminate called without an active exception"
 
 
 def cases() -> list[tuple[str, str, str, bool]]:
@@ -138,8 +135,7 @@ def worker() -> None:
             f.flush()
         done = {"done": True, "rank": rank, "jax": "jax" in sys.modules}
         f.write(json.dumps({**done, "interpreted": _interpreted()}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _interpreted() -> bool:
@@ -149,61 +145,9 @@ def _interpreted() -> bool:
     return kernels.interpreted()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out_dir: Path) -> list[str]:
-    """Run WORLD ranks of this file on a free port; each rank's problem ("" if it finished)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    base = {
-        **os.environ,
-        "PYTHONPATH": path,
-        "TRITON_INTERPRET": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "CP_TEST_OUT": str(out_dir),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    procs = []
-    for r in range(WORLD):
-        env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    problems = []
-    for r, p in enumerate(procs):
-        try:
-            log, _ = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            log, _ = p.communicate()
-        results = out_dir / f"rank{r}.jsonl"
-        done = results.is_file() and '"done": true' in results.read_text()
-        ok = done and (p.returncode == 0 or TEARDOWN in log)
-        problems.append("" if ok else f"rank {r} rc {p.returncode}:\n{log[-4000:]}")
-    return problems
-
-
 def test_torch_cp_with_triton_kernels(tmp_path: Path) -> None:
     """ring/allgather/ulysses x 2 masks x fp32/fp16 with impl "triton" match the oracle."""
-    problems = _launch(tmp_path)
-    if any("address already in use" in p.lower() for p in problems):
-        problems = _launch(tmp_path)
-    assert not any(problems), "\n".join(problems)
-    lines = []
-    for r in range(WORLD):
-        lines += [json.loads(x) for x in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+    lines = launch(Path(__file__), WORLD, tmp_path, {"TRITON_INTERPRET": "1"}, TIMEOUT_S)
     done = [x for x in lines if x.get("done")]
     assert len(done) == WORLD and all(x["interpreted"] and not x["jax"] for x in done), done
     bad = []

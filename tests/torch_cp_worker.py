@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from cp_cases import DOC_MASKS  # the generators that take a seqlens list
+from gloo_ranks import leave_group
 
 import torch_attn
 from attn_masks import (
@@ -322,8 +323,7 @@ def main() -> None:
             f.write(json.dumps({"bad_heads": heads, "rank": rank, "error": bad_heads(heads)}))
             f.write("\n")
         f.write(json.dumps({"done": True, "rank": rank, "jax": "jax" in sys.modules}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

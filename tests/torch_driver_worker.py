@@ -16,6 +16,7 @@ from collections.abc import Callable
 from unittest import mock
 
 import torch.distributed as dist
+from gloo_ranks import leave_group
 
 from experiments.core import sweep
 from experiments.core.points import Grid, Point, expand
@@ -77,8 +78,7 @@ def main() -> None:
     lines.append({"done": True, "rank": rank, "jax": "jax" in sys.modules})
     with open(os.path.join(os.environ["CP_TEST_OUT"], f"rank{rank}.jsonl"), "w") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":
