@@ -4,7 +4,6 @@ OUT = os.environ["OUT"]
 DUMP = "/tmp/jtdump"
 os.environ["JAX_TRITON_DUMP_DIR"] = DUMP
 os.makedirs(DUMP, exist_ok=True)
-sys.path.insert(0, os.getcwd())
 import numpy as np, jax, jax.numpy as jnp, torch, triton  # noqa
 from attn_masks import make_mask
 from jax_attn.adapters import triton as ja

@@ -1,6 +1,5 @@
 """Time the shared Triton kernels' fwd+bwd from the JAX front end (and torch, --torch) under the env given."""
 import os, sys, time
-sys.path.insert(0, os.getcwd())
 import numpy as np
 S, HQ, HKV, D = 16384, 64, 8, 128
 from attn_masks import make_mask
