@@ -11,17 +11,9 @@ from types import ModuleType
 
 from .comm import formula_elements
 from .layouts import LAYOUTS, Layout, make_layout
-from .plan import (
-    STRATEGIES,
-    CPPlan,
-    Step,
-    check_heads,
-    comm_volume,
-    default_local_impl,
-    default_usp_ulysses,
-    make_plan,
-)
+from .plan import CPPlan, Step, check_heads, comm_volume, default_local_impl, make_plan
 from .schedules import default_num_windows
+from .strategies import STRATEGIES, default_usp_ulysses
 
 _LAZY = ("jax_cp", "torch_cp")
 

@@ -272,17 +272,10 @@ def comm_volume(
     }
 
 
-def default_usp_ulysses(world_size: int) -> int:
-    """Largest divisor U of N with U <= 8 and U < N (the reference's U = min(N, 8) for N > 8,
-    and a genuine U x R hybrid with R >= 2 below that)."""
-    if world_size == 1:
-        return 1
-    return max(d for d in range(1, min(8, world_size - 1) + 1) if world_size % d == 0)
-
-
 def _factor(strategy: str, world_size: int, ulysses_size: int | None) -> int:
     """The Ulysses size U of `strategy` on `world_size` ranks (R = N / U)."""
-    uses = STRATEGY[strategy].ulysses
+    record = STRATEGY[strategy]
+    uses = record.ulysses
     if uses == NO_ULYSSES:
         if ulysses_size not in (None, 1):
             raise ValueError(
@@ -292,12 +285,12 @@ def _factor(strategy: str, world_size: int, ulysses_size: int | None) -> int:
     if uses == ALL_ULYSSES:
         if ulysses_size not in (None, world_size):
             raise ValueError(
-                f"strategy 'ulysses' uses all {world_size} ranks; got ulysses_size={ulysses_size} "
-                "(use 'usp' for a U x R hybrid)"
+                f"strategy {strategy!r} uses all {world_size} ranks; got "
+                f"ulysses_size={ulysses_size} (use 'usp' for a U x R hybrid)"
             )
         return world_size
     if ulysses_size is None:
-        return default_usp_ulysses(world_size) if strategy == "usp" else 1
+        return record.default_ulysses(world_size)
     if ulysses_size < 1 or world_size % ulysses_size:
         raise ValueError(f"ulysses_size {ulysses_size} must divide world_size {world_size}")
     return ulysses_size
@@ -363,16 +356,18 @@ def make_plan(
     u = _factor(strategy, world_size, ulysses_size)
     check_heads(u, num_heads_q, num_heads_kv)
     ring = world_size // u
-    if strategy == "double_ring":
+    windowed = [s.name for s in STRATEGY.values() if s.windowed]
+    if STRATEGY[strategy].windowed:
         windows = schedules.default_num_windows(ring) if num_windows is None else num_windows
     elif num_windows not in (None, 1):
-        raise ValueError(f"num_windows applies to 'double_ring' only, not {strategy!r}")
+        raise ValueError(f"num_windows applies to {', '.join(windowed)} only, not {strategy!r}")
     else:
         windows = 1
     lay = make_layout(mask, ring, layout, math.lcm(u, pad_multiple), chunks_per_rank)
     full = padded_mask(mask, lay.padded_seqlen)
-    if strategy == "allgather" or ring == 1:
-        all_steps = [Step(0, 0, np.full(ring, -1 if strategy == "allgather" else 0))]
+    ring_core = strategy_core(strategy, ring)
+    if ring_core != RING_CORE:  # one step: every key (all-gather) or the rank's own (local)
+        all_steps = [Step(0, 0, np.full(ring, -1 if ring_core == ALLGATHER_CORE else 0))]
     else:
         all_steps = [
             Step(o, i, schedules.step_sources(ring, windows, (o, i)))

@@ -4,6 +4,7 @@ instead of on names."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 RING_CORE, ALLGATHER_CORE, LOCAL_CORE = CORES = ("ring", "allgather", "local")
@@ -11,15 +12,30 @@ RING_CORE, ALLGATHER_CORE, LOCAL_CORE = CORES = ("ring", "allgather", "local")
 NO_ULYSSES, ALL_ULYSSES, HYBRID = ULYSSES_USES = ("none", "all", "hybrid")
 
 
+def default_usp_ulysses(world_size: int) -> int:
+    """Largest divisor U of N with U <= 8 and U < N (the reference's U = min(N, 8) for N > 8,
+    and a genuine U x R hybrid with R >= 2 below that)."""
+    if world_size == 1:
+        return 1
+    return max(d for d in range(1, min(8, world_size - 1) + 1) if world_size % d == 0)
+
+
+def _no_ulysses(world_size: int) -> int:
+    return 1
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A strategy's name, its core on a ring axis of more than one rank (a ring of one rank, or
     no ring axis, is local for every strategy but allgather) and what it needs of the mesh: how
-    it uses the Ulysses axis (ULYSSES_USES)."""
+    it uses the Ulysses axis (ULYSSES_USES), a hybrid's Ulysses size when none is given (from the
+    world size), and whether its ring is split into windows (double ring's two-level ring)."""
 
     name: str
     core: str
     ulysses: str
+    default_ulysses: Callable[[int], int] = _no_ulysses
+    windowed: bool = False
 
 
 STRATEGY = {
@@ -28,8 +44,8 @@ STRATEGY = {
         Strategy("ring", RING_CORE, NO_ULYSSES),
         Strategy("allgather", ALLGATHER_CORE, NO_ULYSSES),
         Strategy("ulysses", LOCAL_CORE, ALL_ULYSSES),
-        Strategy("usp", RING_CORE, HYBRID),
-        Strategy("double_ring", RING_CORE, HYBRID),
+        Strategy("usp", RING_CORE, HYBRID, default_ulysses=default_usp_ulysses),
+        Strategy("double_ring", RING_CORE, HYBRID, windowed=True),
     )
 }
 STRATEGIES = tuple(STRATEGY)

@@ -232,3 +232,36 @@ def test_summary_is_plain_numbers():
     summary = plan.summary()
     assert summary["num_windows"] == 2 and summary["padded_seqlen"] >= SEQLEN
     assert summary["critical_area"] >= summary["ideal_area"]
+
+
+def test_a_new_strategy_record_plans_by_its_fields(monkeypatch):
+    """make_plan reads a strategy's record, never its name: a new record with double ring's
+    fields plans double ring's steps, and one with usp's default Ulysses size gets usp's U."""
+    from shard_strategies import plan, strategies
+
+    records = {
+        **strategies.STRATEGY,
+        "windowed_copy": strategies.Strategy(
+            "windowed_copy", strategies.RING_CORE, strategies.HYBRID, windowed=True
+        ),
+        "usp_copy": strategies.Strategy(
+            "usp_copy",
+            strategies.RING_CORE,
+            strategies.HYBRID,
+            default_ulysses=strategies.default_usp_ulysses,
+        ),
+    }
+    monkeypatch.setattr(strategies, "STRATEGY", records)
+    monkeypatch.setattr(plan, "STRATEGY", records)
+    monkeypatch.setattr(plan, "STRATEGIES", tuple(records))
+    mask = make_mask("causal_document", 512, seed=0)
+    for copy, original in (("windowed_copy", "double_ring"), ("usp_copy", "usp")):
+        got = ss.make_plan(mask, 16, copy, "zigzag", num_heads_q=8, num_heads_kv=8)
+        want = ss.make_plan(mask, 16, original, "zigzag", num_heads_q=8, num_heads_kv=8)
+        assert (got.ulysses_size, got.num_windows) == (want.ulysses_size, want.num_windows)
+        assert [(s.outer, s.inner, list(s.sources)) for s in got.steps] == [
+            (s.outer, s.inner, list(s.sources)) for s in want.steps
+        ]
+    assert ss.make_plan(mask, 16, "usp_copy", "zigzag").ulysses_size == 8
+    with pytest.raises(ValueError, match="double_ring, windowed_copy only"):
+        ss.make_plan(mask, 16, "ring", "zigzag", num_windows=2)
