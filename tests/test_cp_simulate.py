@@ -600,10 +600,19 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
             assert r["point"]["seqlen_total"] == 16 * n and "-sim-g8-" in r["key"]
             assert r["status"] == ("unsupported" if n == 4 else "ok"), r["reason"]
             assert r["status"] != "ok" or r["check"]["ok"]
+        # where the ok point's seconds went: every part measured, within the point's own time,
+        # the baseline (its first point of the mask) included, and said on its progress line
+        wall = recs["ulysses", 2]["masks"][0]["simulation"]["wall_s"]
+        assert set(wall) == {"baseline", "plan", "check", "calls"}
+        assert all(secs > 0 for secs in wall.values()), wall
+        assert sum(wall.values()) <= recs["ulysses", 2]["elapsed_s"]
+        printed = capsys.readouterr().out
+        assert "ok predicted" in printed and f"[baseline {wall['baseline']:.1f} s, plan" in printed
         report = (out / "report.md").read_text()
         assert "## Predicted context parallelism" in report
         assert "| causal | 4 | unsup. |" in report
         assert "Cost model: not used (every distinct call was timed)." in report
+        assert "Predictor cost: 1 point took" in report
     assert run.run_cli([*args[1:-1], "--framework=both", f"--out_dir={tmp_path}"]) != 0
     err = capsys.readouterr().err
     assert "use --framework=jax or --framework=torch (got --framework=jax/torch)" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from typing import TextIO
 
 
@@ -14,13 +15,27 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def wall_seconds(record: dict) -> dict[str, float]:
+    """Where a predicted point's own seconds went ({part: s}, summed over its masks' wall_s:
+    baseline, plan, check, calls); empty for any other record."""
+    total: Counter[str] = Counter()
+    for m in record.get("masks") or []:
+        total.update((m.get("simulation") or {}).get("wall_s") or {})
+    return dict(total)
+
+
 def outcome_text(record: dict) -> str:
-    """'ok 12.3 TFLOP/s (4.56 ms)' or 'unsupported: reason' for a record."""
+    """'ok 12.3 TFLOP/s (4.56 ms)' or 'unsupported: reason' for a record; a predicted point
+    adds where its seconds went."""
     status = record["status"]
     if status == "ok":
         m = record["metrics"]
         sim = " predicted" if record.get("simulated") else ""
-        return f"ok{sim} {m['tflops']['median']:.4g} TFLOP/s ({m['time_ms']['median']:.4g} ms)"
+        text = f"ok{sim} {m['tflops']['median']:.4g} TFLOP/s ({m['time_ms']['median']:.4g} ms)"
+        wall = wall_seconds(record)
+        if wall:
+            text += " [" + ", ".join(f"{p} {s:.1f} s" for p, s in wall.items()) + "]"
+        return text
     reason = (record.get("reason") or "").splitlines()[0][:160] if record.get("reason") else ""
     return f"{status}: {reason}" if reason else status
 

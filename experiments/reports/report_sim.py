@@ -7,10 +7,11 @@ count, where the time goes, per-GPU TFLOP/s vs devices plots, and predicted vs m
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments.core.progress import wall_seconds
 from experiments.reports import plots, report_cp
 from experiments.reports.report_parts import (
     POINT_FIELDS,
@@ -263,6 +264,20 @@ def model_error(records: list[dict]) -> list[str]:
     ]
 
 
+def predictor_cost(records: list[dict]) -> list[str]:
+    """One line on where the predictor's own seconds went, summed over the records that say
+    (baseline, plan, rank check, timed calls)."""
+    walls = [w for w in map(wall_seconds, records) if w]
+    if not walls:
+        return []
+    total: Counter[str] = Counter()
+    for wall in walls:
+        total.update(wall)
+    spent = ", ".join(f"{part} {secs:.1f} s" for part, secs in total.items())
+    points = f"{len(walls)} point{'s' if len(walls) != 1 else ''}"
+    return [f"Predictor cost: {points} took {sum(total.values()):.1f} s ({spent}).", ""]
+
+
 def write_sim_report(
     records: list[dict], out_dir: Path, compare_with: Sequence[str] = ()
 ) -> dict[str, object]:
@@ -285,6 +300,7 @@ def write_sim_report(
         "dispatch, summed over steps.",
         "",
         *model_error(sims),
+        *predictor_cost(sims),
         *tables(rows),
     ]
     comparison = compare(sims, read_results(list(compare_with))) if compare_with else []

@@ -8,11 +8,14 @@ loop; calls of equal shapes and equal mask pieces share one timing. The executor
 then replayed with a link model (shard_strategies.simulate). Before any timing, ranks are
 emulated end to end and checked against float64 attention (cp_rank_checks.py); the whole mask
 on this one device is the efficiency baseline (an ordinary kernel point, checked and timed).
+Each mask's record says where the point's own seconds went (wall_s), so a slow preset shows
+its cost without a profiler.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -106,8 +109,12 @@ class CPSimulator:
         """Metrics (predicted), check and per-mask detail of a simulated point."""
         impl = self.ranks.resolve_impl(point, self.runner)
         masks = frameworks.make_masks(point)
+        start = time.perf_counter()
+        shared = kernel_point(point, impl).key in self._baselines
         base = self.baseline(point, impl)
+        baseline_s = 0.0 if shared else time.perf_counter() - start
         per_mask = [self._run_mask(point, m, i, impl, base) for i, m in enumerate(masks)]
+        per_mask[0]["simulation"]["wall_s"]["baseline"] = round(baseline_s, 3)
         result = measure.aggregate(point, per_mask)
         sims = [m["simulation"] for m in per_mask]
         eff = [s["efficiency_pct"] for s in sims]
@@ -223,6 +230,8 @@ class CPSimulator:
     def _run_mask(self, point: Point, mask, index: int, impl: str, base: dict) -> dict:
         from shard_strategies import simulate
 
+        wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
+        start = time.perf_counter()
         plan = self._plan(point, mask, impl)
         itemsize = frameworks.ITEMSIZE[point.dtype]
         entry = ENTRY[point.framework]
@@ -230,13 +239,18 @@ class CPSimulator:
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
         )
         ranks = self.ranks(plan, impl, point, index, self.runner)
+        wall["plan"] = time.perf_counter() - start
         rtol = checks.tolerance(
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
         )
+        start = time.perf_counter()
         check, checked = check_ranks(ranks, point, mask, index, rtol)
+        wall["check"] = time.perf_counter() - start
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
+        start = time.perf_counter()
         compute, counts = self._time_calls(ranks, sched, point)
+        wall["calls"] = time.perf_counter() - start
         link = simulate.LinkModel.from_spec(point.link)
         preds = {q: simulate.predict(sched, compute[q], link) for q in QUANTILES}
         t = {q: preds[q].total_ms for q in QUANTILES} | {"n": point.iters}
@@ -245,6 +259,7 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
+        sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
 
