@@ -10,10 +10,11 @@ is also compared between its two front ends on identical inputs. One NaN case pe
 NaN contract of docs/api.md (a NaN in one q row and in k at one key): ok, FAIL, or "documented"
 for the impls documented to break it. Exit status 1 if any case fails.
 
-The workers are the driver's (experiments/workers.py: they die with this process and hold its
-lock of the output folder), and every case is also a record in the driver's results format,
-<out_dir>/results.jsonl (key, status, point, the errors and tolerances, provenance), written by
-this process alone.
+The cases are split into shards, each run by a worker process of this command started side by
+side through the driver's worker machinery (experiments/workers.py: a worker holds this
+process's lock of the output folder and dies with it). Every case is also a record in the
+driver's results format (key, status, point, the errors and tolerances, provenance): the workers
+send it over their stdout, and this process alone appends it to <out_dir>/results.jsonl.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ import dataclasses
 import functools
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import typing
 import zlib
@@ -569,18 +568,19 @@ def front_ends_record(outcome: Outcome) -> dict:
     }
 
 
-def _worker_env(lock_fd: int) -> dict[str, str]:
-    """The driver's worker environment (the parent's PID and lock), and: workers allocate GPU
-    memory as they need it (they run side by side); compilation caches persist in .cache/, so a
-    second run on the same machine compiles nothing."""
+def _worker_env() -> dict[str, str]:
+    """What the workers add to the driver's worker environment: they allocate GPU memory as they
+    need it (they run side by side); compilation caches persist in .cache/ (unless the
+    environment picks them), so a second run on the same machine compiles nothing."""
     cache = Path(__file__).resolve().parents[1] / ".cache"
-    env = workers.worker_env(lock_fd)
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the workers share one GPU
-    return env
+    defaults = {
+        "JAX_COMPILATION_CACHE_DIR": str(cache / "jax"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env = {name: os.environ.get(name, value) for name, value in defaults.items()}
+    return env | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the workers share one GPU
 
 
 def has_cuda_gpu() -> bool:
@@ -600,8 +600,9 @@ def _workers(fw: str) -> int:
     return FLAGS.jax_workers if fw == "jax" else FLAGS.torch_workers
 
 
-def _launch(fw: str, shard: int, save_dir: str, lock_fd: int) -> subprocess.Popen:
-    cmd = [
+def _worker_cmd(fw: str, shard: int, save_dir: str) -> list[str]:
+    """The command of one shard's worker: this script with --worker."""
+    return [
         sys.executable,
         __file__,
         f"--worker={fw}",
@@ -611,45 +612,36 @@ def _launch(fw: str, shard: int, save_dir: str, lock_fd: int) -> subprocess.Pope
         f"--seqlen={FLAGS.seqlen}",
         f"--impl={','.join(FLAGS.impl)}",
     ]
-    env = _worker_env(lock_fd)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, pass_fds=(lock_fd,))
 
 
-def _pump(name: str, proc: subprocess.Popen, lines: queue.Queue) -> None:
-    """Forward a worker's lines, then (name, exit status) when it ends."""
-    for line in proc.stdout:
-        lines.put(line.rstrip("\n"))
-    lines.put((name, proc.wait()))
-
-
-def run_workers(save_dir: str, keep: typing.Callable[[dict], None], lock_fd: int) -> list[str]:
+def run_workers(
+    save_dir: str, keep: typing.Callable[[dict], None], lock_fd: int
+) -> list[str] | None:
     """Every shard of every requested framework at once (the GPU is shared; compilation, which
     dominates such small problems, runs in parallel); their lines as they come, each record to
-    keep(); the failures."""
-    lines: queue.Queue = queue.Queue()
-    running = 0
-    for fw in [f for f in FRAMEWORKS if f in FLAGS.framework]:
-        for shard in range(_workers(fw)):
-            proc = _launch(fw, shard, save_dir, lock_fd)
-            threading.Thread(target=_pump, args=(f"{fw}/{shard}", proc, lines)).start()
-            running += 1
+    keep(); the failures (None: interrupted by Ctrl-C)."""
+    cmds = {
+        f"{fw}/{shard}": _worker_cmd(fw, shard, save_dir)
+        for fw in FRAMEWORKS
+        if fw in FLAGS.framework
+        for shard in range(_workers(fw))
+    }
     failed: list[str] = []
-    while running:
-        item = lines.get()
-        if isinstance(item, tuple):
-            running -= 1
-            name, code = item
-            if code not in (0, 1):
-                failed.append(f"ERROR worker {name} exited with status {code}")
-            continue
-        if item.startswith(RECORD):
-            keep(json.loads(item[len(RECORD) :]))
-            continue
-        if not item.startswith("SUMMARY"):
-            print(item, flush=True)
-        if item.startswith(("FAIL", "ERROR")):
-            failed.append(item)
-    return failed
+
+    def on_line(name: str, line: str) -> None:
+        if line.startswith(RECORD):
+            keep(json.loads(line[len(RECORD) :]))
+            return
+        if not line.startswith("SUMMARY"):
+            print(line, flush=True)
+        if line.startswith(("FAIL", "ERROR")):
+            failed.append(line)
+
+    codes = workers.run_side_by_side(cmds, lock_fd, on_line, _worker_env())
+    if isinstance(codes, int):  # workers.INTERRUPTED
+        return None
+    bad = [(name, code) for name, code in codes.items() if code not in (0, 1)]
+    return failed + [f"ERROR worker {name} exited with status {code}" for name, code in bad]
 
 
 def _why_not_run() -> str | None:
@@ -665,9 +657,9 @@ def _why_not_run() -> str | None:
     return None
 
 
-def _run(store: ResultsStore, lock_fd: int) -> list[str]:
+def _run(store: ResultsStore, lock_fd: int) -> list[str] | None:
     """The workers, then the front-end comparison; every record into `store` with this run's
-    provenance; the failure lines."""
+    provenance; the failure lines (None: interrupted, no comparison)."""
     prov = {"git": provenance.git_state(), "versions": provenance.package_versions()}
 
     def keep(rec: dict) -> None:
@@ -675,6 +667,8 @@ def _run(store: ResultsStore, lock_fd: int) -> list[str]:
 
     with tempfile.TemporaryDirectory() as save_dir:
         failed = run_workers(save_dir, keep, lock_fd)
+        if failed is None:
+            return None
         for outcome in compare_front_ends(save_dir):
             print(outcome.line, flush=True)
             keep(front_ends_record(outcome))
@@ -703,6 +697,12 @@ def main(argv: list[str]) -> int:
     except OutDirBusy as e:
         print(e, file=sys.stderr)
         return e.exit_code
+    if failed is None:
+        print(
+            f"Interrupted: the cases so far are in {ResultsStore(FLAGS.out_dir).path}",
+            file=sys.stderr,
+        )
+        return workers.INTERRUPTED
     print(f"records: {ResultsStore(FLAGS.out_dir).path}")
     print(f"\n{len(failed)} failures in {time.time() - start:.0f} s")
     for line in failed:

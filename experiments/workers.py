@@ -8,16 +8,20 @@ so that their CP points compare like with like.
 
 A worker is part of its parent's run: it inherits the parent's lock of the output folder (an
 open descriptor, named in its environment) instead of taking one, and dies with the parent.
+spawn starts one; run_each runs the driver's one after another, run_side_by_side several at once
+with their stdout lines handed to the parent (the acceptance command's shards).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from experiments.core import interrupt
@@ -66,13 +70,72 @@ def end_with(parent: int) -> None:
 
     SIGKILL, because a worker holds nothing to clean up (records are whole on disk) and no
     handler can defer it. The kernel sends it when the parent's spawning thread ends, so
-    run_each waits for its worker in that thread.
+    run_each and run_side_by_side wait for their workers in the thread that spawned them.
     """
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the prctl: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def spawn(
+    cmd: list[str], lock_fd: int, env: Mapping[str, str] | None = None, capture: bool = False
+) -> subprocess.Popen:
+    """Start `cmd` as a worker of this run: it inherits lock_fd, its environment names both
+    (worker_env) plus `env`; capture: its stdout is a text pipe for the parent to read."""
+    return subprocess.Popen(
+        cmd,
+        env={**worker_env(lock_fd), **(env or {})},
+        pass_fds=(lock_fd,),
+        stdout=subprocess.PIPE if capture else None,
+        text=capture,
+    )
+
+
+def _pump(name: str, proc: subprocess.Popen, lines: queue.Queue) -> None:
+    """Forward a worker's stdout lines as (name, line), then (name, exit status) when it ends."""
+    for line in proc.stdout:
+        lines.put((name, line.rstrip("\n")))
+    lines.put((name, proc.wait()))
+
+
+def run_side_by_side(
+    cmds: Mapping[str, list[str]],
+    lock_fd: int,
+    on_line: Callable[[str, str], None],
+    env: Mapping[str, str] | None = None,
+) -> dict[str, int] | int:
+    """Run the named commands at once as workers of this run (spawn, with `env`), hand each
+    stdout line (no newline) to on_line(name, line) in this thread as it comes, wait for all.
+
+    Returns each one's exit status by name, in the order they ended; INTERRUPTED after a Ctrl-C
+    (the workers got the same one: their remaining lines are handed over once they stopped).
+    """
+    lines: queue.Queue = queue.Queue()
+    procs = {name: spawn(cmd, lock_fd, env, capture=True) for name, cmd in cmds.items()}
+    pumps = [threading.Thread(target=_pump, args=(n, p, lines)) for n, p in procs.items()]
+    for pump in pumps:
+        pump.start()
+    codes: dict[str, int] = {}
+
+    def hand_over(item: tuple[str, str | int]) -> None:
+        name, got = item
+        if isinstance(got, int):
+            codes[name] = got
+        else:
+            on_line(name, got)
+
+    try:
+        while len(codes) < len(pumps):
+            hand_over(lines.get())
+    except KeyboardInterrupt:  # the workers got the same Ctrl-C: let them record and stop
+        for pump in pumps:
+            pump.join()
+        while not lines.empty():
+            hand_over(lines.get_nowait())
+        return INTERRUPTED
+    return codes
 
 
 def forwarded_flags(flag_values) -> list[str]:
@@ -157,7 +220,7 @@ def run_each(
         if num_devices:
             cmd.append(f"--num_devices={num_devices}")
         print(f"--- {fw} points in a worker process of their own", flush=True)
-        worker = subprocess.Popen(cmd, env=worker_env(lock_fd), pass_fds=(lock_fd,))
+        worker = spawn(cmd, lock_fd)
         try:
             code = worker.wait()
         except KeyboardInterrupt:  # the worker got the same Ctrl-C: let it record and stop

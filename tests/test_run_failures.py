@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_driver import EIGHT_POINTS, ROOT, RUN, TINY, _fake_record, _records, _run_in_process
 
+from experiments import workers
 from experiments.core.results import LOCK_FILE
 
 REPORT = str(ROOT / "experiments" / "report.py")
@@ -172,6 +173,61 @@ def test_killing_the_parent_ends_its_worker_and_frees_the_out_dir(tmp_path, sig)
     tiny = ["--framework=jax", "--impl=reference", "--mask=full", "--mode=fwd", *TINY]
     assert _run_in_process([*tiny, f"--out_dir={out_dir}"]) == 0  # the lock is free again
     _assert_each_point_once(out_dir)
+
+
+# A worker that marks itself started, waits (a minute at most) for the other to start, and says
+# whether it saw it and whether it holds the run's lock descriptor, then exits with `code`.
+MEETING_WORKER = f"""
+import os, pathlib, sys, time
+me, other, code = sys.argv[1:]
+folder = pathlib.Path(os.environ["MEETING"])
+(folder / me).touch()
+deadline = time.monotonic() + 60
+while not (folder / other).exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(me, "saw", other, (folder / other).exists(), flush=True)
+os.fstat(int(os.environ["{workers.LOCK_FD_ENV}"]))
+print(me, "holds the lock", flush=True)
+sys.exit(int(code))
+"""
+
+
+def _meeting(tmp_path: Path, on_line) -> dict[str, int] | int:
+    """Workers a (exits 0) and b (exits 3) side by side, meeting in tmp_path."""
+    cmds = {
+        "a": [sys.executable, "-c", MEETING_WORKER, "a", "b", "0"],
+        "b": [sys.executable, "-c", MEETING_WORKER, "b", "a", "3"],
+    }
+    lock_fd = os.open(tmp_path / "lock", os.O_CREAT | os.O_RDWR)
+    try:
+        return workers.run_side_by_side(cmds, lock_fd, on_line, {"MEETING": str(tmp_path)})
+    finally:
+        os.close(lock_fd)
+
+
+def test_side_by_side_workers_hand_over_named_lines_and_exit_statuses(tmp_path):
+    """Two workers at once (each sees the other start): every line reaches the callback under
+    its worker's name, in order; each exit status comes back by name, the failing one's too."""
+    got: list[tuple[str, str]] = []
+    codes = _meeting(tmp_path, lambda name, line: got.append((name, line)))
+    assert codes == {"a": 0, "b": 3}
+    for me, other in (("a", "b"), ("b", "a")):
+        mine = [line for name, line in got if name == me]
+        assert mine == [f"{me} saw {other} True", f"{me} holds the lock"]
+
+
+def test_side_by_side_workers_after_ctrl_c_hand_over_the_rest_and_say_interrupted(tmp_path):
+    """A Ctrl-C while the parent waits: it waits for the workers (here they do not stop), hands
+    over their remaining lines, and returns INTERRUPTED."""
+    got: list[str] = []
+
+    def interrupted_once(name: str, line: str) -> None:
+        got.append(line)
+        if len(got) == 1:
+            raise KeyboardInterrupt
+
+    assert _meeting(tmp_path, interrupted_once) == workers.INTERRUPTED
+    assert len(got) == 4
 
 
 def _full_disk(monkeypatch, results: Path, whole: int) -> dict[str, bytes]:
