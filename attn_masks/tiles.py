@@ -76,6 +76,8 @@ class BlockLists:
 
 
 PASSES = ("fwd", "dq", "dkdv")
+# (index, n_partial, count) of PassTiles.partial_first: how the Pallas kernels take a pass's tiles
+PartialFirst = tuple[Any, Any, Any]
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,18 @@ class PassTiles(TileList):
         if inner_edge is not None:
             full = full & (index != inner_edge)
         return cls(index, count, full, by_key, seqlen_q, seqlen_k, block_q, block_k)
+
+    def partial_first(self, xp: ModuleType = np) -> PartialFirst:
+        """(index, n_partial, count): each outer tile's listed tiles reordered partial ones first
+        (ascending within each kind), so a kernel masks the first n_partial[t] tiles and walks
+        the rest of its count[t] unmasked; in numpy or (xp=jax.numpy) in a trace."""
+        slot = xp.arange(self.width)[None, :]
+        listed = slot < self.count[:, None]
+        partial = listed & ~self.full
+        kind = xp.where(partial, 0, xp.where(listed, 1, 2))
+        order = xp.argsort(kind * self.width + slot, axis=1)  # unique keys: a stable order
+        index = xp.take_along_axis(self.index, order, axis=1)
+        return index, xp.sum(partial, axis=1, dtype=xp.int32), self.count
 
     def kinds(self) -> np.ndarray:
         """The (outer tiles, inner tiles) int8 block map of host lists: EMPTY, PARTIAL, FULL."""

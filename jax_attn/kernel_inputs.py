@@ -2,21 +2,21 @@
 
 Sequences are padded to whole mask tiles; the per-row intervals become (K, padded Sq) with empty
 padded rows; each tile list becomes its pass's attn_masks.PassTiles (tiles over the padding
-partial) walked partial tiles first; the backward gets delta = rowsum(dout * out) - dlse and the
-LSE in base 2. All of it runs in jnp inside the jitted wrappers, so MaskArrays stay runtime inputs
-and a new mask of the same shape reuses the compiled kernels.
+partial) walked partial tiles first (PassTiles.partial_first); the backward gets delta =
+rowsum(dout * out) - dlse and the LSE in base 2. All of it runs in jnp inside the jitted
+wrappers, so MaskArrays stay runtime inputs and a new mask of the same shape reuses the compiled
+kernels.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from attn_masks import PassTiles, TileList
+from attn_masks import PartialFirst, PassTiles, TileList
 
 from .mask_arrays import MaskArrays
 
@@ -53,18 +53,9 @@ class TilePadding:
         return cls(sq, sk, -(-sq // bq) * bq, -(-sk // bk) * bk, bq, bk)
 
 
-class TileWalk(NamedTuple):
-    """index[t, :count[t]] are the inner tiles outer tile t visits; the first n_partial[t] of them
-    need the in-tile mask, the rest are fully visible."""
-
-    index: jax.Array
-    n_partial: jax.Array
-    count: jax.Array
-
-
-def _walk(lists: TileList, padding: TilePadding, *, by_key: bool) -> TileWalk:
-    """The pass's tiles (PassTiles: tiles over the padding partial), each outer tile's list
-    reordered partial tiles first."""
+def _walk(lists: TileList, padding: TilePadding, *, by_key: bool) -> PartialFirst:
+    """The pass's tiles (PassTiles: tiles over the padding partial) as the kernels walk them,
+    partial tiles first."""
     tiles = PassTiles.of(
         lists,
         by_key=by_key,
@@ -74,21 +65,15 @@ def _walk(lists: TileList, padding: TilePadding, *, by_key: bool) -> TileWalk:
         block_k=padding.block_k,
         xp=jnp,
     )
-    valid = jnp.arange(tiles.width, dtype=jnp.int32)[None, :] < tiles.count[:, None]
-    partial = valid & ~tiles.full
-    key = jnp.where(partial, 0, jnp.where(valid, 1, 2)).astype(jnp.int32)
-    order = jnp.argsort(key, axis=1, stable=True)
-    index = jnp.take_along_axis(tiles.index, order, axis=1)
-    n_partial = jnp.sum(partial, axis=1, dtype=jnp.int32)
-    return TileWalk(index, n_partial, tiles.count)
+    return tiles.partial_first(jnp)
 
 
-def query_tile_walk(arrays: MaskArrays, padding: TilePadding) -> TileWalk:
+def query_tile_walk(arrays: MaskArrays, padding: TilePadding) -> PartialFirst:
     """Per query tile, the key tiles it visits (the forward and dQ walk)."""
     return _walk(arrays.kv, padding, by_key=False)
 
 
-def key_tile_walk(arrays: MaskArrays, padding: TilePadding) -> TileWalk:
+def key_tile_walk(arrays: MaskArrays, padding: TilePadding) -> PartialFirst:
     """Per key tile, the query tiles it visits (the dK/dV walk)."""
     return _walk(arrays.q, padding, by_key=True)
 

@@ -120,6 +120,24 @@ def test_pallas_walks():
                     np.testing.assert_array_equal(got, kinds)
 
 
+def test_partial_first_on_the_host():
+    """PassTiles.partial_first in numpy: the pass's tiles, partial ones first, each kind in
+    ascending order, padding entries past count untouched as valid indices."""
+    for mask in MASKS:
+        for bq, bk in TILES:
+            for name in ("fwd", "dkdv"):
+                tiles = pass_tiles(mask, bq, bk, name)
+                index, n_partial, count = tiles.partial_first()
+                want = _brute(mask.dense(), bq, bk)
+                want = want.T if name == "dkdv" else want
+                full = np.arange(index.shape[1])[None, :] >= n_partial[:, None]
+                np.testing.assert_array_equal(_kinds(index, count, full, want.shape[1]), want)
+                for t, (n, c) in enumerate(zip(n_partial.tolist(), count.tolist())):
+                    assert all(np.diff(index[t, :n]) > 0) and all(np.diff(index[t, n:c]) > 0)
+                    assert set(index[t, :c].tolist()) == set(tiles.index[t, :c].tolist())
+                assert index.min() >= 0 and index.max() < want.shape[1]
+
+
 def test_flex_tables():
     pytest.importorskip("torch")
     from torch_attn.blocks import flex_block_tables

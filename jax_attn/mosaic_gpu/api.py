@@ -53,15 +53,15 @@ def _forward_padded(
     kernel on inputs padded to whole tiles."""
     cfg = static.config
     pad = TilePadding.of(arrays)
-    walk = query_tile_walk(arrays, pad)
+    index, n_partial, count = query_tile_walk(arrays, pad)
     out, lse = forward(
         pad_axis(q, 1, pad.padded_q),
         pad_axis(k, 1, pad.padded_k),
         pad_axis(v, 1, pad.padded_k),
         _bounds(*padded_intervals(arrays, pad), cfg.block_q),
-        walk.index,
-        walk.n_partial,
-        walk.count,
+        index,
+        n_partial,
+        count,
         scale=static.scale,
         config=cfg,
         interpret=static.interpret or None,

@@ -24,9 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_masks import PartialFirst
+
 from ..kernel_inputs import (
     TilePadding,
-    TileWalk,
     backward_lse,
     key_tile_walk,
     pad_axis,
@@ -356,7 +357,7 @@ def flash_attention_mosaic_bwd(
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 
-def _dkv_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) -> tuple:
+def _dkv_call(operands: tuple, lists: PartialFirst, kern: Kernel, interpret: Any) -> tuple:
     """dK, dV (B, padded Sk, Hkv, D) of padded operands over the per-key-tile q tile lists, and
     when fused the unscaled fp32 dQ (B, padded Sq, Hq, D)."""
     q, k = operands[0], operands[1]
@@ -376,7 +377,7 @@ def _dkv_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) ->
     return launch_dkv(body, kern, grid, scratch, (*operands, *lists), interpret, "mosaic_flash_dkv")
 
 
-def _dq_call(operands: tuple, lists: TileWalk, kern: Kernel, interpret: Any) -> jax.Array:
+def _dq_call(operands: tuple, lists: PartialFirst, kern: Kernel, interpret: Any) -> jax.Array:
     """dQ (B, padded Sq, Hq, D) of padded operands over the per-query-tile key tile lists."""
     q = operands[0]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..kernel_inputs import LOG2E, TileWalk, backward_lse
+from attn_masks import PartialFirst
+
+from ..kernel_inputs import LOG2E, backward_lse
 from .common import (
     NN,
     NT,
@@ -186,7 +188,7 @@ def backward_dq(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileWalk,
+    lists: PartialFirst,
     *,
     scale: float,
     config: KernelConfig,
@@ -226,7 +228,7 @@ def backward_dkv(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileWalk,
+    lists: PartialFirst,
     *,
     scale: float,
     config: KernelConfig,

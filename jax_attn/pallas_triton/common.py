@@ -47,7 +47,7 @@ def whole_spec(x: jax.Array) -> pl.BlockSpec:
 
 
 def mask_specs(lo: jax.Array, hi: jax.Array, lists: Sequence[jax.Array]) -> list[pl.BlockSpec]:
-    """Whole-array specs of the mask operands: lo, hi, then the TileWalk (index, n_partial,
+    """Whole-array specs of the mask operands: lo, hi, then the PartialFirst walk (index, n_partial,
     count), passed to the kernel in that order as (lo, hi, *lists)."""
     return [whole_spec(x) for x in (lo, hi, *lists)]
 

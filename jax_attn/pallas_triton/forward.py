@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..kernel_inputs import LN2, LOG2E, TileWalk
+from attn_masks import PartialFirst
+
+from ..kernel_inputs import LN2, LOG2E
 from .common import (
     NN,
     load_intervals,
@@ -89,7 +91,7 @@ def forward(
     v: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileWalk,
+    lists: PartialFirst,
     *,
     scale: float,
     config: KernelConfig,

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..kernel_inputs import TileWalk, backward_lse
+from attn_masks import PartialFirst
+
+from ..kernel_inputs import backward_lse
 from .atomics import atomic_add
 from .backward import dkv_kernel
 from .common import TN, backward_specs, key_tile_launch, matmul, triton_params
@@ -76,7 +78,7 @@ def backward_fused(
     delta: jax.Array,
     lo: jax.Array,
     hi: jax.Array,
-    lists: TileWalk,
+    lists: PartialFirst,
     *,
     scale: float,
     config: KernelConfig,
