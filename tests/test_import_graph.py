@@ -2,17 +2,21 @@
 
 Every `import` and `from ... import` of a project module counts wherever it stands: inside a
 function (a lazy import still ties the two modules together), under `if TYPE_CHECKING:` (a
-type-only import is still a dependency, and guarding it is how a cycle hides), and a literal
-name given to `importlib.import_module`. Layers, lowest first: masks, the shared Triton source,
-the two kernel libraries, the CP strategies, the experiments' base (core), what stands on it
-(runners, reports), the workloads, and the commands at the top of experiments/ (run.py,
-driver.py, ...). Scripts run as `python experiments/x.py` find the packages through the install
+type-only import is still a dependency, and guarding it is how a cycle hides), a literal
+name given to `importlib.import_module` (or `__import__`), and the declared targets of a call
+that computes the name (DYNAMIC_IMPORTS: an undeclared one fails, since the graph cannot see
+where it leads). Layers, lowest first: masks, the shared Triton source, the two kernel
+libraries, the CP strategies, the experiments' base (core), what stands on it (runners,
+reports), the workloads, and the commands at the top of experiments/ (run.py, driver.py, ...).
+Scripts run as `python experiments/x.py` find the packages through the install
 (`pip install -e .`) or PYTHONPATH, never by editing sys.path.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +39,21 @@ LAYERS = {
     "experiments.reports": 5,
     "experiments.workloads": 6,
     "experiments": 7,
+}
+# "module:function" of each import_module call whose name is computed -> the modules it may load
+DYNAMIC_IMPORTS: dict[str, tuple[str, ...]] = {
+    "shard_strategies:__getattr__": ("shard_strategies.jax_cp", "shard_strategies.torch_cp"),
+    "experiments.runners.frameworks:kernels": ("jax_attn", "torch_attn"),
+    "experiments.runners.frameworks:cp_module": (
+        "shard_strategies.jax_cp",
+        "shard_strategies.torch_cp",
+    ),
+    "torch_attn.flash:load": (
+        "flash_attn",
+        "flash_attn_interface",
+        "flash_attn_3.flash_attn_interface",
+        "flash_attn.cute",
+    ),
 }
 
 
@@ -63,6 +82,12 @@ def _targets(name: str, path: Path, node: ast.AST, known: dict[str, Path]) -> se
             base = ".".join(here + ([base] if base else []))
         # `from p import x` loads module p.x when there is one, else takes x from p
         names = [f"{base}.{a.name}" if base else a.name for a in node.names]
+    return _resolve(name, names, known)
+
+
+def _resolve(name: str, names: Iterable[str], known: dict[str, Path]) -> set[str]:
+    """The deepest project module of each dotted name, other than `name` itself (none for a
+    module outside the project)."""
     out = set()
     for full in names:
         while full and full not in known:
@@ -72,23 +97,53 @@ def _targets(name: str, path: Path, node: ast.AST, known: dict[str, Path]) -> se
     return out
 
 
-def _imports_by_name(node: ast.AST) -> bool:
-    """Whether `node` is `importlib.import_module("literal")` (or `import_module(...)` alone)."""
-    return (
+def _import_call(node: ast.AST) -> str | None:
+    """For a call of `import_module` (`importlib.` or not) or `__import__`: "literal" when the
+    module name is a string literal, else "computed"; None for any other node."""
+    if not (
         isinstance(node, ast.Call)
-        and ast.unparse(node.func).split(".")[-1] == "import_module"
-        and bool(node.args)
-        and isinstance(node.args[0], ast.Constant)
-        and isinstance(node.args[0].value, str)
-    )
+        and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__")
+    ):
+        return None
+    literal = node.args and isinstance(node.args[0], ast.Constant)
+    return "literal" if literal and isinstance(node.args[0].value, str) else "computed"
 
 
-def imports(name: str, path: Path, source: str, known: dict[str, Path]) -> set[str]:
-    """The project modules that module `name` (file `path`, text `source`) imports."""
+def _scoped(node: ast.AST, scope: str = "") -> Iterator[tuple[ast.AST, str]]:
+    """Every node below `node` with the qualified name of the function or class it stands in
+    ("" at module level), so a computed import is named by its call site."""
+    for child in ast.iter_child_nodes(node):
+        yield child, scope
+        inner = scope
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            inner = f"{scope}.{child.name}" if scope else child.name
+        yield from _scoped(child, inner)
+
+
+def computed_imports(name: str, source: str) -> set[str]:
+    """The call sites ("module:function") in module `name` that import a computed name."""
+    return {
+        f"{name}:{scope}"
+        for node, scope in _scoped(ast.parse(source))
+        if _import_call(node) == "computed"
+    }
+
+
+def imports(
+    name: str,
+    path: Path,
+    source: str,
+    known: dict[str, Path],
+    declared: Mapping[str, tuple[str, ...]] = DYNAMIC_IMPORTS,
+) -> set[str]:
+    """The project modules that module `name` (file `path`, text `source`) imports, with the
+    declared targets of its computed imports."""
     out = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) or _imports_by_name(node):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or _import_call(node) == "literal":
             out |= _targets(name, path, node, known)
+    for site in computed_imports(name, source):
+        out |= _resolve(name, declared.get(site, ()), known)
     return out
 
 
@@ -142,6 +197,26 @@ def layer(module: str) -> str:
     raise AssertionError(f"{module} is in no layer")
 
 
+def test_every_computed_import_is_declared():
+    """A computed import_module name hides an edge from the graph: each call site must be in
+    DYNAMIC_IMPORTS (and each entry must still exist, naming real project modules)."""
+    known = modules()
+    found = set()
+    for name, path in known.items():
+        found |= computed_imports(name, path.read_text())
+    undeclared = sorted(found - DYNAMIC_IMPORTS.keys())
+    assert not undeclared, "computed imports not in DYNAMIC_IMPORTS: " + ", ".join(undeclared)
+    stale = sorted(DYNAMIC_IMPORTS.keys() - found)
+    assert not stale, "DYNAMIC_IMPORTS entries with no computed import: " + ", ".join(stale)
+    missing = [
+        target
+        for targets in DYNAMIC_IMPORTS.values()
+        for target in targets
+        if target.split(".")[0] in PACKAGES and target not in known
+    ]
+    assert not missing, "DYNAMIC_IMPORTS names no such module: " + ", ".join(missing)
+
+
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
@@ -169,18 +244,29 @@ if TYPE_CHECKING:
 def run():
     import experiments.core.points as points
     return importlib.import_module("triton_attn.kernels")
+
+
+class Loader:
+    def load(self, name):
+        return __import__(f"torch_attn.{name}")
 """
 
 
 def test_the_checks_see_hidden_imports_and_cycles():
-    """A type-only import, an import inside a function and a literal import_module name are
-    edges, and a two-module cycle is found (so the tests above could fail)."""
+    """A type-only import, an import inside a function, a literal import_module name and the
+    declared targets of a computed one are edges, the computed one is named by its call site,
+    and a two-module cycle is found (so the tests above could fail)."""
     known = modules()
     path = ROOT / "shard_strategies" / "comm.py"
-    assert imports("shard_strategies.comm", path, HIDDEN_IMPORTS, known) == {
-        "shard_strategies.plan",
-        "experiments.core.points",
-        "triton_attn.kernels",
+    hidden = {"shard_strategies.plan", "experiments.core.points", "triton_attn.kernels"}
+    assert imports("shard_strategies.comm", path, HIDDEN_IMPORTS, known, {}) == hidden
+    declared = {"shard_strategies.comm:Loader.load": ("torch_attn.flex", "numpy")}
+    assert imports("shard_strategies.comm", path, HIDDEN_IMPORTS, known, declared) == {
+        *hidden,
+        "torch_attn.flex",
+    }
+    assert computed_imports("shard_strategies.comm", HIDDEN_IMPORTS) == {
+        "shard_strategies.comm:Loader.load"
     }
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
@@ -205,9 +291,15 @@ def sys_path_edits(source: str) -> list[int]:
 
 
 def test_no_file_edits_sys_path():
-    """Project modules, scripts and tests import the packages as installed (or from PYTHONPATH):
-    a script that puts the repository on sys.path itself hides a broken install."""
-    files = [*modules().values(), *(ROOT / "tests").glob("*.py")]
+    """Every committed Python file (modules, scripts, tests; this one names the calls it looks
+    for) imports the packages as installed or from PYTHONPATH: a file that puts a folder on
+    sys.path itself hides a broken install."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    this = Path(__file__).resolve()
+    files = [ROOT / f for f in listed.split("\0") if f and ROOT / f != this]
+    assert {*modules().values(), *(ROOT / "tests").glob("*.py")} - {this} <= set(files)
     bad = [
         f"{path.relative_to(ROOT)}:{line}"
         for path in files

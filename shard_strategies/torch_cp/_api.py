@@ -15,7 +15,7 @@ import torch_attn
 from attn_masks import Mask
 from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
-from shard_strategies import CPPlan, check_heads, make_plan
+from shard_strategies.plan import CPPlan, check_heads, make_plan
 from shard_strategies.strategies import ALLGATHER_CORE, RING_CORE
 
 from ._allgather import AllGatherAttention

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shard_strategies import CPPlan
+from shard_strategies.plan import CPPlan
 
 from ._comm import all_gather
 

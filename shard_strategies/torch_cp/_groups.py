@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from shard_strategies import CPPlan
+from shard_strategies.plan import CPPlan
 
 Group = dist.ProcessGroup
 
