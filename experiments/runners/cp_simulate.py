@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
-from experiments.core.points import Point
+from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import check_ranks
 from experiments.runners.cp_ranks import Ranks
@@ -224,7 +224,7 @@ class CPSimulator:
         from shard_strategies import simulate
 
         plan = self._plan(point, mask, impl)
-        itemsize = frameworks.ITEMSIZE[point.dtype]
+        itemsize = ITEMSIZES[point.dtype]
         entry = ENTRY[point.framework]
         sched = simulate.schedule(
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
