@@ -40,11 +40,11 @@ from attn_masks import reference_attention as oracle
 from experiments import workers
 from experiments.core import provenance
 from experiments.core.outcomes import ERROR, OK, UNSUPPORTED, WRONG
+from experiments.core.points import FRAMEWORKS, SHORT_DTYPES
 from experiments.core.presets import STATIC_MASKS
 from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir
 from experiments.runners.checks import GRAD_FACTOR, tolerance
 
-FRAMEWORKS = ("jax", "torch")
 EVERY_IMPL_MASKS = ("full", "causal", "causal_document", "share_question", "random")
 OWN_KERNELS = {"jax": ("pallas", "mosaic", "triton"), "torch": ("triton",)}
 # library kernels checked on every static mask: each one they express (a fixed family for cuDNN
@@ -336,8 +336,7 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> Out
     except Exception as err:  # a crash is a finding to report, not a reason to stop
         why = f"{type(err).__name__}: {str(err)[:300]}"
         return Outcome("ERROR", f"{'ERROR':<11} {head}  {why}", {"message": why})
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
-    rtol = tolerance(short, on_gpu=True)
+    rtol = tolerance(SHORT_DTYPES[case.dtype], on_gpu=True)
     parts, bad, errors, tols = [], [], {}, {}
     for name in QUANTITIES:
         if name not in got:
@@ -421,10 +420,9 @@ def nan_problems(got: np.ndarray, want: np.ndarray, mask: Mask, case: Case) -> l
         problems.append(f"{(must & ~nan).sum()} of {must.sum()} rows that read a NaN are finite")
     if (nan & ~may).any():
         problems.append(f"{(nan & ~may).sum()} rows that cannot reach a NaN are NaN")
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[case.dtype]
     clean = ~nan & ~must
     err = relative_error("out", got[clean], want[clean]) if clean.any() else 0.0
-    if not err <= tolerance(short, on_gpu=True):
+    if not err <= tolerance(SHORT_DTYPES[case.dtype], on_gpu=True):
         problems.append(f"finite rows: out {err:.2e} off the oracle")
     return problems
 

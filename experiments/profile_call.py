@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from experiments.runners import frameworks
+from experiments.runners.front_end_calls import FRONT_ENDS
+
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("front_end", "torch", ["torch", "jax"], "Which front end launches the kernels.")
+flags.DEFINE_enum("front_end", "torch", list(FRONT_ENDS), "Which front end launches the kernels.")
 flags.DEFINE_string("mask", "full", "Mask name.")
 flags.DEFINE_integer("seqlen", 16384, "Query and key length.", lower_bound=128)
 flags.DEFINE_string("heads", "64:8", "Query heads:KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.", lower_bound=32, upper_bound=256)
 flags.DEFINE_list("dkdv", None, "dK/dV launch config block_q,block_k,num_warps,num_stages.")
-IMPLS = {"triton": ("torch", "jax"), "flex": ("torch",), "mosaic": ("jax",), "pallas": ("jax",),
-         "cudnn": ("jax",)}  # fmt: skip
-flags.DEFINE_enum("impl", "triton", list(IMPLS), "The impl to profile (see IMPLS for frameworks).")
+flags.DEFINE_string("impl", "triton", "The impl to profile: one of the front end's IMPLS.")
 
 
 def _override_dkdv(config: list[str]) -> None:
@@ -37,6 +38,14 @@ def _override_dkdv(config: list[str]) -> None:
     launch._DEFAULTS[key] = (fwd, dkdv, (*dq[:2], *dkdv[2:]))
 
 
+def has_impl(front_end: str, impl: str) -> bool:
+    """Whether the front end's package (jax_attn / torch_attn) imports and lists `impl`."""
+    try:
+        return impl in frameworks.impl_names(front_end)
+    except ImportError:
+        return False
+
+
 def main(argv: list[str]) -> None:
     del argv
     import numpy as np
@@ -45,9 +54,12 @@ def main(argv: list[str]) -> None:
     from attn_masks import make_mask
     from experiments.runners import front_end_calls
 
-    if FLAGS.front_end not in IMPLS[FLAGS.impl]:
+    if not has_impl(FLAGS.front_end, FLAGS.impl):
+        runs_with = [f for f in FRONT_ENDS if has_impl(f, FLAGS.impl)]
+        if not runs_with:
+            raise app.UsageError(f"--impl={FLAGS.impl} is no impl of jax_attn or torch_attn")
         raise app.UsageError(
-            f"--impl={FLAGS.impl} runs with --front_end={' or '.join(IMPLS[FLAGS.impl])}; "
+            f"--impl={FLAGS.impl} runs with --front_end={' or '.join(runs_with)}; "
             f"got --front_end={FLAGS.front_end}"
         )
     if FLAGS.dkdv and FLAGS.impl != "triton":

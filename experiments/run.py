@@ -34,6 +34,7 @@ from absl import app, flags, logging  # noqa: E402
 from experiments import driver, workers  # noqa: E402
 from experiments.core import flags as run_flags  # noqa: E402
 from experiments.core import interrupt  # noqa: E402
+from experiments.core.points import FRAMEWORKS  # noqa: E402
 from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir  # noqa: E402
 from experiments.workloads import flags as workload_flags  # noqa: E402
 
@@ -123,7 +124,7 @@ def _parity() -> int:
         impls = tuple(fv.impl) if fv["impl"].present else None
         with locked_out_dir(out_dir) as lock_fd:
             flags = workers.forwarded_flags(fv)
-            return workers.run_each(("jax", "torch"), flags, out_dir, 0, impls, lock_fd)
+            return workers.run_each(FRAMEWORKS, flags, out_dir, 0, impls, lock_fd)
     except OutDirBusy as e:
         print(e, file=sys.stderr, flush=True)
         return e.exit_code

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from attn_masks import MODES
+
 from .comm import FP32_BYTES
 from .exchange import Exchange, plan_exchanges
 from .plan import CPPlan
 from .schedules import group_by_outer, inner_perm, outer_perm
 from .strategies import ALLGATHER_CORE
 
-MODES = ("fwd", "bwd", "fwd_bwd")
 STRATEGY, DISPATCH = "strategy", "dispatch"
 WAIT, POST, SERIAL = "wait", "post", "serial"
 P2P, ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = (

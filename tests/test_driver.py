@@ -315,6 +315,26 @@ def test_bad_flag_values_fail_clearly(flag, expected, tmp_path):
     assert not (tmp_path / "results.jsonl").exists()
 
 
+def test_name_flags_take_the_library_names():
+    """--cp, --layout and --mode list the libraries' strategies, layouts and modes in their
+    order (a new one shows in --help), and --framework takes the driver's frameworks."""
+    from absl import flags
+
+    import attn_masks
+    import shard_strategies
+    from experiments.core import flags as run_flags
+    from experiments.core import points
+    from experiments.runners import frameworks
+
+    run_flags.define_flags()
+    fv = flags.FLAGS
+    assert f"parallelism: none|{'|'.join(shard_strategies.STRATEGIES)} (" in fv["cp"].help
+    assert f"layout: {'|'.join(shard_strategies.LAYOUTS)} (" in fv["layout"].help
+    assert f"Directions: {'|'.join(attn_masks.MODES)} (" in fv["mode"].help
+    assert fv["framework"].parser.enum_values == [*points.FRAMEWORKS, "both"]
+    assert points.FRAMEWORKS == tuple(frameworks.KERNEL_PACKAGES)
+
+
 def test_unwritable_out_dir_fails_before_any_point(tmp_path, capsys):
     """An output folder that cannot be created is one line naming it, before any point runs."""
     blocker = tmp_path / "a_file"

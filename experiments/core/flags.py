@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from absl import flags
 
+from attn_masks import MODES
 from experiments.core import points, presets, tuning
+from shard_strategies import LAYOUTS
 
 FLAGS = flags.FLAGS
 
@@ -190,7 +192,7 @@ def define_flags() -> None:
     """Register every run.py flag on the global absl FLAGS (once)."""
     if "framework" in FLAGS:
         return
-    flags.DEFINE_enum("framework", "jax", ["jax", "torch", "both"], "Framework(s) to measure.")
+    flags.DEFINE_enum("framework", "jax", [*points.FRAMEWORKS, "both"], "Framework(s) to measure.")
     flags.DEFINE_enum(
         "workload",
         "attention",
@@ -206,10 +208,10 @@ def define_flags() -> None:
     flags.DEFINE_list(
         "cp",
         None,
-        "Context parallelism: none|ring|allgather|ulysses|usp|"
-        "double_ring (comma list, or all). Default: from the preset.",
+        f"Context parallelism: {'|'.join(points.CP_CHOICES)} (comma list, or all). "
+        "Default: from the preset.",
     )
-    flags.DEFINE_list("layout", None, "CP token layout: contiguous|zigzag|balanced (list).")
+    flags.DEFINE_list("layout", None, f"CP token layout: {'|'.join(LAYOUTS)} (list).")
     flags.DEFINE_list("mask", None, "Mask names (comma list) or 'all'.")
     flags.DEFINE_list(
         "seqlen",
@@ -227,7 +229,7 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("head_dim", None, "Head dimension.", lower_bound=1)
     flags.DEFINE_enum("dtype", None, list(points.DTYPES), "Input dtype.")
-    flags.DEFINE_list("mode", None, "Directions: fwd|bwd|fwd_bwd (comma list).")
+    flags.DEFINE_list("mode", None, f"Directions: {'|'.join(MODES)} (comma list).")
     flags.DEFINE_integer("warmup", None, "Untimed warm-up calls per mask.", lower_bound=0)
     flags.DEFINE_integer("iters", None, "Timed calls per mask.", lower_bound=1)
     flags.DEFINE_integer("seed", 42, "Seed of the mask stream (as MaskIterator) and inputs.")
@@ -299,8 +301,8 @@ def define_flags() -> None:
     _define_simulation_flags()
 
     flags.register_validator("cp", lambda v: _choices(v, points.CP_CHOICES, "cp", True))
-    flags.register_validator("layout", lambda v: _choices(v, points.LAYOUTS, "layout"))
-    flags.register_validator("mode", lambda v: _choices(v, points.MODES, "mode"))
+    flags.register_validator("layout", lambda v: _choices(v, LAYOUTS, "layout"))
+    flags.register_validator("mode", lambda v: _choices(v, MODES, "mode"))
     flags.register_validator("mask", _check_masks)
     flags.register_validator("seqlen", _check_seqlens)
     flags.register_validator("tune", _check_tune)

@@ -12,10 +12,11 @@ from shard_strategies.strategies import HYBRID_STRATEGIES, STRATEGIES
 FRAMEWORKS = ("jax", "torch")
 CP_STRATEGIES = STRATEGIES
 CP_CHOICES = ("none", *CP_STRATEGIES)
-LAYOUTS = ("contiguous", "zigzag", "balanced")
+# The one dtype table: a point's short name -> the frameworks' (and records') long name.
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPES = tuple(DTYPE_NAMES)
-MODES = ("fwd", "bwd", "fwd_bwd")
+SHORT_DTYPES = {full: short for short, full in DTYPE_NAMES.items()}
+ITEMSIZES = {short: int(short[2:]) // 8 for short in DTYPES}  # bytes: the name's bits / 8
 SCALINGS = ("weak", "strong")
 DEFAULT_IMPL = "default"  # CP: the strategy's local kernel; kernels: the package's default
 ALL = "all"

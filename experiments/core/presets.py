@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from attn_masks import MASK_NAMES
 from experiments.core import tuning
-from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, LAYOUTS, Grid
+from experiments.core.points import ALL, CP_STRATEGIES, DEFAULT_IMPL, Grid
+from shard_strategies import LAYOUTS
 
 PRESETS = ("smoke", "paper", "full", "cp_bench", "tune_pallas", "cross", "cp_predict")
 K = 1024

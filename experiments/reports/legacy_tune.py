@@ -3,10 +3,9 @@ driver records, so the report reads them beside the driver's own."""
 
 from __future__ import annotations
 
-from experiments.core.points import DTYPE_NAMES, Point
+from experiments.core.points import SHORT_DTYPES, Point
 
 STATUS = {"ok": "ok", "mismatch": "wrong", "error": "error"}
-SHORT_DTYPE = {full: short for short, full in DTYPE_NAMES.items()}
 # What that script ran with: no L2 flush, warmup 2, 5 timed calls, seed 0, make_mask's window.
 WARMUP, ITERS, SEED, WINDOW = 2, 5, 0, 1024
 
@@ -35,7 +34,7 @@ def as_driver_record(rec: dict) -> dict:
         heads_q=rec["heads_q"],
         heads_kv=rec["heads_kv"],
         head_dim=rec["head_dim"],
-        dtype=SHORT_DTYPE.get(rec["dtype"], rec["dtype"]),
+        dtype=SHORT_DTYPES.get(rec["dtype"], rec["dtype"]),
         mode=rec["mode"],
         num_masks=1,
         seed=SEED,

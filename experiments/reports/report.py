@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from experiments.core.points import FRAMEWORKS
 from experiments.reports import plots, report_cp, report_sim, tile_efficiency, tuning_table
 from experiments.reports.report_parts import (
     POINT_FIELDS,
@@ -258,7 +259,7 @@ def cross_framework(rows: list[dict]) -> list[dict]:
     for point, members in sorted(_point_groups(rows).items()):
         row = dict(zip(POINT_COLUMNS, point))
         best, control = {}, {}
-        for fw in ("jax", "torch"):
+        for fw in FRAMEWORKS:
             best[fw] = b = _best(members, fw)
             row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
             found = [r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]]
@@ -278,7 +279,7 @@ def cross_cells(rows: list[dict]) -> dict[str, list[dict]]:
     for (cp, mask, total, _, mode, cfg), members in sorted(_point_groups(rows).items()):
         if cp != "none":
             continue
-        best = {fw: _best(members, fw) for fw in ("jax", "torch")}
+        best = {fw: _best(members, fw) for fw in FRAMEWORKS}
         jax_best, torch_best = best["jax"], best["torch"]
         if jax_best and torch_best:
             ratio = jax_best["tflops"] / torch_best["tflops"]

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
-from experiments.core.points import Point
+from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import check_ranks
 from experiments.runners.cp_ranks import Ranks
@@ -233,7 +233,7 @@ class CPSimulator:
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
         plan = self._plan(point, mask, impl)
-        itemsize = frameworks.ITEMSIZE[point.dtype]
+        itemsize = ITEMSIZES[point.dtype]
         entry = ENTRY[point.framework]
         sched = simulate.schedule(
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry

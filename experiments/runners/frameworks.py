@@ -12,7 +12,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from experiments.core.outcomes import UNSUPPORTED, PointFailure, not_available
-from experiments.core.points import DEFAULT_IMPL, DTYPE_NAMES, Point
+from experiments.core.points import DEFAULT_IMPL, DTYPE_NAMES, ITEMSIZES, Point
 
 KERNEL_PACKAGES = {"jax": "jax_attn", "torch": "torch_attn"}
 CP_MODULES = {"jax": "shard_strategies.jax_cp", "torch": "shard_strategies.torch_cp"}
@@ -82,9 +82,6 @@ def inner_axis(ulysses_intra_node: bool | None) -> str:
     return "ring" if ulysses_intra_node is False else "ulysses"
 
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
 def cp_plan_info(point: Point, mask) -> dict:
     """The strategy's plan for this point (load balance, steps, per-rank bytes moved); a
     configuration the plan rejects (e.g. heads that do not split over Ulysses) is unsupported."""
@@ -107,7 +104,7 @@ def cp_plan_info(point: Point, mask) -> dict:
         )
     except ValueError as e:
         raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
-    volume = plan.comm_volume(itemsize=ITEMSIZE[point.dtype], batch=point.batch)
+    volume = plan.comm_volume(itemsize=ITEMSIZES[point.dtype], batch=point.batch)
     return {"plan": plan.summary(), "comm": volume}
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 
 from experiments.core.outcomes import OOM, PointFailure
-from experiments.core.points import Point
-from experiments.runners.frameworks import ITEMSIZE
+from experiments.core.points import ITEMSIZES, Point
 
 DENSE_IMPLS = {"jax": ("reference", "xla"), "torch": ("naive", "sdpa_math")}
 GIB = 1 << 30
@@ -26,7 +25,7 @@ def score_bytes(point: Point) -> int:
     """Lower bound of a dense impl's score memory at this point (bytes)."""
     scores = point.batch * point.heads_q * point.seqlen_per_device * point.seqlen_per_device
     copies = 1 if point.mode == "fwd" else 2
-    return scores * ITEMSIZE[point.dtype] * copies
+    return scores * ITEMSIZES[point.dtype] * copies
 
 
 def array_bytes(point: Point) -> int:
@@ -35,7 +34,7 @@ def array_bytes(point: Point) -> int:
     rows = point.batch * point.seqlen_per_device
     q_like, kv_like = rows * point.heads_q * point.head_dim, rows * point.heads_kv * point.head_dim
     copies = 2 if point.mode == "fwd" else 4
-    return copies * (q_like + kv_like) * ITEMSIZE[point.dtype] + rows * point.heads_q * 4
+    return copies * (q_like + kv_like) * ITEMSIZES[point.dtype] + rows * point.heads_q * 4
 
 
 def need_bytes(point: Point) -> int:
@@ -56,7 +55,7 @@ def require_fits(point: Point, capacity_bytes: int | None, *, host: bool = False
         return
     dense = need_bytes(point) > array_bytes(point)
     what = (
-        f"{point.impl} materialises the scores (B x Hq x S x S x {ITEMSIZE[point.dtype]} B"
+        f"{point.impl} materialises the scores (B x Hq x S x S x {ITEMSIZES[point.dtype]} B"
         f"{'' if point.mode == 'fwd' else ' x 2 with backward'}) besides its inputs"
         if dense
         else ("q, k, v and out" if point.mode == "fwd" else "q, k, v, out and their gradients")

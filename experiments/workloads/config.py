@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from experiments.core.points import SHORT_DTYPES
 from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import placement
@@ -13,7 +14,6 @@ from .lm import LMConfig
 from .train import OptimConfig
 
 WORKLOAD = "train_step"
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)

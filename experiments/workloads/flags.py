@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import flags
 
+from experiments.core.points import DTYPE_NAMES
 from experiments.core.results import folder_problem
 
 if TYPE_CHECKING:
@@ -63,7 +64,6 @@ GPU_DEFAULTS = {
     "warmup": 5,
     "iters": 20,
 }
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -231,7 +231,7 @@ def train_config(
             depth=get("depth"),
             heads_q=get("lm_heads_q"),
             heads_kv=get("lm_heads_kv"),
-            dtype=DTYPES[get("dtype")],
+            dtype=DTYPE_NAMES[get("dtype")],
         ),
         data=DataConfig(
             seqlen=_seqlen(single(flag_values, "seqlen", what="sequence length")) or d["seqlen"],

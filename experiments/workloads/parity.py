@@ -23,11 +23,11 @@ import numpy as np
 
 from attn_masks import Mask, from_slices
 from experiments.core.outcomes import OK, WRONG
+from experiments.core.points import SHORT_DTYPES
 from experiments.core.results import ResultsStore
 
 from .bundle import BUNDLE_NPZ, MASK_KEYS, META_JSON
 
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 OUT_DIR = "results/local/parity"
 
 

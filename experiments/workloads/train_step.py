@@ -34,6 +34,7 @@ from absl import flags
 
 from experiments.core import provenance
 from experiments.core.outcomes import ERROR, OK, WRONG, PointFailure, classify, short_traceback
+from experiments.core.points import SHORT_DTYPES
 from experiments.core.progress import Progress
 from experiments.core.results import OutDirBusy, ResultsStore, locked_out_dir
 from experiments.runners import checks, memory, timing
@@ -41,14 +42,7 @@ from experiments.workloads.nnx_attention import AttentionBackend
 
 from . import attention_time, curves, data, lm, masking, placement, records, train
 from .checkpoint import Checkpointer, DamagedCheckpoint
-from .config import (
-    SHORT_DTYPES,
-    TrainConfig,
-    device_count,
-    fingerprint,
-    point_fields,
-    run_key,
-)
+from .config import TrainConfig, device_count, fingerprint, point_fields, run_key
 
 USAGE_ERROR = 2  # exit status of a flag value train_step cannot use (nothing ran)
 ATTENTION_SAMPLES = 4  # steps whose masks attention is timed on alone, for its time share
