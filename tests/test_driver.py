@@ -772,7 +772,7 @@ def _flat(framework: str, impl: str, tflops: float | None, *, seqlen: int = 1024
 
 
 def test_same_kernel_table_flags_gaps_over_three_percent():
-    from experiments.reports.report import cross_framework, same_kernel
+    from experiments.reports.report import control_summary, cross_framework, same_kernel
 
     rows = [
         _flat("jax", "triton", 100.0),
@@ -790,10 +790,19 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
     assert by_len[1024]["jax_vs_torch"] == f"{100 / 95 - 1:+.1%} (over 3%: profile)"
     assert by_len[2048]["jax_vs_torch"] == f"{100 / 99 - 1:+.1%}"
     assert (by_len[4096]["jax"], by_len[4096]["jax_vs_torch"]) == ("OOM", "-")
+    rows += [
+        _flat("jax", "cudnn", 101.5, seqlen=2048),
+        _flat("torch", "sdpa_cudnn", 100.0, seqlen=2048),
+    ]
     cross = {r["seqlen_total"]: r for r in cross_framework(rows)}
     assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
-    assert cross[2048]["cudnn_jax_over_torch"] == "-"
+    assert cross[4096]["cudnn_jax_over_torch"] == cross[4096]["cudnn_within_2pct"] == "-"
+    # the control: cuDNN from both frameworks within 2% (1.5% apart: yes; 20%: NO, named)
+    assert (cross[1024]["cudnn_within_2pct"], cross[2048]["cudnn_within_2pct"]) == ("NO", "yes")
+    (line, _) = control_summary(list(cross.values()))
+    assert line.startswith("cuDNN control: 1 of 2 points within 2% between the frameworks")
+    assert line.endswith("; outside: causal 1024 fwd b1 h4:2 d64 bfloat16 1.20x.")
 
 
 def test_jax_vs_torch_heatmap_cells(tmp_path):

@@ -244,6 +244,38 @@ def _ratio(a: dict | None, b: dict | None) -> str:
     return f"{a['tflops'] / b['tflops']:.2f}x" if ok else "-"
 
 
+CONTROL_TOLERANCE = 0.02  # cuDNN run from JAX and from PyTorch: the same kernel, within 2%
+
+
+def _within_control(jax_row: dict | None, torch_row: dict | None) -> str:
+    """ "yes" / "NO" whether the two frameworks' cuDNN rates agree within CONTROL_TOLERANCE,
+    "-" where either has no ok cuDNN row."""
+    if _ratio(jax_row, torch_row) == "-":
+        return "-"
+    gap = abs(jax_row["tflops"] / torch_row["tflops"] - 1.0)
+    return "yes" if gap <= CONTROL_TOLERANCE else "NO"
+
+
+def control_summary(cross: list[dict]) -> list[str]:
+    """One line on the cuDNN control over the cross-framework rows: how many agree within
+    CONTROL_TOLERANCE, and the points that do not (their measurements deserve a rerun)."""
+    judged = [c for c in cross if c["cudnn_within_2pct"] != "-"]
+    if not judged:
+        return []
+    off = [c for c in judged if c["cudnn_within_2pct"] == "NO"]
+    line = (
+        f"cuDNN control: {len(judged) - len(off)} of {len(judged)} points within "
+        f"{CONTROL_TOLERANCE:.0%} between the frameworks"
+    )
+    if off:
+        where = "; ".join(
+            f"{c['mask']} {c['seqlen_total']} {c['mode']} {c['config']} {c['cudnn_jax_over_torch']}"
+            for c in off
+        )
+        line += f"; outside: {where}"
+    return [line + ".", ""]
+
+
 POINT_COLUMNS = ("cp", "mask", "seqlen_total", "seqlen_per_device", "mode", "config")
 
 
@@ -267,6 +299,7 @@ def cross_framework(rows: list[dict]) -> list[dict]:
             row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
         row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
         row["cudnn_jax_over_torch"] = _ratio(control["jax"], control["torch"])
+        row["cudnn_within_2pct"] = _within_control(control["jax"], control["torch"])
         out.append(row)
     return out
 
@@ -411,7 +444,9 @@ def write_markdown(
             "cudnn_jax",
             "cudnn_torch",
             "cudnn_jax_over_torch",
+            "cudnn_within_2pct",
         ]
+        lines += control_summary(cross)
         lines += md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
     if shared:
         lines += [
