@@ -377,6 +377,50 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_row_checks_emulate_whole_query_tiles(monkeypatch, strategy):
+    """A row check emulates CHECK_TILES whole query tiles of a shard (the first and last real
+    ones among them) instead of the shard: those rows' out and dq equal the whole shard's
+    emulation at the same rows, the check passes drawing no more queries than those tiles, and
+    a restricted piece from the wrong step fails it."""
+    from experiments.runners import checks, cp_ranks
+    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), mask="causal_document", seqlen=256)
+    mask = named_mask("causal_document", point.seqlen_total)
+    runner = JaxRunner()
+    plan = JaxRanks.executor_plan(point, mask, "reference")
+    ranks = JaxRanks(plan, "reference", point, 0, runner)
+    block = ranks.check_block()
+    for r in range(plan.ring_size):
+        rows, shard = ranks.check_rows(r, mask.seqlen_q), plan.layout.positions[r]
+        n = len(shard)
+        tiles = np.unique(rows // block)
+        whole_tiles = [np.arange(t * block, min((t + 1) * block, n)) for t in tiles]
+        np.testing.assert_array_equal(rows, np.concatenate(whole_tiles))
+        real_tiles = np.unique(np.flatnonzero(shard < mask.seqlen_q) // block)
+        assert list(tiles) == [real_tiles[0], real_tiles[-1]] and len(rows) < n
+        whole, part = ranks.emulate(r, 0), ranks.emulate(r, 0, rows)
+        for name in ("out", "dq"):
+            np.testing.assert_allclose(part[name], whole[name][:, rows], rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    draws = _record_draws(monkeypatch, JaxRanks)
+    check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    assert check.ok and check.kind == "rows" and checked, check.message
+    assert max(n for name, n, _ in draws if name in ("q", "dout")) <= 2 * block
+    if strategy == "ring":
+        real = JaxRanks.row_piece
+        last = plan.num_steps - 1
+        monkeypatch.setattr(
+            JaxRanks, "row_piece", lambda self, r, t, rows: real(self, r, last - t, rows)
+        )
+        check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+        assert not check.ok and "rank" in check.message
+
+
 def test_simulated_points_on_one_cpu_device(monkeypatch):
     """The runner end to end (one test, so its compiled step functions are shared)."""
     from experiments.runners.jax_runner import JaxRunner

@@ -56,11 +56,13 @@ def _full_check(ranks: Ranks, mask, grads: bool, rtol: float) -> checks.CheckRes
 def _rank_check(
     ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
 ) -> checks.CheckResult:
-    """Rank (r, u) emulated and compared at sampled rows of its own tokens and heads (its
-    blocks' dK/dV: finite only, as a row check of the whole problem would)."""
+    """Rank (r, u) emulated (on whole query tiles of its shard where the framework can:
+    Ranks.check_rows) and compared at sampled rows of those tokens and its heads (its blocks'
+    dK/dV: finite only, as a row check of the whole problem would)."""
     plan = ranks.plan
-    res = ranks.emulate(r, u)
-    pos = plan.layout.positions[r]
+    rows = ranks.check_rows(r, mask.seqlen_q)
+    res = ranks.emulate(r, u, rows)
+    pos = plan.layout.positions[r] if rows is None else plan.layout.positions[r][rows]
     rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed, len(ranks.q_heads[u]))
     order = np.argsort(pos)
     local = order[np.searchsorted(pos[order], rows_plan.rows)]

@@ -15,6 +15,8 @@ import numpy as np
 from experiments.core.points import Point
 from experiments.runners import frameworks, inputs
 
+CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
+
 
 def plan_settings(point: Point) -> dict:
     """The plan keywords both executors take from a point (strategy, layout, sizes, placement)."""
@@ -103,10 +105,33 @@ class Ranks(ABC):
     def to_host(self, x) -> np.ndarray:
         """A float32 numpy copy of a device array."""
 
+    def check_block(self) -> int | None:
+        """The query tile in which this framework's emulation can be restricted to some rows of
+        a shard (check_rows), or None: a row check emulates whole shards."""
+        return None
+
+    def check_rows(self, r: int, seqlen: int) -> np.ndarray | None:
+        """Local rows of ring rank r's shard that a row check emulates: CHECK_TILES whole query
+        tiles holding real tokens (the first, the last, evenly between), so each kernel call
+        sees those tiles as the shard's call does at a fraction of its work; None: all rows
+        (the framework cannot restrict, or the shard has no more tiles than that)."""
+        block = self.check_block()
+        n = len(self.plan.layout.positions[r])
+        if block is None or n <= CHECK_TILES * block:
+            return None
+        starts = np.arange(0, n, block)
+        tiles = starts[np.logical_or.reduceat(self.plan.layout.positions[r] < seqlen, starts)]
+        if not len(tiles):
+            return None
+        pick = np.unique(np.linspace(0, len(tiles) - 1, min(len(tiles), CHECK_TILES)).round())
+        return np.concatenate([np.arange(s, min(s + block, n)) for s in tiles[pick.astype(int)]])
+
     @abstractmethod
-    def emulate(self, r: int, u: int) -> dict:
+    def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         """Rank (r, u) end to end: its output "out" (and "dq"), and "dkv": (kept step, dK, dV)
-        of every block it saw, over that block's key positions (float32 host arrays)."""
+        of every block it saw, over that block's key positions (float32 host arrays). rows
+        (check_rows; only where check_block is not None): only those rows of its shard, in
+        that order, each step's mask piece restricted to them (their dK/dV parts only)."""
 
     @abstractmethod
     def call_shape(self, r: int, t: int) -> tuple | None:

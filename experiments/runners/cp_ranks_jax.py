@@ -111,6 +111,23 @@ class JaxRanks(Ranks):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""
         return self.jax.device_put(self.jax.tree.map(lambda a: a[r, t], self.arrays))
 
+    def check_block(self) -> int:
+        return self.arrays.block_q
+
+    def row_piece(self, r: int, t: int, rows: np.ndarray):
+        """The piece of ring rank r at kept step t restricted to the shard's local `rows`, with
+        the point's interval count and full-width tile lists (one compilation per key length),
+        on the device."""
+        from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
+        from shard_strategies.jax_cp import piece_arrays
+
+        piece = self.plan.pieces[r][t]
+        sub = piece.restrict(rows, np.arange(piece.seqlen_k))
+        arrays = piece_arrays(sub, self.impl, self.plan.head_dim, self.dtype)
+        widest = empty_mask_arrays(arrays, self.arrays.num_intervals)
+        padded = stack_mask_arrays([arrays, widest])
+        return self.jax.device_put(self.jax.tree.map(lambda a: a[0], padded))
+
     def call_shape(self, r: int, t: int) -> tuple:
         """The key block's length (every step of every rank makes its call)."""
         return (len(self.plan.key_positions(r, t)),)
@@ -127,9 +144,12 @@ class JaxRanks(Ranks):
     def features(self) -> np.ndarray:
         return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
 
-    def queries(self, name: str, r: int, u: int):
-        """q or dout of rank (r, u): its ring shard's tokens, its Ulysses group's heads."""
-        return self.device_rows(name, self.plan.layout.positions[r], self.q_heads[u])
+    def queries(self, name: str, r: int, u: int, rows: np.ndarray | None = None):
+        """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it), its
+        Ulysses group's heads."""
+        positions = self.plan.layout.positions[r]
+        positions = positions if rows is None else positions[rows]
+        return self.device_rows(name, positions, self.q_heads[u])
 
     def keys(self, r: int, u: int, t: int):
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
@@ -189,12 +209,13 @@ class JaxRanks(Ranks):
         self.jax.block_until_ready(fn(*args))
         return timing.jax_time_calls(fn, args, warmup=warmup, iters=iters, flush=self.flush)
 
-    def emulate(self, r: int, u: int) -> dict:
+    def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         s, jnp = self.steps, self.jnp
         grads = self.mode != "fwd"
-        q = self.queries("q", r, u)
+        q = self.queries("q", r, u, rows)
         steps = range(self.plan.num_steps) if self.ring_core else range(1)
-        blocks = {t: (*self.keys(r, u, t), self.piece(r, t)) for t in steps}
+        piece = self.piece if rows is None else lambda r, t: self.row_piece(r, t, rows)
+        blocks = {t: (*self.keys(r, u, t), piece(r, t)) for t in steps}
         parts = []
         if self.ring_core:
             out = lse = None
@@ -202,7 +223,7 @@ class JaxRanks(Ranks):
                 out, lse = s.fwd(q, *blocks[t], out, lse)
             out = out.astype(q.dtype)
             if grads:
-                dout = self.queries("dout", r, u)
+                dout = self.queries("dout", r, u, rows)
                 rowdot, dq = s.start(q, out, dout)
                 res = (out, lse, dout, self._zero_lse(q), rowdot)
                 for t in steps:
@@ -212,7 +233,7 @@ class JaxRanks(Ranks):
             out, _ = s.once(q, *blocks[0])
         else:
             (out, _), pullback = s.once_vjp(q, *blocks[0])
-            dq, dk, dv = pullback((self.queries("dout", r, u), self._zero_lse(q)))
+            dq, dk, dv = pullback((self.queries("dout", r, u, rows), self._zero_lse(q)))
             parts.append((0, (dk, dv)))
         result = {"out": np.asarray(out.astype(jnp.float32))}
         if grads:

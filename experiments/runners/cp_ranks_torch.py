@@ -201,7 +201,9 @@ class TorchRanks(Ranks):
         times, _ = timing.torch_time_calls(fn, warmup=warmup, iters=iters, device=self.device)
         return times
 
-    def emulate(self, r: int, u: int) -> dict:
+    def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
+        if rows is not None:
+            raise ValueError("torch ranks emulate whole shards (their check_block is None)")
         torch, cp = self.torch, self.cp
         grads = self.mode != "fwd"
         if self._local:

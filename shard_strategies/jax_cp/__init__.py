@@ -23,7 +23,7 @@ The ring step functions are exported for the CP predictor, which times them rank
 """
 
 from ._api import CPExecutor, attention, build, cp_mesh, executor_plan, ring_mask_arrays
-from ._local import local_attention, resolve_impl
+from ._local import local_attention, piece_arrays, resolve_impl
 from ._ring import backward_start, backward_step, forward_step
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "executor_plan",
     "forward_step",
     "local_attention",
+    "piece_arrays",
     "resolve_impl",
     "ring_mask_arrays",
 ]
