@@ -111,10 +111,14 @@ def run_side_by_side(
 
     Returns each one's exit status by name, in the order they ended; INTERRUPTED after a Ctrl-C
     (the workers got the same one: their remaining lines are handed over once they stopped).
+    Any other exception (on_line's too) kills and reaps the workers before it propagates, so
+    none outlives a failed parent and no pump thread keeps this process alive.
     """
     lines: queue.Queue = queue.Queue()
     procs = {name: spawn(cmd, lock_fd, env, capture=True) for name, cmd in cmds.items()}
-    pumps = [threading.Thread(target=_pump, args=(n, p, lines)) for n, p in procs.items()]
+    pumps = [
+        threading.Thread(target=_pump, args=(n, p, lines), daemon=True) for n, p in procs.items()
+    ]
     for pump in pumps:
         pump.start()
     codes: dict[str, int] = {}
@@ -135,6 +139,12 @@ def run_side_by_side(
         while not lines.empty():
             hand_over(lines.get_nowait())
         return INTERRUPTED
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+        for proc in procs.values():
+            proc.wait()
+        raise
     return codes
 
 

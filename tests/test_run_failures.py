@@ -230,6 +230,38 @@ def test_side_by_side_workers_after_ctrl_c_hand_over_the_rest_and_say_interrupte
     assert len(got) == 4
 
 
+def test_side_by_side_workers_die_with_the_parent_when_on_line_raises(tmp_path, monkeypatch):
+    """on_line fails on the first line while the workers would run a minute more: the error
+    reaches the caller at once, and both workers are killed and reaped before it does."""
+    spawned: list[subprocess.Popen] = []
+    real_spawn = workers.spawn
+
+    def spawn(*args, **kwargs) -> subprocess.Popen:
+        spawned.append(real_spawn(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(workers, "spawn", spawn)
+
+    def fail(name: str, line: str) -> None:
+        raise RuntimeError(f"on_line failed on {line}")
+
+    slow = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    lock_fd = os.open(tmp_path / "lock", os.O_CREAT | os.O_RDWR)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="on_line failed on started"):
+            workers.run_side_by_side({"a": slow, "b": slow}, lock_fd, fail)
+    finally:
+        os.close(lock_fd)
+        alive = [p for p in spawned if p.poll() is None]
+        for proc in alive:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - start < 20
+    assert len(spawned) == 2 and not alive
+    assert [proc.returncode for proc in spawned] == [-signal.SIGKILL] * 2
+
+
 def _full_disk(monkeypatch, results: Path, whole: int) -> dict[str, bytes]:
     """After `whole` appends to results, the disk fills: half a line, then ENOSPC. Returns
     {'before': the file's bytes just before the append that fails}."""
