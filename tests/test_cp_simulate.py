@@ -377,12 +377,14 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
-def test_row_checks_emulate_whole_query_tiles(monkeypatch, strategy):
+def test_row_checks_emulate_whole_query_tiles(monkeypatch, strategy, impl):
     """A row check emulates CHECK_TILES whole query tiles of a shard (the first and last real
     ones among them) instead of the shard: those rows' out and dq equal the whole shard's
     emulation at the same rows, the check passes drawing no more queries than those tiles, and
-    a restricted piece from the wrong step fails it."""
+    a restricted piece from the wrong step fails it. pallas (interpreted on the CPU) walks the
+    restricted pieces' tile lists, which the reference never reads."""
     from experiments.runners import checks, cp_ranks
     from experiments.runners.cp_rank_checks import check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
@@ -392,8 +394,8 @@ def test_row_checks_emulate_whole_query_tiles(monkeypatch, strategy):
     point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), mask="causal_document", seqlen=256)
     mask = named_mask("causal_document", point.seqlen_total)
     runner = JaxRunner()
-    plan = JaxRanks.executor_plan(point, mask, "reference")
-    ranks = JaxRanks(plan, "reference", point, 0, runner)
+    plan = JaxRanks.executor_plan(point, mask, impl)
+    ranks = JaxRanks(plan, impl, point, 0, runner)
     block = ranks.check_block()
     for r in range(plan.ring_size):
         rows, shard = ranks.check_rows(r, mask.seqlen_q), plan.layout.positions[r]
