@@ -790,19 +790,36 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
     assert by_len[1024]["jax_vs_torch"] == f"{100 / 95 - 1:+.1%} (over 3%: profile)"
     assert by_len[2048]["jax_vs_torch"] == f"{100 / 99 - 1:+.1%}"
     assert (by_len[4096]["jax"], by_len[4096]["jax_vs_torch"]) == ("OOM", "-")
+    ring = {
+        "cp": "ring",
+        "layout": "zigzag",
+        "seqlen_per_device": 2048,
+        "num_devices": 4,
+        "scaling": "weak",
+    }
     rows += [
         _flat("jax", "cudnn", 101.5, seqlen=2048),
         _flat("torch", "sdpa_cudnn", 100.0, seqlen=2048),
+        {**_flat("jax", "cudnn", 97.0, seqlen=8192), **ring},
+        {**_flat("torch", "sdpa_cudnn", 100.0, seqlen=8192), **ring},
     ]
     cross = {r["seqlen_total"]: r for r in cross_framework(rows)}
     assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
     assert cross[4096]["cudnn_jax_over_torch"] == cross[4096]["cudnn_within_2pct"] == "-"
-    # the control: cuDNN from both frameworks within 2% (1.5% apart: yes; 20%: NO, named)
-    assert (cross[1024]["cudnn_within_2pct"], cross[2048]["cudnn_within_2pct"]) == ("NO", "yes")
+    assert cross[4096]["cudnn_jax_vs_torch"] == "-"
+    # the control: cuDNN from both frameworks within 2% (1.5% apart: yes; 20% or 3%: NO, named
+    # with the signed gap, the CP point with its strategy and per-device length)
+    gaps = {1024: "+20.0%", 2048: "+1.5%", 8192: "-3.0%"}  # 120, 101.5, 97 against 100
+    assert {s: cross[s]["cudnn_jax_vs_torch"] for s in gaps} == gaps
+    within = {s: cross[s]["cudnn_within_2pct"] for s in gaps}
+    assert within == {1024: "NO", 2048: "yes", 8192: "NO"}
     (line, _) = control_summary(list(cross.values()))
-    assert line.startswith("cuDNN control: 1 of 2 points within 2% between the frameworks")
-    assert line.endswith("; outside: causal 1024 fwd b1 h4:2 d64 bfloat16 1.20x.")
+    assert line == (
+        "cuDNN control: 1 of 3 points within 2% between the frameworks; outside: "
+        f"causal 1024 fwd b1 h4:2 d64 bfloat16 {gaps[1024]}; "
+        f"ring/zigzag causal 8192 (2048/device) fwd b1 h4:2 d64 bfloat16 x4 weak {gaps[8192]}."
+    )
 
 
 def test_jax_vs_torch_heatmap_cells(tmp_path):

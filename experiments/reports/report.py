@@ -245,33 +245,45 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 
 
 CONTROL_TOLERANCE = 0.02  # cuDNN run from JAX and from PyTorch: the same kernel, within 2%
+CONTROL_COLUMN = f"cudnn_within_{CONTROL_TOLERANCE * 100:g}pct"  # named after the tolerance
 
 
-def _within_control(jax_row: dict | None, torch_row: dict | None) -> str:
-    """ "yes" / "NO" whether the two frameworks' cuDNN rates agree within CONTROL_TOLERANCE,
-    "-" where either has no ok cuDNN row."""
+def _control_gap(jax_row: dict | None, torch_row: dict | None) -> float | None:
+    """JAX's cuDNN rate over PyTorch's, minus one (None where either has no ok cuDNN row)."""
     if _ratio(jax_row, torch_row) == "-":
+        return None
+    return jax_row["tflops"] / torch_row["tflops"] - 1.0
+
+
+def _within_control(gap: float | None) -> str:
+    """ "yes" / "NO" whether the cuDNN gap is within CONTROL_TOLERANCE, "-" where none."""
+    if gap is None:
         return "-"
-    gap = abs(jax_row["tflops"] / torch_row["tflops"] - 1.0)
-    return "yes" if gap <= CONTROL_TOLERANCE else "NO"
+    return "yes" if abs(gap) <= CONTROL_TOLERANCE else "NO"
+
+
+def _point_name(c: dict) -> str:
+    """A cross-framework point in words: its CP strategy and per-device length where it has
+    them (a CP point), then mask, total length, mode and config."""
+    cp = [] if c["cp"] == "none" else [c["cp"]]
+    total, per_device = c["seqlen_total"], c["seqlen_per_device"]
+    length = f"{total}" if per_device == total else f"{total} ({per_device}/device)"
+    return " ".join([*cp, c["mask"], length, c["mode"], c["config"]])
 
 
 def control_summary(cross: list[dict]) -> list[str]:
     """One line on the cuDNN control over the cross-framework rows: how many agree within
-    CONTROL_TOLERANCE, and the points that do not (their measurements deserve a rerun)."""
-    judged = [c for c in cross if c["cudnn_within_2pct"] != "-"]
+    CONTROL_TOLERANCE, and the points that do not with their signed gap (worth a rerun)."""
+    judged = [c for c in cross if c[CONTROL_COLUMN] != "-"]
     if not judged:
         return []
-    off = [c for c in judged if c["cudnn_within_2pct"] == "NO"]
+    off = [c for c in judged if c[CONTROL_COLUMN] == "NO"]
     line = (
         f"cuDNN control: {len(judged) - len(off)} of {len(judged)} points within "
         f"{CONTROL_TOLERANCE:.0%} between the frameworks"
     )
     if off:
-        where = "; ".join(
-            f"{c['mask']} {c['seqlen_total']} {c['mode']} {c['config']} {c['cudnn_jax_over_torch']}"
-            for c in off
-        )
+        where = "; ".join(f"{_point_name(c)} {c['cudnn_jax_vs_torch']}" for c in off)
         line += f"; outside: {where}"
     return [line + ".", ""]
 
@@ -299,7 +311,9 @@ def cross_framework(rows: list[dict]) -> list[dict]:
             row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
         row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
         row["cudnn_jax_over_torch"] = _ratio(control["jax"], control["torch"])
-        row["cudnn_within_2pct"] = _within_control(control["jax"], control["torch"])
+        gap = _control_gap(control["jax"], control["torch"])
+        row["cudnn_jax_vs_torch"] = "-" if gap is None else f"{gap:+.1%}"
+        row[CONTROL_COLUMN] = _within_control(gap)
         out.append(row)
     return out
 
@@ -444,7 +458,8 @@ def write_markdown(
             "cudnn_jax",
             "cudnn_torch",
             "cudnn_jax_over_torch",
-            "cudnn_within_2pct",
+            "cudnn_jax_vs_torch",
+            CONTROL_COLUMN,
         ]
         lines += control_summary(cross)
         lines += md_table(keys, [[c[k] for k in keys] for c in cross]) + [""]
