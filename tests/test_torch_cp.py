@@ -63,6 +63,16 @@ def test_slurm_variables_become_torchrun_ones():
     assert env["MASTER_ADDR"] == "n1" and env["MASTER_PORT"] == "29500"
 
 
+def test_workers_run_every_layout_of_the_project():
+    """The workers take the layouts from shard_strategies, so a new layout is tested too."""
+    import torch_cp_worker
+
+    import shard_strategies
+
+    assert torch_cp_worker.LAYOUTS is shard_strategies.LAYOUTS
+    assert {case.layout for case in torch_cp_worker.cases()} == set(shard_strategies.LAYOUTS)
+
+
 def test_torch_cp_against_the_oracle_and_the_plan(tmp_path):
     """One launch (so pytest-xdist never starts two process groups) checks every case."""
     seed = random.randrange(1 << 30)

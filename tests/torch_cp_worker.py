@@ -32,13 +32,12 @@ from attn_masks import (
     reference_attention,
     uniform_block_sparse,
 )
-from shard_strategies import torch_cp
+from shard_strategies import LAYOUTS, torch_cp
 
 SEQLEN = 90
 HEAD_DIM = 8
 HEADS = ((4, 4), (4, 2), (8, 1))  # (Hq, Hkv): MHA, GQA, GQA with K/V replication under U=4
 SUBGROUP = (1, 3)
-LAYOUTS = ("contiguous", "zigzag", "balanced")
 # (label, strategy, options, group, all masks?): group "world" is group=None (real subgroups),
 # "copy" a new group of all ranks (a caller's group: no subgroups made), "pair" SUBGROUP only.
 # The five strategies run every mask; their variants a few masks with the hard cases.
