@@ -15,6 +15,8 @@ Scripts run as `python experiments/x.py` find the packages through the install
 from __future__ import annotations
 
 import ast
+import fnmatch
+import os
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -290,15 +292,68 @@ def sys_path_edits(source: str) -> list[int]:
     return sorted(lines)
 
 
+def python_files(root: Path = ROOT) -> list[Path]:
+    """Every Python file under `root` that git does not ignore, committed or not (a new file
+    is checked before it is added); without git or a checkout, walk_python_files."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "*.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return walk_python_files(root)
+    return sorted({root / f for f in listed.split("\0") if f and (root / f).is_file()})
+
+
+def walk_python_files(root: Path) -> list[Path]:
+    """The Python files under `root` outside hidden folders and the folders its .gitignore
+    names ("name/" anywhere, "/path/" from the root): what git would list, near enough."""
+    ignore = root / ".gitignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    folders = [line.strip().rstrip("/") for line in lines if line.strip().endswith("/")]
+    found = []
+    for here, dirs, names in os.walk(root):
+        rel = Path(here).relative_to(root)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not _ignored(rel / d, folders)]
+        found += [Path(here) / n for n in names if n.endswith(".py")]
+    return sorted(found)
+
+
+def _ignored(folder: Path, patterns: list[str]) -> bool:
+    """Whether a folder (relative to the root) matches a .gitignore folder pattern: one with a
+    slash matches the whole relative path, one without the folder's name."""
+    return any(
+        fnmatch.fnmatch(folder.as_posix(), p.lstrip("/"))
+        if "/" in p
+        else fnmatch.fnmatch(folder.name, p)
+        for p in patterns
+    )
+
+
+def test_python_files_include_new_ones_and_skip_ignored_ones(tmp_path):
+    """With git: committed and untracked files, not the ignored ones; without: the same by a
+    walk of the tree (so a file under development is checked either way)."""
+    (tmp_path / ".gitignore").write_text("build/\n/out/\n*.pyc\n")
+    for name in ("a.py", "new.py", "pkg/b.py", "pkg/out/c.py", "build/x.py", "out/y.py", ".v/z.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    want = [tmp_path / n for n in ("a.py", "new.py", "pkg/b.py", "pkg/out/c.py")]
+    assert python_files(tmp_path) == want  # not a checkout: the walk
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "a.py", "pkg/b.py"], cwd=tmp_path, check=True)
+    (tmp_path / ".v" / "z.py").unlink()  # git lists hidden folders; the walk skips them
+    assert python_files(tmp_path) == want
+
+
 def test_no_file_edits_sys_path():
-    """Every committed Python file (modules, scripts, tests; this one names the calls it looks
-    for) imports the packages as installed or from PYTHONPATH: a file that puts a folder on
-    sys.path itself hides a broken install."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    """Every Python file git does not ignore (modules, scripts, tests; this one names the calls
+    it looks for) imports the packages as installed or from PYTHONPATH: a file that puts a
+    folder on sys.path itself hides a broken install."""
     this = Path(__file__).resolve()
-    files = [ROOT / f for f in listed.split("\0") if f and ROOT / f != this]
+    files = [path for path in python_files() if path != this]
     assert {*modules().values(), *(ROOT / "tests").glob("*.py")} - {this} <= set(files)
     bad = [
         f"{path.relative_to(ROOT)}:{line}"
