@@ -483,6 +483,28 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
         _modelled_equals_timed(m)
 
 
+def test_a_failed_points_baseline_seconds_go_to_the_next_point():
+    """A point that fails after running its baseline (Ulysses over more devices than heads)
+    leaves the baseline's seconds to the next point of the same problem, which reports them;
+    a later point sharing the baseline reports none."""
+    from experiments.core.outcomes import PointFailure
+    from experiments.runners.cp_simulate import kernel_point
+    from experiments.runners.jax_runner import JaxRunner
+
+    runner = JaxRunner()
+    failing = _point("ulysses", 8, "fwd", sim.LinkModel(), "causal", seqlen=16)
+    with pytest.raises(PointFailure) as e:
+        runner.run(failing)
+    assert e.value.status == "unsupported"
+    sims = []
+    for cp in ("ring", "allgather"):
+        result = runner.run(_point(cp, 4, "fwd", sim.LinkModel(), "causal", seqlen=32))
+        sims.append(result["masks"][0]["simulation"])
+    base = sims[0]["single_device"]
+    assert base["status"] == "ok" and base["key"] == kernel_point(failing, sims[0]["impl"]).key
+    assert sims[0]["wall_s"]["baseline"] > 0 and sims[1]["wall_s"]["baseline"] == 0
+
+
 # ----------------------------------------------------------------------------- torch runner
 
 
