@@ -4,6 +4,7 @@ lock-step overlap accounting (numpy), the JAX runner on one CPU device, and the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import subprocess
@@ -377,41 +378,90 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
+def test_row_checks_emulate_one_shape_per_point():
+    """Every rank of a point that a row check restricts emulates CHECK_TILES whole, aligned query
+    tiles (so one compilation serves them all): its real tiles' first and last among them,
+    topped up with tiles of padding alone where fewer hold real tokens; the whole shard where it
+    is short or no whole tile holds a real token. Over strategies and layouts, with document
+    masks (padded zigzag shards, not whole tiles) and a length that leaves a rank one real
+    tile."""
+    from types import SimpleNamespace
+
+    from experiments.runners.cp_ranks import CHECK_TILES, Ranks
+
+    block, seen = 8, set()
+    cases = [("causal_document", 160, 1), ("causal", 64, 1), ("causal", None, 128)]
+    for (strategy, n, u), layout, (mask_name, per_rank, pad) in itertools.product(
+        CONFIGS, ss.LAYOUTS, cases
+    ):
+        seqlen = 777 if per_rank is None else per_rank * n
+        mask = named_mask(mask_name, seqlen)
+        plan = _plan(mask, n, strategy, layout, u, pad_multiple=pad)
+        fake = SimpleNamespace(plan=plan, check_block=lambda: block)
+        lengths = set()
+        for r, shard in enumerate(plan.layout.positions):
+            rows, count = Ranks.check_rows(fake, r, seqlen), len(shard) // block
+            real = np.flatnonzero((shard[: count * block] < seqlen).reshape(count, block).any(1))
+            if count < 4 * CHECK_TILES or not len(real):
+                assert rows is None
+                seen.add("short" if count < 4 * CHECK_TILES else "no real tile")
+                continue
+            lengths.add(len(rows))
+            tiles = rows[::block] // block
+            np.testing.assert_array_equal(rows, (tiles[:, None] * block + np.arange(block)).ravel())
+            picked = np.intersect1d(tiles, real)
+            assert np.all(np.diff(tiles) > 0) and len(picked) == min(len(real), CHECK_TILES)
+            assert picked[0] == real[0] and picked[-1] == real[-1]
+            seen.update(["partial tile"] * (len(shard) % block > 0))
+            seen.update(["topped up"] * (len(real) < CHECK_TILES))
+        assert lengths <= {CHECK_TILES * block}, (strategy, layout, mask_name, lengths)
+    assert seen == {"short", "no real tile", "partial tile", "topped up"}
+
+
+@pytest.mark.parametrize(
+    "strategy, layout, mask_name, per_device, pad",
+    [
+        ("ring", "zigzag", "causal_document", 512, None),
+        ("ulysses", "zigzag", "causal_document", 512, None),
+        ("ring", "contiguous", "causal", 400, 512),  # the last shard: 1 real tile, 7 of padding
+    ],
+)
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
-def test_row_checks_emulate_whole_query_tiles(monkeypatch, strategy, impl):
-    """A row check emulates CHECK_TILES whole query tiles of a shard (the first and last real
-    ones among them) instead of the shard: those rows' out and dq equal the whole shard's
-    emulation at the same rows, the check passes drawing no more queries than those tiles, and
-    a restricted piece from the wrong step fails it. pallas (interpreted on the CPU) walks the
-    restricted pieces' tile lists, which the reference never reads."""
-    from experiments.runners import checks, cp_ranks
-    from experiments.runners.cp_rank_checks import check_ranks
+def test_row_checks_emulate_whole_query_tiles(
+    monkeypatch, strategy, layout, mask_name, per_device, pad, impl
+):
+    """A row check emulates CHECK_TILES whole query tiles of a shard instead of the shard (tiles
+    of padding alone topping up a shard of fewer real ones): those rows' out and dq equal the
+    whole shard's emulation at the same rows, the first and last ranks' checks pass drawing no
+    more queries than those tiles, and a restricted piece from the wrong step fails it. pallas
+    (interpreted on the CPU) walks the restricted pieces' tile lists, which the reference never
+    reads."""
+    from experiments.runners import checks, cp_ranks, frameworks
+    from experiments.runners.cp_rank_checks import _rank_check, check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import jax_cp
 
     monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), mask="causal_document", seqlen=256)
-    mask = named_mask("causal_document", point.seqlen_total)
-    runner = JaxRunner()
-    plan = JaxRanks.executor_plan(point, mask, impl)
-    ranks = JaxRanks(plan, impl, point, 0, runner)
-    block = ranks.check_block()
+    point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), mask_name, layout, per_device)
+    mask = named_mask(mask_name, point.seqlen_total)
+    dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
+    plan = jax_cp.executor_plan(mask, impl=impl, dtype=dtype, pad_multiple=pad, **settings)
+    ranks = JaxRanks(plan, impl, point, 0, JaxRunner())
+    block, topped_up = ranks.check_block(), False
     for r in range(plan.ring_size):
         rows, shard = ranks.check_rows(r, mask.seqlen_q), plan.layout.positions[r]
-        n = len(shard)
-        tiles = np.unique(rows // block)
-        whole_tiles = [np.arange(t * block, min((t + 1) * block, n)) for t in tiles]
-        np.testing.assert_array_equal(rows, np.concatenate(whole_tiles))
-        real_tiles = np.unique(np.flatnonzero(shard < mask.seqlen_q) // block)
-        assert list(tiles) == [real_tiles[0], real_tiles[-1]] and len(rows) < n
+        assert len(rows) == 2 * block < len(shard)
+        topped_up |= bool((shard[rows].reshape(2, block) >= mask.seqlen_q).all(1).any())
         whole, part = ranks.emulate(r, 0), ranks.emulate(r, 0, rows)
         for name in ("out", "dq"):
             np.testing.assert_allclose(part[name], whole[name][:, rows], rtol=1e-5, atol=1e-6)
+    assert topped_up == (pad is not None)
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
     draws = _record_draws(monkeypatch, JaxRanks)
-    check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
-    assert check.ok and check.kind == "rows" and checked, check.message
+    for r in {0, plan.ring_size - 1}:  # the last: the topped-up shard where padded
+        check = _rank_check(ranks, mask, r, 0, grads=True, rtol=1e-4, seed=0)
+        assert check.ok and check.kind == "rows", check.message
     assert max(n for name, n, _ in draws if name in ("q", "dout")) <= 2 * block
     if strategy == "ring":
         real = JaxRanks.row_piece
@@ -434,6 +484,28 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
     _parts_add_up(JaxRunner(), monkeypatch)  # fresh timings: every call faked
     with monkeypatch.context() as m:
         _modelled_equals_timed(m)
+
+
+def test_a_failed_points_baseline_seconds_go_to_the_next_point():
+    """A point that fails after running its baseline (Ulysses over more devices than heads)
+    leaves the baseline's seconds to the next point of the same problem, which reports them;
+    a later point sharing the baseline reports none."""
+    from experiments.core.outcomes import PointFailure
+    from experiments.runners.cp_simulate import kernel_point
+    from experiments.runners.jax_runner import JaxRunner
+
+    runner = JaxRunner()
+    failing = _point("ulysses", 8, "fwd", sim.LinkModel(), "causal", seqlen=16)
+    with pytest.raises(PointFailure) as e:
+        runner.run(failing)
+    assert e.value.status == "unsupported"
+    sims = []
+    for cp in ("ring", "allgather"):
+        result = runner.run(_point(cp, 4, "fwd", sim.LinkModel(), "causal", seqlen=32))
+        sims.append(result["masks"][0]["simulation"])
+    base = sims[0]["single_device"]
+    assert base["status"] == "ok" and base["key"] == kernel_point(failing, sims[0]["impl"]).key
+    assert sims[0]["wall_s"]["baseline"] > 0 and sims[1]["wall_s"]["baseline"] == 0
 
 
 # ----------------------------------------------------------------------------- torch runner

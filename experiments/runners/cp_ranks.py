@@ -112,19 +112,26 @@ class Ranks(ABC):
 
     def check_rows(self, r: int, seqlen: int) -> np.ndarray | None:
         """Local rows of ring rank r's shard that a row check emulates: CHECK_TILES whole query
-        tiles holding real tokens (the first, the last, evenly between), so each kernel call
-        sees those tiles as the shard's call does at a fraction of its work; None: all rows
-        (the framework cannot restrict, or the shard has no more tiles than that)."""
+        tiles, those holding real tokens first (the first, the last, evenly between), topped up
+        with tiles of padding alone, so every rank of a point emulates arrays of one shape (each
+        new shape compiles anew on a GPU); each kernel call sees those tiles as the shard's call
+        does, at a fraction of its work. A partial last tile (a shard not padded to tiles) is
+        never picked. None, all rows: the framework cannot restrict, the shard is short (fewer
+        than 4 x CHECK_TILES whole tiles: a restricted shape's compilation would cost more than
+        it saves), or no whole tile holds a real token."""
         block = self.check_block()
-        n = len(self.plan.layout.positions[r])
-        if block is None or n <= CHECK_TILES * block:
+        positions = self.plan.layout.positions[r]
+        count = 0 if block is None else len(positions) // block
+        if count < 4 * CHECK_TILES:
             return None
-        starts = np.arange(0, n, block)
-        tiles = starts[np.logical_or.reduceat(self.plan.layout.positions[r] < seqlen, starts)]
+        real = (positions[: count * block] < seqlen).reshape(count, block).any(axis=1)
+        tiles, padding = np.flatnonzero(real), np.flatnonzero(~real)
         if not len(tiles):
             return None
-        pick = np.unique(np.linspace(0, len(tiles) - 1, min(len(tiles), CHECK_TILES)).round())
-        return np.concatenate([np.arange(s, min(s + block, n)) for s in tiles[pick.astype(int)]])
+        # evenly spaced indices >= 1 apart, so distinct after rounding
+        picks = np.linspace(0, len(tiles) - 1, min(len(tiles), CHECK_TILES)).round().astype(int)
+        picked = np.sort(np.concatenate([tiles[picks], padding[: CHECK_TILES - len(picks)]]))
+        return (picked[:, None] * block + np.arange(block)).ravel()
 
     @abstractmethod
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
