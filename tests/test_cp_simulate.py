@@ -981,3 +981,45 @@ def test_device_rows_depend_only_on_the_position_and_head(framework):
     np.testing.assert_array_equal(part[:, real], whole[:, positions[real]][:, :, heads])
     assert not part[:, ~real].any()
     assert not np.array_equal(ranks.host("v", positions, heads), part)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_host_draws_share_a_few_lengths(framework):
+    """A host draw of any number of rows equals the device draw of exactly those rows, and the
+    JAX draws of 66, 100 and 127 rows (as a check's samples vary) compile at most one program:
+    each is padded to the same draw_length with positions past the end."""
+    from experiments.runners.cp_ranks import draw_length
+
+    assert [draw_length(n) for n in (1, 127, 128, 129, 161, 9800)] == [
+        128,
+        128,
+        128,
+        160,
+        192,
+        10240,
+    ]
+    for n in (129, 1000, 9800, 524289):
+        assert n <= draw_length(n) <= 1.25 * n
+    point = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=512, framework=framework)
+    mask = named_mask("causal_document", point.seqlen_total)
+    if framework == "jax":
+        from experiments.runners.cp_ranks_jax import JaxRanks as ranks_type
+        from experiments.runners.cp_ranks_jax import _rows_at
+        from experiments.runners.jax_runner import JaxRunner as runner_type
+    else:
+        from experiments.runners.cp_ranks_torch import TorchRanks as ranks_type
+        from experiments.runners.torch_runner import TorchRunner as runner_type
+    plan = ranks_type.executor_plan(point, mask, "reference")
+    ranks = ranks_type(plan, "reference", point, 0, runner_type())
+    rng = np.random.default_rng(3)
+    heads = np.array([0, 3])
+    samples = [np.sort(rng.choice(point.seqlen_total, n, replace=False)) for n in (66, 100, 127)]
+    before = _rows_at()._cache_size() if framework == "jax" else 0
+    got = [ranks.host("q", rows, heads) for rows in samples]
+    if framework == "jax":
+        assert _rows_at()._cache_size() - before <= 1
+    for rows, g in zip(samples, got):
+        want = ranks.to_host(ranks.device_rows("q", rows, heads))
+        assert g.shape == want.shape == (1, len(rows), 2, D)
+        np.testing.assert_array_equal(g, want)
+        assert np.abs(g).max(axis=(0, 2, 3)).all()  # every row drawn, none left zero

@@ -16,6 +16,15 @@ from experiments.core.points import Point
 from experiments.runners import frameworks, inputs
 
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
+MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
+
+
+def draw_length(n: int) -> int:
+    """n rounded up to one of four lengths per power of two (at least MIN_DRAW): at most 25%
+    more rows than asked for, and few distinct lengths over any range of n."""
+    n = max(n, MIN_DRAW)
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 def plan_settings(point: Point) -> dict:
@@ -87,8 +96,16 @@ class Ranks(ABC):
 
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
         """Float32 host copy of input `name` as the kernels see it: all of it, or the given
-        token rows and heads (device_rows, copied back)."""
-        return self.to_host(self.device_rows(name, rows, heads))
+        token rows and heads (device_rows, copied back). The rows are drawn padded to
+        draw_length with positions past the end, so the checks' ever-different row and key
+        counts share a few compiled draws instead of compiling one each."""
+        if rows is None:
+            return self.to_host(self.device_rows(name, None, heads))
+        rows = np.asarray(rows)
+        past_end = self._shapes[name][1]
+        padded = np.full(draw_length(len(rows)), past_end, np.int64)
+        padded[: len(rows)] = rows
+        return self.to_host(self.device_rows(name, padded, heads))[:, : len(rows)]
 
     @abstractmethod
     def normal(self, shape: tuple[int, ...], seed: int):
