@@ -289,12 +289,14 @@ def _real_timing(runner) -> None:
 
 
 def _record_draws(monkeypatch, ranks_type) -> list[tuple[str, int, bool]]:
-    """(input, tokens, inside a timed call) of every draw of real inputs the ranks make."""
+    """(input, tokens of the sequence, inside a timed call) of every draw of real inputs the
+    ranks make."""
     draws, timing_now = [], []
     real_rows, real_time = ranks_type.device_rows, ranks_type.time
 
     def device_rows(self, name, positions=None, heads=None):
-        tokens = self._shapes[name][1] if positions is None else len(positions)
+        seqlen = self._shapes[name][1]  # positions past it are padding (Ranks.host)
+        tokens = seqlen if positions is None else int((np.asarray(positions) < seqlen).sum())
         draws.append((name, tokens, bool(timing_now)))
         return real_rows(self, name, positions, heads)
 
@@ -1023,3 +1025,45 @@ def test_host_draws_share_a_few_lengths(framework):
         assert g.shape == want.shape == (1, len(rows), 2, D)
         np.testing.assert_array_equal(g, want)
         assert np.abs(g).max(axis=(0, 2, 3)).all()  # every row drawn, none left zero
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
+    """A row check passes on the ranks' real dK/dV and fails on a NaN in one step's dK, while
+    copying none of the dK/dV parts to the host (all_finite decides on the device)."""
+    from experiments.runners import checks
+    from experiments.runners.cp_rank_checks import _rank_check
+
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), seqlen=64, framework=framework)
+    mask = named_mask("causal_document", point.seqlen_total)
+    if framework == "jax":
+        from experiments.runners.cp_ranks_jax import JaxRanks as ranks_type
+        from experiments.runners.jax_runner import JaxRunner as runner_type
+    else:
+        from experiments.runners.cp_ranks_torch import TorchRanks as ranks_type
+        from experiments.runners.torch_runner import TorchRunner as runner_type
+    impl = "reference" if framework == "jax" else "naive"
+    plan = ranks_type.executor_plan(point, mask, impl)
+    ranks = ranks_type(plan, impl, point, 0, runner_type())
+    parts = ranks.emulate(1, 0)["dkv"]
+    assert len(parts) > 1 and all(ranks.all_finite(g) for _, *kv in parts for g in kv)
+    copied = []
+    real_to_host = ranks_type.to_host
+    monkeypatch.setattr(
+        ranks_type, "to_host", lambda self, x: copied.append(x.shape) or real_to_host(self, x)
+    )
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    clean = _rank_check(ranks, mask, 1, 0, grads=True, rtol=1e-4, seed=0)
+    assert clean.ok, clean.message
+    assert not {tuple(g.shape) for _, *kv in parts for g in kv} & set(map(tuple, copied))
+    real_emulate = ranks_type.emulate
+
+    def poisoned(self, r, u, rows=None):
+        res = real_emulate(self, r, u, rows)
+        t, dk, dv = res["dkv"][-1]
+        res["dkv"][-1] = (t, dk * float("nan"), dv)
+        return res
+
+    monkeypatch.setattr(ranks_type, "emulate", poisoned)
+    bad = _rank_check(ranks, mask, 1, 0, grads=True, rtol=1e-4, seed=0)
+    assert not bad.ok and "dk" in bad.message, bad.message

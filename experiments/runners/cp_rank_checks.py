@@ -43,7 +43,8 @@ def _full_check(ranks: Ranks, mask, grads: bool, rtol: float) -> checks.CheckRes
         real = pos < s
         for n in ("out", "dq") if grads else ("out",):
             got[n][:, pos[real][:, None], ranks.q_heads[u][None, :]] = res[n][:, real]
-        for t, dk, dv in res.get("dkv", []):
+        for t, *grads_kv in res.get("dkv", []):
+            dk, dv = (ranks.to_host(g) for g in grads_kv)
             keys = plan.key_positions(r, t)
             seen = keys < s
             for j, h in enumerate(ranks.kv_heads[u]):
@@ -74,7 +75,7 @@ def _rank_check(
         dout=ranks.host("dout", rows_plan.rows, qh),
     )
     parts = res.get("dkv", [])
-    finite = {n: all(np.isfinite(p[i]).all() for p in parts) for i, n in ((1, "dk"), (2, "dv"))}
+    finite = {n: all(ranks.all_finite(p[i]) for p in parts) for i, n in ((1, "dk"), (2, "dv"))}
     got = {n: res[n][:, local] for n in ("out", "dq") if n in res}
     return checks.compare(mask, inp, got, plan=rows_plan, grads=grads, rtol=rtol, finite=finite)
 

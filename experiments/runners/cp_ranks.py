@@ -122,6 +122,10 @@ class Ranks(ABC):
     def to_host(self, x) -> np.ndarray:
         """A float32 numpy copy of a device array."""
 
+    @abstractmethod
+    def all_finite(self, x) -> bool:
+        """Whether a device array holds no inf or NaN (decided on the device)."""
+
     def check_block(self) -> int | None:
         """The query tile in which this framework's emulation can be restricted to some rows of
         a shard (check_rows), or None: a row check emulates whole shards."""
@@ -152,8 +156,10 @@ class Ranks(ABC):
 
     @abstractmethod
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
-        """Rank (r, u) end to end: its output "out" (and "dq"), and "dkv": (kept step, dK, dV)
-        of every block it saw, over that block's key positions (float32 host arrays). rows
+        """Rank (r, u) end to end: its output "out" (and "dq") as float32 host arrays, and
+        "dkv": (kept step, dK, dV) of every block it saw, over that block's key positions, left
+        on the device (to_host copies them where a check compares them; a row check only asks
+        all_finite, so 64 steps of dK/dV never cross to the host for it). rows
         (check_rows; only where check_block is not None): only those rows of its shard, in
         that order, each step's mask piece restricted to them (their dK/dV parts only)."""
 

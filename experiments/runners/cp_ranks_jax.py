@@ -170,6 +170,9 @@ class JaxRanks(Ranks):
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float32))
 
+    def all_finite(self, x) -> bool:
+        return bool(self.jnp.isfinite(x).all())
+
     def _zero_lse(self, q):
         return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
 
@@ -238,6 +241,5 @@ class JaxRanks(Ranks):
         result = {"out": np.asarray(out.astype(jnp.float32))}
         if grads:
             result["dq"] = np.asarray(dq.astype(jnp.float32))
-            f32 = jnp.float32
-            result["dkv"] = [(t, *(np.asarray(g.astype(f32)) for g in kv)) for t, kv in parts]
+            result["dkv"] = [(t, *kv) for t, kv in parts]
         return result

@@ -90,6 +90,9 @@ class TorchRanks(Ranks):
     def to_host(self, x) -> np.ndarray:
         return _f32(x)
 
+    def all_finite(self, x) -> bool:
+        return bool(self.torch.isfinite(x).all())
+
     @property
     def _local(self) -> bool:
         return self.plan.core == LOCAL_CORE
@@ -213,7 +216,7 @@ class TorchRanks(Ranks):
             result = {"out": _f32(out)}
             if grads:
                 dq, dk, dv = torch.autograd.grad(out, qkv, self.queries("dout", r, u))
-                result.update(dq=_f32(dq), dkv=[(0, _f32(dk), _f32(dv))])
+                result.update(dq=_f32(dq), dkv=[(0, dk, dv)])
             return result
         q = self.queries("q", r, u)
         steps = range(self.plan.num_steps if self.plan.core == RING_CORE else 1)
@@ -229,7 +232,7 @@ class TorchRanks(Ranks):
                 cp.add_grads(
                     dq, dkv, piece, cp.backward_step(q, kv, piece, cot, self.scale, self.impl)
                 )
-                parts.append((t, _f32(dkv[0]), _f32(dkv[1])))
+                parts.append((t, dkv[0], dkv[1]))
             result.update(dq=_f32(dq), dkv=parts)
         return result
 
