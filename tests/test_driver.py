@@ -804,10 +804,8 @@ def test_same_kernel_table_flags_gaps_over_three_percent():
         {**_flat("torch", "sdpa_cudnn", 100.0, seqlen=8192), **ring},
     ]
     cross = {r["seqlen_total"]: r for r in cross_framework(rows)}
-    assert cross[1024]["cudnn_jax_over_torch"] == "1.20x"
     assert cross[1024]["best_jax"] == "cudnn 120" and cross[1024]["jax_over_torch"] == "1.20x"
-    assert cross[4096]["cudnn_jax_over_torch"] == cross[4096]["cudnn_within_2pct"] == "-"
-    assert cross[4096]["cudnn_jax_vs_torch"] == "-"
+    assert cross[4096]["cudnn_jax_vs_torch"] == cross[4096]["cudnn_within_2pct"] == "-"
     # the control: cuDNN from both frameworks within 2% (1.5% apart: yes; 20% or 3%: NO, named
     # with the signed gap, the CP point with its strategy and per-device length)
     gaps = {1024: "+20.0%", 2048: "+1.5%", 8192: "-3.0%"}  # 120, 101.5, 97 against 100

@@ -239,9 +239,12 @@ def _point_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     return {k: v for k, v in groups.items() if {r["framework"] for r in v} == {"jax", "torch"}}
 
 
+def _both_ok(a: dict | None, b: dict | None) -> bool:
+    return a is not None and b is not None and a["status"] == b["status"] == "ok"
+
+
 def _ratio(a: dict | None, b: dict | None) -> str:
-    ok = a is not None and b is not None and a["status"] == b["status"] == "ok"
-    return f"{a['tflops'] / b['tflops']:.2f}x" if ok else "-"
+    return f"{a['tflops'] / b['tflops']:.2f}x" if _both_ok(a, b) else "-"
 
 
 CONTROL_TOLERANCE = 0.02  # cuDNN run from JAX and from PyTorch: the same kernel, within 2%
@@ -250,7 +253,7 @@ CONTROL_COLUMN = f"cudnn_within_{CONTROL_TOLERANCE * 100:g}pct"  # named after t
 
 def _control_gap(jax_row: dict | None, torch_row: dict | None) -> float | None:
     """JAX's cuDNN rate over PyTorch's, minus one (None where either has no ok cuDNN row)."""
-    if _ratio(jax_row, torch_row) == "-":
+    if not _both_ok(jax_row, torch_row):
         return None
     return jax_row["tflops"] / torch_row["tflops"] - 1.0
 
@@ -310,7 +313,6 @@ def cross_framework(rows: list[dict]) -> list[dict]:
             control[fw] = found[0] if found else None
             row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
         row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
-        row["cudnn_jax_over_torch"] = _ratio(control["jax"], control["torch"])
         gap = _control_gap(control["jax"], control["torch"])
         row["cudnn_jax_vs_torch"] = "-" if gap is None else f"{gap:+.1%}"
         row[CONTROL_COLUMN] = _within_control(gap)
@@ -457,7 +459,6 @@ def write_markdown(
             "jax_over_torch",
             "cudnn_jax",
             "cudnn_torch",
-            "cudnn_jax_over_torch",
             "cudnn_jax_vs_torch",
             CONTROL_COLUMN,
         ]
