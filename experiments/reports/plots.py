@@ -117,19 +117,20 @@ def image_grid(paths: list[Path], out: str | Path, *, tile_inches: float = 5.0) 
 def ratio_heatmap(panels: dict[str, list[dict]], path: str | Path, *, title: str) -> Path:
     """One panel per key: rows x columns of cells (dicts with row, col, ratio or None, label),
     coloured by the ratio on a log scale centred at 1 (red below, blue above) and labelled;
-    a cell without a ratio is grey with its label, never coloured as a value."""
+    a cell without a ratio is grey with its label, never coloured as a value. The panels share
+    their rows, named once at the left."""
     from matplotlib.colors import LogNorm
 
     names = list(panels)
-    fig = Figure(figsize=(6.5 * len(names), 0.55 * max(len(_axis(panels, "row")), 4) + 2.0))
-    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    rows = sorted(_axis(panels, "row"))
+    fig = Figure(figsize=(5.0 * len(names) + 2.0, 0.55 * max(len(rows), 4) + 2.0))
+    axes = fig.subplots(1, len(names), squeeze=False, gridspec_kw={"wspace": 0.05})[0]
     ratios = [c["ratio"] for cells in panels.values() for c in cells if c["ratio"]]
     span = max([abs(math.log(r)) for r in ratios] or [0.1], default=0.1) or 0.1
     norm = LogNorm(math.exp(-span), math.exp(span))
     cmap = matplotlib.colormaps["RdBu"]
     image = None
     for ax, name in zip(axes, names):
-        rows = sorted({c["row"] for c in panels[name]})
         cols = sorted({c["col"] for c in panels[name]})
         grid = [[float("nan")] * len(cols) for _ in rows]
         for c in panels[name]:
@@ -150,7 +151,7 @@ def ratio_heatmap(panels: dict[str, list[dict]], path: str | Path, *, title: str
             )
         image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
         ax.set_xticks(range(len(cols)), [seqlen_label(c) for c in cols])
-        ax.set_yticks(range(len(rows)), rows)
+        ax.set_yticks(range(len(rows)), rows if ax is axes[0] else [])
         ax.set_title(name, fontsize=9)
     if image is not None:
         bar = fig.colorbar(image, ax=list(axes), shrink=0.8, label="ratio (log scale)")

@@ -8,7 +8,10 @@ the CP report beside it.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from experiments.core.points import FRAMEWORKS
 from experiments.reports import plots, report_cp, report_sim, tile_efficiency, tuning_table
@@ -228,14 +231,17 @@ def write_mask_pictures(rows: list[dict], out_dir: Path) -> tuple[list[Path], st
     return paths, "; ".join(notes)
 
 
+def _point_key(r: dict) -> tuple:
+    """(cp, mask, total and per-device length, mode, config): one point of both frameworks."""
+    cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
+    return (cp, r["mask"], r["seqlen_total"], r["seqlen_per_device"], r["mode"], _config(r))
+
+
 def _point_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows of both frameworks grouped by (cp, mask, total and per-device length, mode,
-    config)."""
+    """Rows of both frameworks grouped by _point_key."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        cp = "none" if _kind(r) == "kernel" else f"{r['cp']}/{r['layout']}"
-        key = (cp, r["mask"], r["seqlen_total"], r["seqlen_per_device"], r["mode"], _config(r))
-        groups[key].append(r)
+        groups[_point_key(r)].append(r)
     return {k: v for k, v in groups.items() if {r["framework"] for r in v} == {"jax", "torch"}}
 
 
@@ -251,11 +257,21 @@ CONTROL_TOLERANCE = 0.02  # cuDNN run from JAX and from PyTorch: the same kernel
 CONTROL_COLUMN = f"cudnn_within_{CONTROL_TOLERANCE * 100:g}pct"  # named after the tolerance
 
 
-def _control_gap(jax_row: dict | None, torch_row: dict | None) -> float | None:
-    """JAX's cuDNN rate over PyTorch's, minus one (None where either has no ok cuDNN row)."""
-    if not _both_ok(jax_row, torch_row):
+def _control_gap(jax_rate: float | None, torch_rate: float | None) -> float | None:
+    """JAX's cuDNN rate over PyTorch's, minus one (None where either has no ok cuDNN run)."""
+    if jax_rate is None or torch_rate is None:
         return None
-    return jax_row["tflops"] / torch_row["tflops"] - 1.0
+    return jax_rate / torch_rate - 1.0
+
+
+def _control_cell(runs: list[dict]) -> tuple[str, float | None]:
+    """(table cell, rate) of a framework's cuDNN runs of a point: the median of the ok runs,
+    with their count where there are several; a status label where none is ok."""
+    rates = [r["tflops"] for r in runs if r["status"] == "ok"]
+    if not rates:
+        return (_cell(runs[0]) if runs else "-"), None
+    rate = float(np.median(rates))
+    return (f"{rate:.3g}" + (f" (median of {len(rates)})" if len(rates) > 1 else "")), rate
 
 
 def _within_control(gap: float | None) -> str:
@@ -300,8 +316,14 @@ def _best(members: list[dict], framework: str) -> dict | None:
     return max(ok, key=lambda r: r["tflops"]) if ok else None
 
 
-def cross_framework(rows: list[dict]) -> list[dict]:
-    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, cuDNN controls."""
+def cross_framework(rows: list[dict], repeats: Sequence[dict] = ()) -> list[dict]:
+    """Per (mask, length, mode, config[, strategy]): best JAX vs best torch, and the cuDNN
+    control, judged on the median of each framework's cuDNN runs of the point: the grid's and
+    those in `repeats` (rows of repeat runs of the control, for the points where one run
+    of short kernels spreads by more than the tolerance)."""
+    by_point: dict[tuple, list[dict]] = defaultdict(list)
+    for r in repeats:
+        by_point[(_point_key(r), r["framework"])].append(r)
     out = []
     for point, members in sorted(_point_groups(rows).items()):
         row = dict(zip(POINT_COLUMNS, point))
@@ -309,9 +331,12 @@ def cross_framework(rows: list[dict]) -> list[dict]:
         for fw in FRAMEWORKS:
             best[fw] = b = _best(members, fw)
             row[f"best_{fw}"] = f"{b['impl']} {b['tflops']:.3g}" if b else "-"
-            found = [r for r in members if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]]
-            control[fw] = found[0] if found else None
-            row[f"cudnn_{fw}"] = _cell(found[0]) if found else "-"
+            runs = [
+                r
+                for r in members + by_point[(point, fw)]
+                if r["framework"] == fw and r["impl"] in CUDNN_CONTROL[fw]
+            ]
+            row[f"cudnn_{fw}"], control[fw] = _control_cell(runs)
         row["jax_over_torch"] = _ratio(best["jax"], best["torch"])
         gap = _control_gap(control["jax"], control["torch"])
         row["cudnn_jax_vs_torch"] = "-" if gap is None else f"{gap:+.1%}"
@@ -407,9 +432,10 @@ def write_markdown(
     cp_report: Path | None = None,
     predicted: list[str] | None = None,
     cross_plot: Path | None = None,
+    repeat_commands: list[str] | None = None,
 ) -> Path:
     """report.md: the command(s), provenance, legend, status counts, TFLOP/s tables,
-    cross-framework table, figures."""
+    cross-framework table (with the commands of the control's repeat runs), figures."""
     lines = ["# Attention benchmark report", ""]
     lines += command_lines(records)
     lines += _provenance_lines(records)
@@ -446,6 +472,13 @@ def write_markdown(
             "Best impl of each framework per point, with cuDNN in both as a control.",
             "",
         ]
+        if repeat_commands:
+            lines += [
+                "The control's cells are medians of each framework's cuDNN runs: this "
+                "report's and those of the repeat runs of",
+                *repeat_commands,
+                "",
+            ]
         if cross_plot is not None:
             lines += [f"![jax_vs_torch]({cross_plot.relative_to(out_dir)})", ""]
         keys = [
@@ -499,17 +532,22 @@ def write_markdown(
 
 
 def write_report(
-    results: ResultsPaths, out_dir: str | Path, compare_with: ResultsPaths = ()
+    results: ResultsPaths,
+    out_dir: str | Path,
+    compare_with: ResultsPaths = (),
+    control_repeats: ResultsPaths = (),
 ) -> dict[str, Path]:
     """Write every report artefact into out_dir; returns their paths by kind. compare_with:
-    results files of measured CP points to set beside the simulated ones."""
+    results files of measured CP points to set beside the simulated ones; control_repeats:
+    results files of repeat runs of the cuDNN control, one run each (cross_framework)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, records = load_rows(results)
     csv_path = write_csv(rows, out_dir / "results.csv", COLUMNS)
     plot_paths = write_plots(rows, out_dir)
     mask_paths, mask_note = write_mask_pictures(rows, out_dir)
-    cross = cross_framework(rows)
+    repeat_records = [r for path in results_paths(control_repeats) for r in read_results(path)]
+    cross = cross_framework(rows, [flat_row(r) for r in repeat_records])
     cross_plot = write_cross_plot(rows, out_dir)
     cross_path = None
     if cross:
@@ -538,6 +576,7 @@ def write_report(
         cp,
         sim["lines"],
         cross_plot,
+        command_lines(repeat_records) if repeat_records else [],
     )
     return {
         "comparison": sim["comparison"],
