@@ -231,7 +231,7 @@ def _parts_add_up(runner, monkeypatch) -> None:
 
     calls = []
 
-    def fake(fn, args, *, warmup, iters, flush=None, barrier=None):
+    def fake(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
         calls.append(fn)
         return [2.0] * iters
 
@@ -357,7 +357,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
-    def fake(fn, args, *, warmup, iters, flush=None, barrier=None):
+    def fake(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
         return [_tile_time(args)] * iters
 
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", fake)

@@ -232,6 +232,14 @@ def define_flags() -> None:
     flags.DEFINE_list("mode", None, f"Directions: {'|'.join(MODES)} (comma list).")
     flags.DEFINE_integer("warmup", None, "Untimed warm-up calls per mask.", lower_bound=0)
     flags.DEFINE_integer("iters", None, "Timed calls per mask.", lower_bound=1)
+    flags.DEFINE_integer(
+        "chain_ms",
+        None,
+        "0: time one call at a time (JAX: wall time to its result; torch: CUDA events); N > 0: "
+        "each timed sample is a chain of back-to-back calls of about N ms, less the L2 "
+        "flushes' time, so the host's launch and wait are paid once a chain in both frameworks.",
+        lower_bound=0,
+    )
     flags.DEFINE_integer("seed", 42, "Seed of the mask stream (as MaskIterator) and inputs.")
     flags.DEFINE_integer("num_masks", None, "Masks drawn per point.", lower_bound=1)
     flags.DEFINE_integer("window", None, "Sliding-window size.", lower_bound=0)
@@ -399,6 +407,7 @@ def grid_overrides() -> dict:
         "dtype": "dtype",
         "warmup": "warmup",
         "iters": "iters",
+        "chain_ms": "chain_ms",
         "num_masks": "num_masks",
         "window": "window",
         "reference_compat": "reference_compat",

@@ -39,6 +39,7 @@ class Grid:
     batch: int = 1
     warmup: int = 5
     iters: int = 20
+    chain_ms: int = 0  # 0: time one call at a time; else chains of calls (runners/timing.py)
     num_masks: int = 1
     window: int = 1024
     reference_compat: bool = False
@@ -83,6 +84,7 @@ class Point:
     warmup: int
     iters: int
     grid: str
+    chain_ms: int = 0  # timing: one call at a time (0) or chains of this many ms (timing.py)
     kernel_config: str = ""  # a tuning candidate's name (experiments/core/tuning.py); "" = default
     simulated: bool = False  # CP predicted from one device's timed local work (cp_simulate.py)
     link: str = ""  # the link model of a simulated point (shard_strategies.simulate.LinkModel)
@@ -117,7 +119,7 @@ class Point:
                 self.dtype,
                 self.mode,
                 f"m{self.num_masks}s{self.seed}w{self.window}{compat}",
-                f"r{self.warmup}:{self.iters}",
+                f"r{self.warmup}:{self.iters}" + (f"c{self.chain_ms}" if self.chain_ms else ""),
                 *tuned,
             )
         )
@@ -197,6 +199,7 @@ def expand(
             warmup=grid.warmup,
             iters=grid.iters,
             grid=grid.name,
+            chain_ms=grid.chain_ms,
         )
         configs = _kernel_configs(grid, mode, impl)
         points += [dataclasses.replace(point, kernel_config=c) for c in configs]

@@ -169,9 +169,12 @@ class JaxRunner:
         )
 
     def _time(self, point: Point, fn: Callable, call_args: tuple) -> list[float]:
-        """Per-call ms of fn(*call_args): the point's warmup and iters, L2 flush, barrier."""
-        loop = dict(warmup=point.warmup, iters=point.iters, flush=self.flush)
-        return timing.jax_time_calls(fn, call_args, barrier=self._barrier(), **loop)
+        """Per-call ms of fn(*call_args): the point's warmup, iters and chains, L2 flush,
+        barrier."""
+        loop = dict(warmup=point.warmup, iters=point.iters, chain_ms=point.chain_ms)
+        return timing.jax_time_calls(
+            fn, call_args, flush=self.flush, barrier=self._barrier(), **loop
+        )
 
     def _dispatch_times(self, point: Point, executor, args: dict) -> list[float]:
         """Per-call ms (slowest process) of dispatching q, k and v together into the executor's

@@ -1,13 +1,21 @@
 """Per-call timing and peak memory for JAX and PyTorch (docs/results.md, Timing).
 
-Every timed call is preceded (on GPU) by an L2 flush that is finished before the clock starts.
-Quantiles are of per-call times: p20 is the *faster* time (higher TFLOP/s), p80 the slower one.
-JAX: compiled function, warmed up, wall time around a call that is synchronised with
-`block_until_ready`. Torch: CUDA events per call on GPU, perf_counter on CPU.
+Every timed call is preceded (on GPU) by an L2 flush. Quantiles are of per-call times: p20 is
+the *faster* time (higher TFLOP/s), p80 the slower one. Two ways to time, the same in both
+frameworks' terms:
+- one call at a time (chain_ms 0): JAX, wall time around a call synchronised with
+  `block_until_ready`, the flush finished before the clock starts; torch, CUDA events around
+  each call on GPU, perf_counter on CPU. A short call's JAX time includes the host's dispatch and
+  the wait for the result, which events leave out.
+- chains (chain_ms > 0): each sample queues n (flush, call) pairs back to back and waits once,
+  n enough calls for chain_ms by the warm-up's time; the flushes alone, chained the same way, are
+  subtracted and the rest divided by n. The host's launch and synchronisation are paid once a
+  chain, so both frameworks measure the device's time per call.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -15,6 +23,15 @@ import numpy as np
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 GIB = float(1 << 30)
+MAX_CHAIN = 64  # calls in one chain at most (a chain of short calls)
+FLUSH_SAMPLES = 3  # chains of flushes alone, whose median is subtracted
+
+
+def chain_length(call_ms: float, chain_ms: float) -> int:
+    """Calls per chain: enough for chain_ms at call_ms each, at least 1 and at most MAX_CHAIN."""
+    if chain_ms <= 0:
+        return 1
+    return int(min(max(math.ceil(chain_ms / max(call_ms, 1e-3)), 1), MAX_CHAIN))
 
 
 def time_stats(times_ms: Sequence[float]) -> dict[str, float]:
@@ -38,24 +55,32 @@ def tflops_stats(flops_per_device: float, time_ms: dict[str, float]) -> dict[str
 # ----------------------------------------------------------------------------------------- JAX
 
 
-def jax_l2_flusher(devices) -> Callable[[], None] | None:
-    """A function that overwrites a 256 MB buffer on each GPU of `devices` (one device or a
-    sequence) and waits; None without GPUs. The buffers stay allocated for the whole sweep."""
-    import jax
-    import jax.numpy as jnp
+class JaxL2Flush:
+    """Overwrites a 256 MB buffer on each of some GPUs: `enqueue` queues the writes, a call
+    queues them and waits. The buffers stay allocated for the whole sweep."""
 
+    def __init__(self, gpus: Sequence) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self._fill = jax.jit(lambda b: b + 1, donate_argnums=0)
+        self.buffers = [jax.device_put(jnp.zeros(L2_FLUSH_BYTES // 4, jnp.int32), d) for d in gpus]
+
+    def enqueue(self) -> None:
+        self.buffers[:] = [self._fill(b) for b in self.buffers]
+
+    def __call__(self) -> None:
+        import jax
+
+        self.enqueue()
+        jax.block_until_ready(self.buffers)
+
+
+def jax_l2_flusher(devices) -> JaxL2Flush | None:
+    """The L2 flush of the GPUs among `devices` (one device or a sequence); None without GPUs."""
     devices = devices if isinstance(devices, (list, tuple)) else [devices]
     gpus = [d for d in devices if d.platform == "gpu"]
-    if not gpus:
-        return None
-    fill = jax.jit(lambda b: b + 1, donate_argnums=0)
-    bufs = [jax.device_put(jnp.zeros(L2_FLUSH_BYTES // 4, jnp.int32), d) for d in gpus]
-
-    def flush() -> None:
-        bufs[:] = [fill(b) for b in bufs]
-        jax.block_until_ready(bufs)
-
-    return flush
+    return JaxL2Flush(gpus) if gpus else None
 
 
 def jax_time_calls(
@@ -64,14 +89,21 @@ def jax_time_calls(
     *,
     warmup: int,
     iters: int,
-    flush: Callable[[], None] | None = None,
+    flush: JaxL2Flush | Callable[[], None] | None = None,
     barrier: Callable[[], None] | None = None,
+    chain_ms: float = 0.0,
 ) -> list[float]:
-    """Per-call milliseconds of `fn(*args)` after `warmup` untimed calls (fn already compiled)."""
+    """Per-call milliseconds of `fn(*args)` after `warmup` untimed calls (fn already compiled):
+    `iters` samples, one call each, or chains of calls when chain_ms > 0 (module docstring)."""
     import jax
 
-    for _ in range(warmup):
+    warm = []
+    for _ in range(warmup if chain_ms <= 0 else max(warmup, 1)):
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
+        warm.append((time.perf_counter() - t0) * 1e3)
+    if chain_ms > 0:
+        return _jax_chains(fn, args, iters, chain_length(min(warm), chain_ms), flush, barrier)
     times = []
     for _ in range(iters):
         if flush is not None:
@@ -82,6 +114,29 @@ def jax_time_calls(
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def _jax_chains(fn, args, iters: int, n: int, flush, barrier) -> list[float]:
+    """Per-call ms from `iters` chains of n (flush, call) pairs, less the flushes' own time."""
+    import jax
+
+    enqueue = getattr(flush, "enqueue", flush)
+
+    def chain(call: bool) -> float:
+        if barrier is not None:
+            barrier()
+        out = None
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if enqueue is not None:
+                enqueue()
+            if call:
+                out = fn(*args)
+        jax.block_until_ready((out, getattr(flush, "buffers", None)))
+        return (time.perf_counter() - t0) * 1e3
+
+    flush_ms = float(np.median([chain(False) for _ in range(FLUSH_SAMPLES)])) if flush else 0.0
+    return [(chain(True) - flush_ms) / n for _ in range(iters)]
 
 
 def jax_peak_bytes(devices: Sequence) -> int | None:
@@ -143,40 +198,64 @@ def torch_time_calls(
     iters: int,
     device,
     barrier: Callable[[], None] | None = None,
+    chain_ms: float = 0.0,
 ) -> tuple[list[float], float | None]:
     """(per-call milliseconds, peak GiB over the timed calls; None on CPU).
 
-    CUDA: a 256 MB buffer is zeroed before each call (L2 flush, finished before the start
-    event), the peak statistics are reset, an event pair brackets fn; the peak leaves the flush
-    buffer out. CPU: perf_counter around fn. `barrier` (CP) lines the ranks up before each call.
+    CUDA: a 256 MB buffer is zeroed before each call (L2 flush), the peak statistics are reset,
+    an event pair brackets fn (one call, the flush finished before the start event) or a chain
+    of n (flush, fn) pairs when chain_ms > 0, less a chain of flushes alone; the peak leaves the
+    flush buffer out. CPU: perf_counter around fn or a chain of fn. `barrier` (CP) lines the
+    ranks up before each call or chain.
     """
     import torch
 
-    for _ in range(warmup):
+    cuda = device.type == "cuda"
+    warm = []
+    for _ in range(warmup if chain_ms <= 0 else max(warmup, 1)):
+        t0 = time.perf_counter()
         fn()
-    if device.type != "cuda":
+        if cuda:
+            torch.cuda.synchronize(device)
+        warm.append((time.perf_counter() - t0) * 1e3)
+    n = chain_length(min(warm), chain_ms) if chain_ms > 0 else 1
+    if not cuda:
         times = []
         for _ in range(iters):
             if barrier is not None:
                 barrier()
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / n)
         return times, None
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    peak, events = 0, []
-    for _ in range(iters):
+
+    def timed(call: bool) -> tuple:
+        """Start and end events around one call or a chain (the flushes alone without call);
+        one call is flushed before its start event, a chain's calls each inside it."""
         if barrier is not None:
             barrier()
-        flush.zero_()
+        if chain_ms <= 0:
+            flush.zero_()
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(n):
+            if chain_ms > 0:
+                flush.zero_()
+            if call:
+                fn()
         end.record()
+        return start, end
+
+    flush_events = [timed(False) for _ in range(FLUSH_SAMPLES if chain_ms > 0 else 0)]
+    peak, events = 0, []
+    for _ in range(iters):
+        torch.cuda.reset_peak_memory_stats(device)
+        events.append(timed(True))
         peak = max(peak, torch.cuda.max_memory_allocated(device))
-        events.append((start, end))
     torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
+    flush_ms = float(np.median([s.elapsed_time(e) for s, e in flush_events])) if flush_events else 0
+    return [(s.elapsed_time(e) - flush_ms) / n for s, e in events], (peak - L2_FLUSH_BYTES) / GIB

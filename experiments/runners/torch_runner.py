@@ -200,9 +200,11 @@ class TorchRunner:
         return self._share(verdict)
 
     def _time(self, point: Point, fn: Callable[[], object]) -> tuple[list[float], float | None]:
-        """(per-call ms, peak GiB) of fn on this rank: the point's warmup and iters, ranks lined
-        up before each call; every rank agrees that it ran."""
-        loop = dict(warmup=point.warmup, iters=point.iters, device=self.device)
+        """(per-call ms, peak GiB) of fn on this rank: the point's warmup, iters and chains, ranks
+        lined up before each call; every rank agrees that it ran."""
+        loop = dict(
+            warmup=point.warmup, iters=point.iters, chain_ms=point.chain_ms, device=self.device
+        )
         return self._phase(lambda: timing.torch_time_calls(fn, barrier=self._barrier(), **loop))
 
     def _dispatch_times(self, point: Point, executor, args: dict) -> list[float]:

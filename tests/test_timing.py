@@ -1,0 +1,121 @@
+"""Timing one call at a time and in chains (experiments/runners/timing.py): what a sample
+contains, what is subtracted, and that the driver's --chain_ms reaches both and the record."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from experiments.core.results import read_records
+from experiments.runners import timing
+
+CALL_S, FLUSH_S = 0.002, 0.004
+
+
+class SleepyFlush:
+    """A stand-in L2 flush that takes FLUSH_S of host time and counts itself."""
+
+    buffers = None
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def enqueue(self) -> None:
+        time.sleep(FLUSH_S)
+        self.count += 1
+
+    def __call__(self) -> None:
+        self.enqueue()
+
+
+def _sleepy_call(calls: list):
+    def fn(*args):
+        time.sleep(CALL_S)
+        calls.append(1)
+        return np.ones(3, np.float32)
+
+    return fn
+
+
+def test_chain_length_covers_the_chain_time_within_bounds():
+    assert timing.chain_length(2.0, 0) == 1  # no chains: one call a sample
+    assert timing.chain_length(2.0, 60) == 30
+    assert timing.chain_length(2.5, 60) == 24
+    assert timing.chain_length(100.0, 60) == 1  # a long call is a chain of its own
+    assert timing.chain_length(0.0, 60) == timing.MAX_CHAIN
+
+
+def test_jax_chains_subtract_the_flushes_and_divide_by_the_chain():
+    calls, flush = [], SleepyFlush()
+    warmup, iters = 1, 3
+    times = timing.jax_time_calls(
+        _sleepy_call(calls), (), warmup=warmup, iters=iters, flush=flush, chain_ms=20
+    )
+    n = (len(calls) - warmup) // iters
+    assert n > 1 and len(calls) == warmup + iters * n
+    # every chained call had its flush, and FLUSH_SAMPLES chains of flushes alone were timed
+    assert flush.count == (iters + timing.FLUSH_SAMPLES) * n
+    # a sample is one call's time (2 ms), not call plus flush (6 ms)
+    assert len(times) == iters
+    assert 0.7 * CALL_S * 1e3 < np.median(times) < (CALL_S + FLUSH_S / 2) * 1e3
+
+
+def test_jax_one_call_at_a_time_flushes_outside_the_clock():
+    calls, flush = [], SleepyFlush()
+    times = timing.jax_time_calls(_sleepy_call(calls), (), warmup=2, iters=4, flush=flush)
+    assert len(calls) == 6 and flush.count == 4 and len(times) == 4
+    assert 0.7 * CALL_S * 1e3 < np.median(times) < (CALL_S + FLUSH_S / 2) * 1e3
+
+
+def test_torch_chains_on_the_cpu_are_per_call_times():
+    torch = pytest.importorskip("torch")
+    calls = []
+    fn = _sleepy_call(calls)
+    times, peak = timing.torch_time_calls(
+        fn, warmup=1, iters=3, device=torch.device("cpu"), chain_ms=20
+    )
+    n = (len(calls) - 1) // 3
+    assert n > 1 and len(calls) == 1 + 3 * n and peak is None
+    assert 0.7 * CALL_S * 1e3 < np.median(times) < 2 * CALL_S * 1e3
+
+
+POINT = [
+    "--framework=jax",
+    "--impl=reference",
+    "--mask=causal",
+    "--seqlen=32",
+    "--heads_q=2",
+    "--heads_kv=1",
+    "--head_dim=16",
+    "--dtype=fp32",
+    "--mode=fwd",
+    "--warmup=1",
+    "--iters=2",
+    "--report=false",
+]
+
+
+@pytest.mark.parametrize("chain_ms", [None, 30])
+def test_chain_ms_reaches_the_timing_and_the_point_key(tmp_path, monkeypatch, chain_ms):
+    """--chain_ms is part of the point (a chained run never resumes a one-call-at-a-time one)
+    and is what the runner times with; without it keys stay as they were."""
+    from experiments import run
+
+    seen = []
+    real = timing.jax_time_calls
+
+    def spy(fn, args, **kw):
+        seen.append(kw.get("chain_ms"))
+        return real(fn, args, **kw)
+
+    monkeypatch.setattr(timing, "jax_time_calls", spy)
+    flag = [] if chain_ms is None else [f"--chain_ms={chain_ms}"]
+    assert run.run_cli([*POINT, *flag, f"--out_dir={tmp_path}"]) == 0
+    (rec,) = read_records(tmp_path / "results.jsonl")
+    assert rec["status"] == "ok"
+    assert seen == [chain_ms or 0]
+    assert rec["point"]["chain_ms"] == (chain_ms or 0)
+    suffix = "/r1:2" + (f"c{chain_ms}" if chain_ms else "")
+    assert rec["key"].endswith(suffix)
