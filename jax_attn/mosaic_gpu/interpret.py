@@ -3,13 +3,16 @@
 The interpreter lacks three constructs these kernels use: layout casts (pure annotations, the
 identity on CPU), and wgmma operands that are transposed shared-memory views (K^T) or register
 arrays (P). enable_interpret_support() teaches it those through private JAX internals; the
-kernels themselves are unchanged.
+kernels themselves are unchanged. It also makes the interpreter compile each warpgroup's program
+once instead of once per warpgroup and grid point.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,8 +67,14 @@ def enable_interpret_support() -> None:
     (jax 0.10): layout casts (pure annotations: identity on CPU), wgmma operands that are
     transposed shared-memory views (K^T) or register arrays (P), and the TMA reduce-add of the
     fused backward's dQ. The kernels are unchanged.
+
+    The interpreter runs every warpgroup of every grid point as its own XLA program and, in jax
+    0.10, traces, lowers and compiles that program anew each time (a fresh closure defeats the
+    jit cache): about 1 s of compilation per warpgroup and grid point, 3/4 of a test's time.
+    _run_thread_program compiles it once per program and argument types and reruns it.
     """
     from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic.interpret import thread_map
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
@@ -74,6 +83,33 @@ def enable_interpret_support() -> None:
     gpu_callbacks.copy_smem_to_gmem = functools.partial(
         _interpret_copy_smem_to_gmem, gpu_callbacks, gpu_callbacks.copy_smem_to_gmem
     )
+    thread_map._run_jaxpr = _run_thread_program
+
+
+# One thread's program (a jaxpr of the interpreter) -> {argument types: [lock, compiled]}; the
+# jaxpr is held by the outer program's callback, so entries go with the outer program.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def _eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> None:
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def _run_thread_program(jaxpr: Any, consts: Any, *args: Any) -> None:
+    """thread_map's _run_jaxpr (trace, lower, compile and run `jaxpr` on `consts` and `args`),
+    with the compiled program kept for the next warpgroup and grid point: the same program, run
+    the same way, compiled once. The first of concurrent callers compiles, the others wait."""
+    types = tuple(jax.typeof(x) for x in (*jax.tree.leaves(consts), *args))
+    with _PROGRAMS_LOCK:
+        entry = _PROGRAMS.setdefault(jaxpr, {}).setdefault(
+            (jax.tree.structure(consts), types), [threading.Lock(), None]
+        )
+    with entry[0]:
+        if entry[1] is None:
+            traced = jax.jit(_eval_jaxpr, static_argnums=(0,)).trace(jaxpr, consts, *args)
+            entry[1] = traced.lower().compile()
+    entry[1](consts, *args)
 
 
 def _interpret_operand(callbacks: Any, key: Any, transforms: Any, thread: int) -> np.ndarray:
