@@ -34,6 +34,16 @@ def chain_length(call_ms: float, chain_ms: float) -> int:
     return int(min(max(math.ceil(chain_ms / max(call_ms, 1e-3)), 1), MAX_CHAIN))
 
 
+def _warm_chain_length(call: Callable[[], None], warmup: int, chain_ms: float) -> int:
+    """Run `warmup` (at least one) synchronised calls; the chain length for the fastest."""
+    times = []
+    for _ in range(max(warmup, 1)):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return chain_length(min(times), chain_ms)
+
+
 def time_stats(times_ms: Sequence[float]) -> dict[str, float]:
     """Median, 20th and 80th percentile (of time), min, max and count of per-call times."""
     t = np.asarray(times_ms, np.float64)
@@ -97,13 +107,10 @@ def jax_time_calls(
     `iters` samples, one call each, or chains of calls when chain_ms > 0 (module docstring)."""
     import jax
 
-    warm = []
-    for _ in range(warmup if chain_ms <= 0 else max(warmup, 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        warm.append((time.perf_counter() - t0) * 1e3)
     if chain_ms > 0:
-        return _jax_chains(fn, args, iters, chain_length(min(warm), chain_ms), flush, barrier)
+        return _jax_chains(fn, args, warmup, iters, chain_ms, flush, barrier)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
         if flush is not None:
@@ -116,10 +123,11 @@ def jax_time_calls(
     return times
 
 
-def _jax_chains(fn, args, iters: int, n: int, flush, barrier) -> list[float]:
+def _jax_chains(fn, args, warmup: int, iters: int, chain_ms: float, flush, barrier) -> list[float]:
     """Per-call ms from `iters` chains of n (flush, call) pairs, less the flushes' own time."""
     import jax
 
+    n = _warm_chain_length(lambda: jax.block_until_ready(fn(*args)), warmup, chain_ms)
     enqueue = getattr(flush, "enqueue", flush)
 
     def chain(call: bool) -> float:
@@ -202,23 +210,62 @@ def torch_time_calls(
 ) -> tuple[list[float], float | None]:
     """(per-call milliseconds, peak GiB over the timed calls; None on CPU).
 
-    CUDA: a 256 MB buffer is zeroed before each call (L2 flush), the peak statistics are reset,
-    an event pair brackets fn (one call, the flush finished before the start event) or a chain
-    of n (flush, fn) pairs when chain_ms > 0, less a chain of flushes alone; the peak leaves the
-    flush buffer out. CPU: perf_counter around fn or a chain of fn. `barrier` (CP) lines the
-    ranks up before each call or chain.
+    CUDA: a 256 MB buffer is zeroed before each call (L2 flush, finished before the start
+    event), the peak statistics are reset, an event pair brackets fn; the peak leaves the flush
+    buffer out. CPU: perf_counter around fn. `barrier` (CP) lines the ranks up before each call.
+    chain_ms > 0: chains of calls instead (module docstring).
     """
     import torch
 
+    if chain_ms > 0:
+        return _torch_chains(fn, warmup, iters, device, barrier, chain_ms)
+
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times, None
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    peak, events = 0, []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        flush.zero_()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        peak = max(peak, torch.cuda.max_memory_allocated(device))
+        events.append((start, end))
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
+
+
+def _torch_chains(
+    fn: Callable[[], object], warmup: int, iters: int, device, barrier, chain_ms: float
+) -> tuple[list[float], float | None]:
+    """torch_time_calls in chains: per sample, n (L2 flush, fn) pairs between one event pair
+    (on CPU, n calls of fn under perf_counter), less the median of FLUSH_SAMPLES chains of
+    flushes alone."""
+    import torch
+
     cuda = device.type == "cuda"
-    warm = []
-    for _ in range(warmup if chain_ms <= 0 else max(warmup, 1)):
-        t0 = time.perf_counter()
+
+    def once() -> None:
         fn()
         if cuda:
             torch.cuda.synchronize(device)
-        warm.append((time.perf_counter() - t0) * 1e3)
-    n = chain_length(min(warm), chain_ms) if chain_ms > 0 else 1
+
+    n = _warm_chain_length(once, warmup, chain_ms)
     if not cuda:
         times = []
         for _ in range(iters):
@@ -231,31 +278,26 @@ def torch_time_calls(
         return times, None
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
 
-    def timed(call: bool) -> tuple:
-        """Start and end events around one call or a chain (the flushes alone without call);
-        one call is flushed before its start event, a chain's calls each inside it."""
+    def chain(call: bool) -> tuple:
         if barrier is not None:
             barrier()
-        if chain_ms <= 0:
-            flush.zero_()
         torch.cuda.synchronize(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(n):
-            if chain_ms > 0:
-                flush.zero_()
+            flush.zero_()
             if call:
                 fn()
         end.record()
         return start, end
 
-    flush_events = [timed(False) for _ in range(FLUSH_SAMPLES if chain_ms > 0 else 0)]
+    flushes = [chain(False) for _ in range(FLUSH_SAMPLES)]
     peak, events = 0, []
     for _ in range(iters):
         torch.cuda.reset_peak_memory_stats(device)
-        events.append(timed(True))
+        events.append(chain(True))
         peak = max(peak, torch.cuda.max_memory_allocated(device))
     torch.cuda.synchronize(device)
-    flush_ms = float(np.median([s.elapsed_time(e) for s, e in flush_events])) if flush_events else 0
+    flush_ms = float(np.median([s.elapsed_time(e) for s, e in flushes]))
     return [(s.elapsed_time(e) - flush_ms) / n for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
