@@ -83,7 +83,8 @@ def enable_interpret_support() -> None:
     gpu_callbacks.copy_smem_to_gmem = functools.partial(
         _interpret_copy_smem_to_gmem, gpu_callbacks, gpu_callbacks.copy_smem_to_gmem
     )
-    thread_map._run_jaxpr = _run_thread_program
+    if hasattr(thread_map, "_run_jaxpr"):  # a speed-up only: without it the programs recompile
+        thread_map._run_jaxpr = _run_thread_program
 
 
 # One thread's program (a jaxpr of the interpreter) -> {argument types: [lock, compiled]}; the
