@@ -106,8 +106,9 @@ def test_ragged_sq_ne_sk_empty_rows_mha_fp16() -> None:
 @pytest.mark.parametrize("name", ["causal_document", "ragged_empty_rows"])
 def test_overlapped_forward(name: str) -> None:
     """fwd_overlap (Q K^T of step n + 1 issued before the softmax of step n): the same outputs,
-    also where a q tile lists no key tile at all (rows seeing nothing)."""
-    config = dataclasses.replace(SMALL, fwd_overlap=True)
+    also where a q tile lists no key tile at all (rows seeing nothing); launched with the q tile
+    axis fastest (tiles_fastest: the kernel finds its tile, head and batch by axis name)."""
+    config = dataclasses.replace(SMALL, fwd_overlap=True, tiles_fastest=True)
     if name == "ragged_empty_rows":  # rows 100-300: two whole q tiles that see nothing
         mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
         arrays = prepare_mask(mask, *SMALL.tiles)

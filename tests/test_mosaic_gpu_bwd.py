@@ -125,7 +125,11 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
-    "ws_both": (KernelConfig(bwd_warpgroups=2, dq_warpgroups=2), "gaps_sq_ne_sk"),
+    # launched tiles fastest: the kernels find their tile, head and batch by axis name
+    "ws_both_tiles_fastest": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
+        "gaps_sq_ne_sk",
+    ),
 }
 HEAD_DIMS = {"ws_fused_d128": 128}  # D=128: each consumer reduces half of the head dim
 
@@ -237,7 +241,7 @@ def test_lowers_for_hopper(d: int) -> None:
     assert text.count("custom_call @mosaic_gpu") == 1, "fused: one backward kernel, no dQ kernel"
     for ws in (
         KernelConfig(bwd_warpgroups=2),
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True),
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, tiles_fastest=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)

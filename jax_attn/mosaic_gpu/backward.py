@@ -287,6 +287,7 @@ def _kernels(
         stages=stages,
         scale=float(scale),
         hints=not interpret,
+        tiles_fastest=config.tiles_fastest,
     )
     dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
     dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LOG2E
+from .config import grid_axes
 
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
@@ -34,6 +35,7 @@ class Kernel:
     scale: float
     hints: bool  # emit layout casts (real lowering); interpret mode has no rule for them
     fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
+    tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
 
     @property
     def qk_scale(self) -> float:
@@ -139,7 +141,8 @@ def launch(
     name: str,
     warpgroups: int = 1,
 ) -> Callable[..., Any]:
-    """The kernel over (tiles, heads, batch), with `warpgroups` warpgroups ("wg") per CTA. A
+    """The kernel over (tiles, heads, batch) in grid_axes' launch order, with `warpgroups`
+    warpgroups ("wg") per CTA. A
     fused launch takes a mutable dQ Ref operand, which plgpu.kernel's batching wrapper cannot
     carry, so it goes through pl.kernel, with the scratch allocated inside as plgpu.kernel
     does it (shared by the warpgroups)."""
@@ -149,7 +152,8 @@ def launch(
         interpret=interpret if interpret else None,
     )
     threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
-    mesh = dict(grid=grid, grid_names=("tiles", "heads", "batch"), kernel_name=name, **threads)
+    order = grid_axes(("tiles", grid[0]), *grid[1:], tiles_fastest=kern.tiles_fastest)
+    mesh = dict(**order, kernel_name=name, **threads)
     body = functools.partial(body, kern=kern)
     if not kern.fused:
         return plgpu.kernel(body, scratch_types=scratch, **mesh, **common)

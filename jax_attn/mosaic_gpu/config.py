@@ -36,7 +36,10 @@ class KernelConfig:
     forward CTA per SM walks (q tile, head, batch) items, dealt by decreasing key-tile count in
     snake rows (close to longest-first scheduling); the K/V ring runs on across items and the
     next item's Q and row bounds load into a second buffer during this one, so a CTA with few
-    key tiles no longer pays the pipeline fill and Q load on its own.
+    key tiles no longer pays the pipeline fill and Q load on its own. tiles_fastest: the
+    non-persistent grids run the tile axis fastest instead of the head axis (Pallas Mosaic GPU
+    launches the last grid axis fastest), so the CTAs resident together share one head's K/V
+    (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids.
     """
 
     block_q: int = 64
@@ -53,6 +56,7 @@ class KernelConfig:
     in_place_pv: bool = False
     fwd_overlap: bool = False
     persistent_fwd: bool = False
+    tiles_fastest: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -126,6 +130,15 @@ class KernelConfig:
                 f"shared memory at head_dim={head_dim}; the valid range is "
                 f"at most {SMEM_BYTES} (lower block_k or max_concurrent_steps)"
             )
+
+
+def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: bool) -> dict:
+    """grid and grid_names of a non-persistent kernel over (tile axis name and size, heads,
+    batch); the last axis launches fastest: batch, then heads, or reversed with tiles_fastest."""
+    names, sizes = (tiles[0], "heads", "batch"), (tiles[1], heads, batch)
+    if tiles_fastest:
+        names, sizes = names[::-1], sizes[::-1]
+    return dict(grid=sizes, grid_names=names)
 
 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:

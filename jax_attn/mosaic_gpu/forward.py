@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LN2, LOG2E
-from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig
+from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig, grid_axes
 
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
@@ -463,8 +463,13 @@ def forward(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
         ),
-        grid=(geo.ctas,) if geo.persistent else (geo.num_q_tiles, heads_q, batch),
-        grid_names=("sm",) if geo.persistent else ("q", "heads", "batch"),
+        **(
+            dict(grid=(geo.ctas,), grid_names=("sm",))
+            if geo.persistent
+            else grid_axes(
+                ("q", geo.num_q_tiles), heads_q, batch, tiles_fastest=config.tiles_fastest
+            )
+        ),
         num_threads=CONSUMER_WARPGROUPS + 1,
         thread_name="wg",
         kernel_name="mosaic_flash_fwd",
