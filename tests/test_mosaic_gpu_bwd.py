@@ -130,6 +130,15 @@ WARP_SPECIALISED = {
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
         "gaps_sq_ne_sk",
     ),
+    # P computed while dP's matmul runs, in the masked and the unmasked steps of both kernels
+    "ws_both_overlap": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_overlap=True),
+        "gaps_sq_ne_sk",
+    ),
+    "fused_overlap_ragged_fp16": (
+        KernelConfig(fused_bwd=True, bwd_overlap=True),
+        "causal_gqa_ragged_fp16",
+    ),
 }
 HEAD_DIMS = {"ws_fused_d128": 128}  # D=128: each consumer reduces half of the head dim
 
@@ -243,6 +252,7 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2),
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, tiles_fastest=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

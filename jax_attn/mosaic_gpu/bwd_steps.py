@@ -36,6 +36,7 @@ class Kernel:
     hints: bool  # emit layout casts (real lowering); interpret mode has no rule for them
     fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
+    overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
 
     @property
     def qk_scale(self) -> float:
@@ -80,13 +81,20 @@ def visible(
     return out
 
 
-def two_matmuls(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple:
-    """(a0 @ b0, a1 @ b1) in fresh fp32 accumulators, both wgmmas in flight together."""
+def two_matmuls(
+    a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], first: Callable, *, early: bool
+) -> tuple:
+    """(first(a0 @ b0), a1 @ b1) from fresh fp32 accumulators, both wgmmas in flight together.
+    early: first runs as soon as a0 @ b0 is done, while a1 @ b1 still runs; else after both."""
 
     def run(acc0: Any, acc1: Any) -> tuple[jax.Array, jax.Array]:
         plgpu.wgmma(acc0, a0, b0)
         plgpu.wgmma(acc1, a1, b1)
-        return acc0[...], acc1[...]
+        if early:
+            done = first(plgpu.wgmma_accumulator_load(acc0, wait_n=1))
+            return done, acc1[...]
+        both = acc0[...], acc1[...]
+        return first(both[0]), both[1]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
@@ -252,15 +260,18 @@ def dkv_step(
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
-    s_t, dp_t = two_matmuls(
-        k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape
-    )
-    s_t = s_t * kern.qk_scale
-    if masked:
-        s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
-    lse = broadcast(row_vector(lse_s, kern, 0), shape, 0)
+
+    def probabilities(s_t: jax.Array) -> jax.Array:
+        s_t = s_t * kern.qk_scale
+        if masked:
+            s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
+        return jnp.exp2(s_t - broadcast(row_vector(lse_s, kern, 0), shape, 0))
+
+    p_t, dp_t = two_matmuls(
+        k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
+        probabilities, early=kern.overlap,
+    )  # fmt: skip
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
-    p_t = jnp.exp2(s_t - lse)
     ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
     plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
     plgpu.wgmma(dk_acc, ds_t, q)
@@ -276,13 +287,17 @@ def dq_step(
     the first key of the step (read only when masked)."""
     q, do, lo_s, hi_s, lse, delta = rows
     shape = lse.shape
-    s, dp = two_matmuls(
-        q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape
-    )
-    s = s * kern.qk_scale
-    if masked:
-        s = jnp.where(visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
-    p = jnp.exp2(s - lse)
+
+    def probabilities(s: jax.Array) -> jax.Array:
+        s = s * kern.qk_scale
+        if masked:
+            s = jnp.where(visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
+        return jnp.exp2(s - lse)
+
+    p, dp = two_matmuls(
+        q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape,
+        probabilities, early=kern.overlap,
+    )  # fmt: skip
     plgpu.wgmma(dq_acc, (p * (dp - delta)).astype(k.dtype), k)
 
 

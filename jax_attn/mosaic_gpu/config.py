@@ -40,6 +40,8 @@ class KernelConfig:
     non-persistent grids run the tile axis fastest instead of the head axis (Pallas Mosaic GPU
     launches the last grid axis fastest), so the CTAs resident together share one head's K/V
     (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids.
+    bwd_overlap: the backward steps wait for S alone and compute P = exp2(S - LSE) (masked)
+    while dP's matmul still runs, instead of waiting for both (FlashAttention-3's order).
     """
 
     block_q: int = 64
@@ -57,6 +59,7 @@ class KernelConfig:
     fwd_overlap: bool = False
     persistent_fwd: bool = False
     tiles_fastest: bool = False
+    bwd_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
