@@ -380,13 +380,11 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
-def test_row_checks_emulate_one_shape_per_point():
-    """Every rank of a point that a row check restricts emulates CHECK_TILES whole, aligned query
-    tiles (so one compilation serves them all): its real tiles' first and last among them,
-    topped up with tiles of padding alone where fewer hold real tokens; the whole shard where it
-    is short or no whole tile holds a real token. Over strategies and layouts, with document
-    masks (padded zigzag shards, not whole tiles) and a length that leaves a rank one real
-    tile."""
+def test_row_checks_emulate_whole_real_query_tiles():
+    """A row check's rows on every rank are up to CHECK_TILES whole, aligned query tiles holding
+    real tokens, its real tiles' first and last among them; the whole shard where it is short
+    or no whole tile holds a real token. Over strategies and layouts, with document masks
+    (padded zigzag shards, not whole tiles) and a length that leaves a rank one real tile."""
     from types import SimpleNamespace
 
     from experiments.runners.cp_ranks import CHECK_TILES, Ranks
@@ -400,7 +398,6 @@ def test_row_checks_emulate_one_shape_per_point():
         mask = named_mask(mask_name, seqlen)
         plan = _plan(mask, n, strategy, layout, u, pad_multiple=pad)
         fake = SimpleNamespace(plan=plan, check_block=lambda: block)
-        lengths = set()
         for r, shard in enumerate(plan.layout.positions):
             rows, count = Ranks.check_rows(fake, r, seqlen), len(shard) // block
             real = np.flatnonzero((shard[: count * block] < seqlen).reshape(count, block).any(1))
@@ -408,16 +405,13 @@ def test_row_checks_emulate_one_shape_per_point():
                 assert rows is None
                 seen.add("short" if count < 4 * CHECK_TILES else "no real tile")
                 continue
-            lengths.add(len(rows))
             tiles = rows[::block] // block
             np.testing.assert_array_equal(rows, (tiles[:, None] * block + np.arange(block)).ravel())
-            picked = np.intersect1d(tiles, real)
-            assert np.all(np.diff(tiles) > 0) and len(picked) == min(len(real), CHECK_TILES)
-            assert picked[0] == real[0] and picked[-1] == real[-1]
+            assert np.all(np.diff(tiles) > 0) and len(tiles) == min(len(real), CHECK_TILES)
+            assert np.isin(tiles, real).all() and tiles[0] == real[0] and tiles[-1] == real[-1]
             seen.update(["partial tile"] * (len(shard) % block > 0))
-            seen.update(["topped up"] * (len(real) < CHECK_TILES))
-        assert lengths <= {CHECK_TILES * block}, (strategy, layout, mask_name, lengths)
-    assert seen == {"short", "no real tile", "partial tile", "topped up"}
+            seen.update(["few real tiles"] * (len(real) < CHECK_TILES))
+    assert seen == {"short", "no real tile", "partial tile", "few real tiles"}
 
 
 @pytest.mark.parametrize(
@@ -432,10 +426,10 @@ def test_row_checks_emulate_one_shape_per_point():
 def test_row_checks_emulate_whole_query_tiles(
     monkeypatch, strategy, layout, mask_name, per_device, pad, impl
 ):
-    """A row check emulates CHECK_TILES whole query tiles of a shard instead of the shard (tiles
-    of padding alone topping up a shard of fewer real ones): those rows' out and dq equal the
-    whole shard's emulation at the same rows, the first and last ranks' checks pass drawing no
-    more queries than those tiles, and a restricted piece from the wrong step fails it. pallas
+    """A row check emulates CHECK_TILES whole query tiles of a shard instead of the shard (fewer
+    where fewer hold real tokens), in the shard's shapes: those rows' out and dq equal the whole
+    shard's emulation at the same rows, the first and last ranks' checks pass drawing no more
+    queries than those tiles, and a restricted piece from the wrong step fails it. pallas
     (interpreted on the CPU) walks the restricted pieces' tile lists, which the reference never
     reads."""
     from experiments.runners import checks, cp_ranks, frameworks
@@ -450,18 +444,18 @@ def test_row_checks_emulate_whole_query_tiles(
     dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
     plan = jax_cp.executor_plan(mask, impl=impl, dtype=dtype, pad_multiple=pad, **settings)
     ranks = JaxRanks(plan, impl, point, 0, JaxRunner())
-    block, topped_up = ranks.check_block(), False
+    block, few = ranks.check_block(), False
     for r in range(plan.ring_size):
         rows, shard = ranks.check_rows(r, mask.seqlen_q), plan.layout.positions[r]
-        assert len(rows) == 2 * block < len(shard)
-        topped_up |= bool((shard[rows].reshape(2, block) >= mask.seqlen_q).all(1).any())
+        assert len(rows) <= 2 * block < len(shard)
+        few |= len(rows) < 2 * block
         whole, part = ranks.emulate(r, 0), ranks.emulate(r, 0, rows)
         for name in ("out", "dq"):
             np.testing.assert_allclose(part[name], whole[name][:, rows], rtol=1e-5, atol=1e-6)
-    assert topped_up == (pad is not None)
+    assert few == (pad is not None)
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
     draws = _record_draws(monkeypatch, JaxRanks)
-    for r in {0, plan.ring_size - 1}:  # the last: the topped-up shard where padded
+    for r in {0, plan.ring_size - 1}:  # the last: fewer real tiles where padded
         check = _rank_check(ranks, mask, r, 0, grads=True, rtol=1e-4, seed=0)
         assert check.ok and check.kind == "rows", check.message
     assert max(n for name, n, _ in draws if name in ("q", "dout")) <= 2 * block
@@ -473,6 +467,35 @@ def test_row_checks_emulate_whole_query_tiles(
         )
         check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
         assert not check.ok and "rank" in check.message
+
+
+@pytest.mark.parametrize(
+    "strategy, impl", [("ring", "reference"), ("allgather", "reference"), ("ring", "pallas")]
+)
+def test_row_checks_compile_no_kernel_program_of_their_own(monkeypatch, strategy, impl):
+    """A row check restricted to its check rows runs the programs its point's timed calls
+    compile (the same shapes and step functions): after the timed calls it compiles no step
+    function anew, and it passes."""
+    from experiments.runners import checks, cp_ranks, cp_simulate, frameworks
+    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), seqlen=512)
+    (mask,) = frameworks.make_masks(point)
+    runner = JaxRunner()
+    plan = JaxRanks.executor_plan(point, mask, impl)
+    ranks = JaxRanks(plan, impl, point, 0, runner)
+    assert ranks.check_rows(0, mask.seqlen_q) is not None
+    sched = sim.schedule(plan, point.mode, itemsize=4, batch=point.batch, entry=sim.EXCHANGE)
+    cp_simulate.CPSimulator(runner, JaxRanks)._time_calls(ranks, sched, point)
+    programs = {name: fn._cache_size() for name, fn in vars(ranks.steps).items()}
+    check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    assert check.ok and check.kind == "rows" and check.rows > 0, check.message
+    assert {name: fn._cache_size() for name, fn in vars(ranks.steps).items()} == programs
 
 
 def test_simulated_points_on_one_cpu_device(monkeypatch):

@@ -132,27 +132,24 @@ class Ranks(ABC):
         return None
 
     def check_rows(self, r: int, seqlen: int) -> np.ndarray | None:
-        """Local rows of ring rank r's shard that a row check emulates: CHECK_TILES whole query
-        tiles, those holding real tokens first (the first, the last, evenly between), topped up
-        with tiles of padding alone, so every rank of a point emulates arrays of one shape (each
-        new shape compiles anew on a GPU); each kernel call sees those tiles as the shard's call
-        does, at a fraction of its work. A partial last tile (a shard not padded to tiles) is
-        never picked. None, all rows: the framework cannot restrict, the shard is short (fewer
-        than 4 x CHECK_TILES whole tiles: a restricted shape's compilation would cost more than
-        it saves), or no whole tile holds a real token."""
+        """Local rows of ring rank r's shard that a row check emulates: up to CHECK_TILES whole
+        query tiles holding real tokens (the first, the last, evenly between); each kernel call
+        sees those tiles as the shard's call does, at a fraction of its work on a block-sparse
+        kernel. A partial last tile (a shard not padded to tiles) is never picked. None, all
+        rows: the framework cannot restrict, the shard is short (fewer than 4 x CHECK_TILES
+        whole tiles: its whole emulation is cheap), or no whole tile holds a real token."""
         block = self.check_block()
         positions = self.plan.layout.positions[r]
         count = 0 if block is None else len(positions) // block
         if count < 4 * CHECK_TILES:
             return None
         real = (positions[: count * block] < seqlen).reshape(count, block).any(axis=1)
-        tiles, padding = np.flatnonzero(real), np.flatnonzero(~real)
+        tiles = np.flatnonzero(real)
         if not len(tiles):
             return None
         # evenly spaced indices >= 1 apart, so distinct after rounding
         picks = np.linspace(0, len(tiles) - 1, min(len(tiles), CHECK_TILES)).round().astype(int)
-        picked = np.sort(np.concatenate([tiles[picks], padding[: CHECK_TILES - len(picks)]]))
-        return (picked[:, None] * block + np.arange(block)).ravel()
+        return (tiles[picks][:, None] * block + np.arange(block)).ravel()
 
     @abstractmethod
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
@@ -161,7 +158,8 @@ class Ranks(ABC):
         on the device (to_host copies them where a check compares them; a row check only asks
         all_finite, so 64 steps of dK/dV never cross to the host for it). rows
         (check_rows; only where check_block is not None): only those rows of its shard, in
-        that order, each step's mask piece restricted to them (their dK/dV parts only)."""
+        that order, emulated in the shard's shapes with the other rows given no inputs and no
+        keys (their dK/dV parts only), so its calls run the timed calls' compiled programs."""
 
     @abstractmethod
     def call_shape(self, r: int, t: int) -> tuple | None:

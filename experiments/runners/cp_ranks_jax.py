@@ -72,6 +72,30 @@ def _rows_at():
     return jax.jit(rows_at, static_argnums=(3, 4, 5, 6, 7))
 
 
+@cache
+def _all_finite():
+    """jitted x -> whether x holds no inf or NaN: one program per shape, not one per operation."""
+    import jax
+    import jax.numpy as jnp
+
+    def all_finite(x):
+        return jnp.isfinite(x).all()
+
+    return jax.jit(all_finite)
+
+
+@cache
+def _rows_f32():
+    """jitted (x, rows) -> float32 x at local rows `rows` (axis 1): one program per shape."""
+    import jax
+    import jax.numpy as jnp
+
+    def rows_f32(x, rows):
+        return jnp.take(x, rows, axis=1).astype(jnp.float32)
+
+    return jax.jit(rows_f32)
+
+
 class JaxRanks(Ranks):
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
 
@@ -115,14 +139,21 @@ class JaxRanks(Ranks):
         return self.arrays.block_q
 
     def row_piece(self, r: int, t: int, rows: np.ndarray):
-        """The piece of ring rank r at kept step t restricted to the shard's local `rows`, with
-        the point's interval count and full-width tile lists (one compilation per key length),
-        on the device."""
+        """The piece of ring rank r at kept step t with only the shard's local `rows` seeing
+        keys, in the shapes of the point's pieces (its interval count, full-width tile lists),
+        so it runs the timed calls' compiled programs; on the device."""
+        from attn_masks import from_slices
         from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
         from shard_strategies.jax_cp import piece_arrays
 
         piece = self.plan.pieces[r][t]
-        sub = piece.restrict(rows, np.arange(piece.seqlen_k))
+        n = piece.seqlen_q
+        # below the piece, a copy of its rows that see nothing: the other rows are mapped there
+        slices = (piece.q_ranges, piece.k_ranges, piece.types)
+        taller = from_slices(*slices, 2 * n, piece.seqlen_k)
+        local = np.arange(n)
+        kept = np.isin(local, rows)
+        sub = taller.restrict(np.where(kept, local, n + local), np.arange(piece.seqlen_k))
         arrays = piece_arrays(sub, self.impl, self.plan.head_dim, self.dtype)
         widest = empty_mask_arrays(arrays, self.arrays.num_intervals)
         padded = stack_mask_arrays([arrays, widest])
@@ -145,10 +176,11 @@ class JaxRanks(Ranks):
         return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
 
     def queries(self, name: str, r: int, u: int, rows: np.ndarray | None = None):
-        """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it), its
-        Ulysses group's heads."""
-        positions = self.plan.layout.positions[r]
-        positions = positions if rows is None else positions[rows]
+        """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it, zeros
+        elsewhere), its Ulysses group's heads."""
+        positions = self.plan.layout.positions[r].copy()
+        if rows is not None:
+            positions[~np.isin(np.arange(len(positions)), rows)] = self._shapes[name][1]
         return self.device_rows(name, positions, self.q_heads[u])
 
     def keys(self, r: int, u: int, t: int):
@@ -171,10 +203,22 @@ class JaxRanks(Ranks):
         return np.asarray(x.astype(self.jnp.float32))
 
     def all_finite(self, x) -> bool:
-        return bool(self.jnp.isfinite(x).all())
+        return bool(_all_finite()(x))
+
+    def _host_rows(self, x, rows: np.ndarray | None) -> np.ndarray:
+        """A float32 host copy of the local rows `rows` of x (all where None), gathered on the
+        device, so only the rows a check compares cross to the host."""
+        if rows is None:
+            return self.to_host(x)
+        return np.asarray(_rows_f32()(x, rows.astype(np.int32)))
 
     def _zero_lse(self, q):
         return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
+
+    def _zero_dkv(self, k, v) -> tuple:
+        """An empty dK/dV accumulator (fp32 at least) for the block (k, v) of a backward step."""
+        acc = self.jnp.promote_types(k.dtype, self.jnp.float32)
+        return self.jnp.zeros(k.shape, acc), self.jnp.zeros(v.shape, acc)
 
     def call(self, call: str, r: int, t: int, group_start: bool):
         """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
@@ -184,7 +228,7 @@ class JaxRanks(Ranks):
         """
         from shard_strategies import simulate
 
-        s, jnp = self.steps, self.jnp
+        s = self.steps
         q, (k, v) = self.timed_queries("q", r), self.timed_keys(r, t)
         a = self.piece(r, t)
         if call == simulate.ATTEND:
@@ -199,8 +243,7 @@ class JaxRanks(Ranks):
             if t == 0:
                 return s.first_bwd, (q, k, v, a, out, lse, dout, dlse)
             rowdot, dq = s.start(q, out, dout)
-            acc = jnp.promote_types(k.dtype, jnp.float32)
-            dkv = None if group_start else (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+            dkv = None if group_start else self._zero_dkv(k, v)
             return s.bwd, (q, k, v, a, (out, lse, dout, dlse, rowdot), dq, dkv)
         if call == simulate.ATTEND_ONCE:
             return (s.once if self.mode == "fwd" else s.once_vjp), (q, k, v, a)
@@ -213,7 +256,9 @@ class JaxRanks(Ranks):
         return timing.jax_time_calls(fn, args, warmup=warmup, iters=iters, flush=self.flush)
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
-        s, jnp = self.steps, self.jnp
+        """Each backward step adds its dK/dV to an empty accumulator and the pullback runs
+        jitted, as in the timed calls, so an emulation compiles no kernel program of its own."""
+        s = self.steps
         grads = self.mode != "fwd"
         q = self.queries("q", r, u, rows)
         steps = range(self.plan.num_steps) if self.ring_core else range(1)
@@ -230,16 +275,17 @@ class JaxRanks(Ranks):
                 rowdot, dq = s.start(q, out, dout)
                 res = (out, lse, dout, self._zero_lse(q), rowdot)
                 for t in steps:
-                    dq, dkv = s.bwd(q, *blocks[t], res, dq, None)
+                    dq, dkv = s.bwd(q, *blocks[t], res, dq, self._zero_dkv(*blocks[t][:2]))
                     parts.append((t, dkv))
         elif not grads:
             out, _ = s.once(q, *blocks[0])
         else:
             (out, _), pullback = s.once_vjp(q, *blocks[0])
-            dq, dk, dv = pullback((self.queries("dout", r, u, rows), self._zero_lse(q)))
+            cts = (self.queries("dout", r, u, rows), self._zero_lse(q))
+            dq, dk, dv = s.pullback(pullback, cts)
             parts.append((0, (dk, dv)))
-        result = {"out": np.asarray(out.astype(jnp.float32))}
+        result = {"out": self._host_rows(out, rows)}
         if grads:
-            result["dq"] = np.asarray(dq.astype(jnp.float32))
+            result["dq"] = self._host_rows(dq, rows)
             result["dkv"] = [(t, *kv) for t, kv in parts]
         return result
