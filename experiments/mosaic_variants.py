@@ -15,6 +15,8 @@ raises is recorded as "wrong" or "error" with its message and the sweep goes on.
 the mask's useful FLOPs (attn_masks.attention_flops, as the driver); time_vs_baseline is the
 variant's median time over the baseline's in the same run (below 1: faster than cuDNN).
 `--report=FOLDER` writes report.md and speed.png from the records in FOLDER instead.
+`--resume` skips the points already recorded in --out, so a command cut short by a time limit
+goes on where it stopped when run again.
 `--profile` runs each impl once between cudaProfilerStart and Stop instead of timing it, for
 `ncu --profile-from-start off --kernel-name regex:mosaic_flash ...` (one variant per run keeps
 the kernels apart: they share names).
@@ -54,6 +56,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("iters", 20, "Timed calls per variant.", lower_bound=1)
     flags.DEFINE_integer("warmup", 3, "Untimed calls before them.", lower_bound=0)
     flags.DEFINE_string("out", None, "Append one JSON line per (point, variant) to this file.")
+    flags.DEFINE_bool(
+        "resume",
+        False,
+        "Skip the points whose baseline and variants all have a record in --out already (a "
+        "command cut short, run again, goes on where it stopped; records with status error "
+        "run again).",
+    )
     flags.DEFINE_string(
         "report", None, "Write report.md and speed.png from the *.jsonl in this folder (no GPU)."
     )
@@ -224,6 +233,21 @@ def _point(mask_name: str, seqlen: int, heads: str, mode: str, variants: list, r
                 f.write(json.dumps(rec) + "\n")
 
 
+def recorded(path: str, head_dim: int, dtype: str) -> set[tuple]:
+    """(mask, seqlen, heads, mode, variant, spec) of the records in `path` at this head dim and
+    dtype whose status is final (not error): what --resume skips. Empty if the file is absent."""
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return set()
+    return {
+        (r["mask"], r["seqlen"], r["heads"], r["mode"], r["variant"], r["spec"])
+        for r in records
+        if r["head_dim"] == head_dim and r["dtype"] == dtype and r["status"] != "error"
+    }
+
+
 def _settings() -> tuple[list[tuple[str, str, object]], list[int]]:
     """(spec, name, config) of each variant and the seqlens; UsageError names a bad value."""
     from attn_masks import MASK_NAMES
@@ -248,6 +272,8 @@ def _settings() -> tuple[list[tuple[str, str, object]], list[int]]:
             raise app.UsageError(f"bad --heads {heads!r}: expected Hq:Hkv with Hkv dividing Hq")
     if len(set(names)) < len(names):
         raise app.UsageError(f"variant names must be unique and differ from --baseline: {names}")
+    if FLAGS.resume and (not FLAGS.out or FLAGS.profile):
+        raise app.UsageError("--resume needs --out (the records to go on from) and no --profile")
     return variants, seqlens
 
 
@@ -280,10 +306,16 @@ def main(argv: list[str]) -> None:
         "flush": timing.jax_l2_flusher(jax.local_devices()[0]),
         "provenance": {"jax": jax.__version__, "git": provenance.git_state()},
     }
+    done = recorded(FLAGS.out, FLAGS.head_dim, FLAGS.dtype) if FLAGS.resume else set()
+    impls = [(v[1], v[0]) for v in variants]
+    impls += [(FLAGS.baseline, FLAGS.baseline)] if FLAGS.baseline != "none" else []
     for mask_name in FLAGS.mask:
         for seqlen in seqlens:
             for heads in FLAGS.heads:
                 for mode in FLAGS.mode:
+                    if all((mask_name, seqlen, heads, mode, *i) in done for i in impls):
+                        print(f"{mask_name} S={seqlen} {heads} {mode}: recorded, skipped")
+                        continue
                     _point(mask_name, seqlen, heads, mode, variants, run)
 
 

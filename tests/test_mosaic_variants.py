@@ -68,3 +68,31 @@ def test_bad_spec_raises_naming_the_item(spec, named):
 def test_bad_bool_value_is_named():
     with pytest.raises(ValueError, match=r"'fused_bwd=2'.*takes 0/1/true/false.*fused_bwd"):
         parse_variant("fused:fused_bwd=2", WithBool())
+
+
+def test_recorded_lists_final_records_of_this_head_dim_and_dtype(tmp_path):
+    """What --resume skips: the (mask, seqlen, heads, mode, variant, spec) of records at the run's
+    head dim and dtype whose status is final; error records and other head dims or dtypes run
+    again, and a missing file means nothing is recorded."""
+    import json
+
+    from experiments.mosaic_variants import recorded
+
+    base = dict(mask="causal", seqlen=16384, heads="64:8", head_dim=128, dtype="bf16", mode="fwd")
+    rows = [
+        dict(base, variant="cudnn", spec="cudnn", status="ok"),
+        dict(base, variant="tf", spec="tf:tiles_fastest=1", status="wrong"),
+        dict(base, variant="ov", spec="ov:bwd_overlap=1", status="error"),
+        dict(base, variant="pers", spec="pers:persistent_fwd=1", status="unsupported"),
+        dict(base, variant="d64", spec="d64", status="ok", head_dim=64),
+        dict(base, variant="fp16", spec="fp16", status="ok", dtype="fp16"),
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    key = ("causal", 16384, "64:8", "fwd")
+    assert recorded(str(path), 128, "bf16") == {
+        (*key, "cudnn", "cudnn"),
+        (*key, "tf", "tf:tiles_fastest=1"),
+        (*key, "pers", "pers:persistent_fwd=1"),
+    }
+    assert recorded(str(tmp_path / "absent.jsonl"), 128, "bf16") == set()
