@@ -307,7 +307,7 @@ def main(argv: list[str]) -> None:
         "provenance": {"jax": jax.__version__, "git": provenance.git_state()},
     }
     done = recorded(FLAGS.out, FLAGS.head_dim, FLAGS.dtype) if FLAGS.resume else set()
-    impls = [(v[1], v[0]) for v in variants]
+    impls = [(name, spec) for spec, name, _ in variants]  # (variant, spec) as records have them
     impls += [(FLAGS.baseline, FLAGS.baseline)] if FLAGS.baseline != "none" else []
     for mask_name in FLAGS.mask:
         for seqlen in seqlens:
