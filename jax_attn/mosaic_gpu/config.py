@@ -33,8 +33,9 @@ class KernelConfig:
     accumulator) instead of a fresh accumulator added to O; GPU lowering only. fwd_overlap: the
     forward issues the next step's Q K^T before this step's softmax (FlashAttention-3's
     intra-warpgroup overlap; one more fp32 score tile in registers). persistent_fwd: one
-    forward CTA per SM walks (q tile, head, batch) items, dealt by decreasing key-tile count in
-    snake rows (close to longest-first scheduling); the K/V ring runs on across items and the
+    forward CTA per SM walks (q tile, head, batch) items, dealt in snake rows from bands of
+    decreasing key-tile count (close to longest-first scheduling), each band's items grouped by
+    K/V head (L2 sharing, as tiles_fastest); the K/V ring runs on across items and the
     next item's Q and row bounds load into a second buffer during this one, so a CTA with few
     key tiles no longer pays the pipeline fill and Q load on its own. tiles_fastest: the
     non-persistent grids run the tile axis fastest instead of the head axis (Pallas Mosaic GPU

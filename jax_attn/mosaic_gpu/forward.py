@@ -28,6 +28,7 @@ CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
 INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
+COST_BUCKETS = 32  # bands of key-tile count in the persistent deal (deal_items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +107,30 @@ def _persistent_ctas(interpret: Any) -> int:
         return HOPPER_SMS
 
 
-def _item(geo: Geometry, order_ref: Any, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q tile, q head, batch) of work item `flat` in the list of items by decreasing cost: the
-    q tiles in `order_ref`'s order (most key tiles first), each one's heads and batches together,
-    so dealt in snake rows the items come close to longest-first list scheduling."""
-    per_tile = geo.heads_q * geo.batch
-    rest = lax.rem(flat, per_tile)
-    return (
-        order_ref[lax.div(flat, per_tile)],
-        lax.rem(rest, geo.heads_q),
-        lax.div(rest, geo.heads_q),
+def deal_items(geo: Geometry, count: jax.Array) -> jax.Array:
+    """(3, items) int32: the persistent walk's (q tile, q head, batch) items in the order they
+    are dealt. Items come in COST_BUCKETS bands of key-tile count, costliest first, so dealt in
+    snake rows they stay close to longest-first list scheduling; inside a band, one K/V head's
+    items (its batch, its group of q heads) come together, q tiles by decreasing count, so the
+    CTAs resident at once share that head's K/V tiles in L2."""
+    tiles, group = geo.num_q_tiles, geo.group
+    most = jnp.maximum(jnp.max(count), 1)
+    band = jnp.minimum((most - count) * COST_BUCKETS // most, COST_BUCKETS - 1)
+    rank = jnp.argsort(jnp.argsort(-count, stable=True), stable=True)
+    tile, section, member = jnp.meshgrid(
+        jnp.arange(tiles), jnp.arange(geo.batch * geo.heads_kv), jnp.arange(group), indexing="ij"
     )
+    sections = geo.batch * geo.heads_kv
+    key = ((band[tile] * sections + section) * tiles + rank[tile]) * group + member
+    order = jnp.argsort(key.ravel())
+    head = lax.rem(section, geo.heads_kv) * group + member
+    items = jnp.stack([tile.ravel(), head.ravel(), lax.div(section, geo.heads_kv).ravel()])
+    return items[:, order].astype(jnp.int32)
+
+
+def _item(items_ref: Any, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q tile, q head, batch) of dealt item `flat` (deal_items)."""
+    return items_ref[0, flat], items_ref[1, flat], items_ref[2, flat]
 
 
 def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
@@ -145,8 +159,8 @@ def _kernel(
     geo: Geometry,
     scale: float,
 ) -> None:
-    """refs: the q tiles by decreasing key-tile count (persistent grid only), out, lse."""
-    order_ref, out_ref, lse_ref = refs if geo.persistent else (None, *refs)
+    """refs: the dealt items (deal_items; persistent grid only), out, lse."""
+    items_ref, out_ref, lse_ref = refs if geo.persistent else (None, *refs)
     cfg = geo.config
     bq, bk, d, stages = cfg.block_q, cfg.block_k, geo.head_dim, cfg.max_concurrent_steps
     dtype = q_ref.dtype
@@ -322,7 +336,7 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
 
             if geo.persistent:
-                load_item(_item(geo, order_ref, _snake(geo, cta, 0)), 0)
+                load_item(_item(items_ref, _snake(geo, cta, 0)), 0)
                 pl.when(wg == 1)(pingpong)
 
                 def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
@@ -332,9 +346,9 @@ def _kernel(
                     @pl.when(local + 1 < local_items)
                     def _prefetch() -> None:
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O, LSE
-                        load_item(_item(geo, order_ref, _snake(geo, cta, local + 1)), 1 - b)
+                        load_item(_item(items_ref, _snake(geo, cta, local + 1)), 1 - b)
 
-                    item = _item(geo, order_ref, flat)
+                    item = _item(items_ref, flat)
                     run_item(item, b, base, turns=False)
                     return base + count_ref[item[0]]
 
@@ -385,9 +399,7 @@ def _kernel(
                 steps = lax.fori_loop(
                     0,
                     local_items,
-                    lambda local, base: produce(
-                        _item(geo, order_ref, _snake(geo, cta, local)), base
-                    ),
+                    lambda local, base: produce(_item(items_ref, _snake(geo, cta, local)), base),
                     jnp.int32(0),
                 )
             else:
@@ -482,6 +494,4 @@ def forward(
         raise ValueError(
             f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
         )
-    # The persistent walk's q tiles by decreasing key-tile count (ties in tile order).
-    order = jnp.argsort(-count, stable=True).astype(jnp.int32)
-    return kernel(q, k, v, bounds, index, n_partial, count, order)
+    return kernel(q, k, v, bounds, index, n_partial, count, deal_items(geo, count))
