@@ -148,7 +148,8 @@ def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): FA3-like 128-key
     steps, two stages (three at D=64), P V accumulated in place, the warp-specialised dK/dV and
-    dQ kernels (dQ over 128-key steps), grids launched tiles fastest."""
+    dQ kernels (dQ over 128-key steps), the persistent forward, the other grids launched tiles
+    fastest."""
     del dtype
     return KernelConfig(
         block_q=64,
@@ -158,6 +159,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         bwd_warpgroups=2,
         dq_warpgroups=2,
         in_place_pv=True,
+        persistent_fwd=True,
         tiles_fastest=True,
     )
 
