@@ -289,6 +289,7 @@ def _kernels(
         hints=not interpret,
         tiles_fastest=config.tiles_fastest,
         overlap=config.bwd_overlap,
+        registers=(config.consumer_registers, config.producer_registers),
     )
     dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
     dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)

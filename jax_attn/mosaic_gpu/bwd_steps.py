@@ -37,6 +37,7 @@ class Kernel:
     fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
+    registers: tuple[int, int] = (232, 40)  # setmaxnreg of a consumer, of the producer
 
     @property
     def qk_scale(self) -> float:

@@ -12,6 +12,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one Hopper CTA may use
 MAX_INTERVALS = 8
+REGISTER_BUDGET = 512  # 64K registers / 128 threads: per-thread registers summed over warpgroups
+MIN_CONSUMER_REGISTERS = 168  # 64K registers over the CTA's 384 threads, no setmaxnreg raise
+MAX_CONSUMER_REGISTERS = 240  # (512 - 24) / 2 rounded down to 8: the producer keeps setmaxnreg's 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,8 @@ class KernelConfig:
     (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids.
     bwd_overlap: the backward steps wait for S alone and compute P = exp2(S - LSE) (masked)
     while dP's matmul still runs, instead of waiting for both (FlashAttention-3's order).
+    consumer_registers: registers per thread each consumer warpgroup raises itself to
+    (setmaxnreg) in every kernel; the producer gets producer_registers of what is left.
     """
 
     block_q: int = 64
@@ -61,6 +66,7 @@ class KernelConfig:
     persistent_fwd: bool = False
     tiles_fastest: bool = False
     bwd_overlap: bool = False
+    consumer_registers: int = 232
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -89,10 +95,24 @@ class KernelConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)} is invalid: valid values are 1 and 2"
                 )
+        if (
+            self.consumer_registers % 8
+            or not MIN_CONSUMER_REGISTERS <= self.consumer_registers <= MAX_CONSUMER_REGISTERS
+        ):
+            raise ValueError(
+                f"consumer_registers={self.consumer_registers} is invalid: valid values are "
+                f"multiples of 8 in [{MIN_CONSUMER_REGISTERS}, {MAX_CONSUMER_REGISTERS}]"
+            )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(
                 f"num_stages_bwd={self.num_stages_bwd} is invalid: valid range is [1, 4] (or None)"
             )
+
+    @property
+    def producer_registers(self) -> int:
+        """The producer warpgroup's registers per thread: at most 40, and what the consumers
+        leave of the SM's 512 registers per thread-slot of a warpgroup (setmaxnreg budget)."""
+        return min(40, REGISTER_BUDGET - CONSUMER_WARPGROUPS * self.consumer_registers)
 
     @property
     def mask_block_q(self) -> int:

@@ -35,7 +35,6 @@ from .bwd_steps import (
     tile_smem,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
-from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 from .ws_ring import consume, drain, produce
 
 INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
@@ -59,7 +58,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(kern.registers[0], action="increase")
         col0 = tile * kern.mask_block_k + wg * bk
         keys = pl.ds(pl.multiple_of(col0, bk), bk)
         k_own, v_own = k_s.at[wg], v_s.at[wg]
@@ -87,7 +86,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(kern.registers[1], action="decrease")
         sources = (q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref)
 
         def fetch(n: jax.Array, slot: jax.Array) -> None:

@@ -29,7 +29,6 @@ from .bwd_steps import (
     tile_start,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
-from .forward import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 from .ws_ring import consume, produce
 
 ROW_COPIES = 6  # q, dO, LSE, delta, lo, hi of a consumer's rows: its row barrier's arrivals
@@ -49,7 +48,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(kern.registers[0], action="increase")
         rows = pl.ds(pl.multiple_of(tile * kern.mask_block_q + wg * bq, bq), bq)
         mine = tuple(x.at[wg] for x in (q_s, do_s, lse_s, delta_s, lo_s, hi_s))
         q_own, do_own, lse_own, delta_own, lo_own, hi_own = mine
@@ -80,7 +79,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(kern.registers[1], action="decrease")
         kv_head = lax.div(head, jnp.int32(kern.group))
 
         def fetch(n: jax.Array, slot: jax.Array) -> None:

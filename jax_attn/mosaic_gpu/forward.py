@@ -24,8 +24,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..kernel_inputs import LN2, LOG2E
 from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig, grid_axes
 
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
 HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
 INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
 COST_BUCKETS = 32  # bands of key-tile count in the persistent deal (deal_items)
@@ -192,7 +190,7 @@ def _kernel(
 
         @pl.when(wg < PRODUCER)
         def _consumer() -> None:
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(geo.config.consumer_registers, action="increase")
             qk_scale = scale * LOG2E
 
             def load_item(item: tuple, b: Any) -> None:
@@ -361,7 +359,7 @@ def _kernel(
 
         @pl.when(wg == PRODUCER)
         def _producer() -> None:
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(geo.config.producer_registers, action="decrease")
 
             def produce(item: tuple, base: Any) -> Any:
                 """Load an item's K and V tiles into ring steps base, base + 1, ...; the next
