@@ -181,6 +181,22 @@ def test_config_validation_names_value_and_range() -> None:
         dataclasses.replace(three, persistent_fwd=True).check(128, jnp.bfloat16)
 
 
+def test_register_split_fits_the_ctas_launch_registers() -> None:
+    """setmaxnreg.inc waits until the CTA's own warps freed enough registers: the consumers'
+    raise plus the producer's share must fit what 384 threads got at launch (65536 registers
+    over 384 threads in units of 8), or the kernel hangs; setmaxnreg's range is [24, 256]."""
+    launch = 65536 // (3 * 128) // 8 * 8
+    for regs in range(168, 241, 8):
+        config = KernelConfig(consumer_registers=regs)
+        assert 24 <= config.producer_registers <= 40
+        assert config.producer_registers % 8 == 0
+        assert 2 * regs + config.producer_registers <= 3 * launch
+    assert KernelConfig().producer_registers == 40  # the measured default split, 232 / 40
+    for bad in (236, 248, 160):
+        with pytest.raises(ValueError, match=rf"consumer_registers={bad}.*\[168, 240\]"):
+            KernelConfig(consumer_registers=bad)
+
+
 def test_wrong_mask_tiles_rejected() -> None:
     mask = make_mask("causal", 128)
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)

@@ -12,9 +12,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one Hopper CTA may use
 MAX_INTERVALS = 8
-REGISTER_BUDGET = 512  # 64K registers / 128 threads: per-thread registers summed over warpgroups
+REGISTER_BUDGET = 504  # 3 x 168: the CTA's launch registers per thread, summed over warpgroups
 MIN_CONSUMER_REGISTERS = 168  # 64K registers over the CTA's 384 threads, no setmaxnreg raise
-MAX_CONSUMER_REGISTERS = 240  # (512 - 24) / 2 rounded down to 8: the producer keeps setmaxnreg's 24
+MAX_CONSUMER_REGISTERS = 240  # (504 - 24) / 2: the producer keeps setmaxnreg's minimum, 24
 
 
 @dataclasses.dataclass(frozen=True)
