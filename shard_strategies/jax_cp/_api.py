@@ -219,6 +219,13 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
     return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
 
 
+def interval_count(plan: CPPlan) -> int:
+    """Key intervals per row in the executor's stacked mask arrays: the widest piece's, at
+    least MIN_INTERVALS (an array shape of every kernel call)."""
+    widest = max(p.row_intervals()[0].shape[1] for row in plan.pieces for p in row)
+    return max(MIN_INTERVALS, widest)
+
+
 def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
     """(R, T, ...) host MaskArrays of every ring rank's piece at every kept step, in the shapes
     the executor passes its kernels (the same for every mask of a length). Pieces of equal
@@ -236,7 +243,7 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
             distinct.append(piece_arrays(piece, impl, head_dim, dtype))
         index.append(built[key])
     # stacked with an empty widest mask, so every mask of a length has the same shapes
-    widest = empty_mask_arrays(distinct[0], MIN_INTERVALS)
+    widest = empty_mask_arrays(distinct[0], interval_count(plan))
     stacked = jax.tree.map(lambda x: x[np.array(index)], stack_mask_arrays([*distinct, widest]))
     lead = (plan.ring_size, plan.num_steps)
     return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
