@@ -220,10 +220,15 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
 
 
 def interval_count(plan: CPPlan) -> int:
-    """Key intervals per row in the executor's stacked mask arrays: the widest piece's, at
-    least MIN_INTERVALS (an array shape of every kernel call)."""
+    """Key intervals per row in the executor's stacked mask arrays (an array shape of every
+    kernel call): the widest piece's, rounded up to a power of two, at least MIN_INTERVALS.
+
+    An all-gather piece sees a document's keys in up to one interval per ring rank, so its
+    count follows the documents and ranks (5, 7, 9, ... 128); rounded up, plans share a few
+    counts and their compiled programs. The extra intervals are empty (lo == hi == 0).
+    """
     widest = max(p.row_intervals()[0].shape[1] for row in plan.pieces for p in row)
-    return max(MIN_INTERVALS, widest)
+    return max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
 
 
 def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
