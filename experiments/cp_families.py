@@ -151,11 +151,17 @@ def count(points: Iterable[Point], impl: str = GPU_IMPL) -> dict[Family, int]:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("devices", [str(n) for n in presets.CP_PREDICT_DEVICES], "Simulated devices.")
-flags.DEFINE_list("seqlens", None, "Tokens per device (default: the preset's).")
-flags.DEFINE_list("masks", None, "Masks (default: the preset's).")
-flags.DEFINE_string("impl", GPU_IMPL, "The local kernel whose tiles set the shapes.")
-flags.DEFINE_bool("verbose", False, "Print every family.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when it runs (tests import this module beside run.py,
+    whose flags share absl's registry)."""
+    devices = [str(n) for n in presets.CP_PREDICT_DEVICES]
+    flags.DEFINE_list("devices", devices, "Simulated devices.")
+    flags.DEFINE_list("seqlens", None, "Tokens per device (default: the preset's).")
+    flags.DEFINE_list("masks", None, "Masks (default: the preset's).")
+    flags.DEFINE_string("impl", GPU_IMPL, "The local kernel whose tiles set the shapes.")
+    flags.DEFINE_bool("verbose", False, "Print every family.")
 
 
 def main(argv: list[str]) -> None:
@@ -175,4 +181,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
