@@ -384,13 +384,19 @@ def test_row_checks_emulate_whole_real_query_tiles():
     """A row check's rows on every rank are up to CHECK_TILES whole, aligned query tiles holding
     real tokens, its real tiles' first and last among them; the whole shard where it is short
     or no whole tile holds a real token. Over strategies and layouts, with document masks
-    (padded zigzag shards, not whole tiles) and a length that leaves a rank one real tile."""
+    (padded zigzag shards), short shards, shards of 130 tokens (not whole tiles) and a length
+    that leaves a rank one real tile."""
     from types import SimpleNamespace
 
     from experiments.runners.cp_ranks import CHECK_TILES, Ranks
 
     block, seen = 8, set()
-    cases = [("causal_document", 160, 1), ("causal", 64, 1), ("causal", None, 128)]
+    cases = [
+        ("causal_document", 160, 1),
+        ("causal", 64, 1),
+        ("causal", 130, 1),
+        ("causal", None, 128),
+    ]
     for (strategy, n, u), layout, (mask_name, per_rank, pad) in itertools.product(
         CONFIGS, ss.LAYOUTS, cases
     ):

@@ -22,7 +22,15 @@ steps), _allgather, _ulysses (the all-to-alls), _local (one device's attention a
 The ring step functions are exported for the CP predictor, which times them rank by rank.
 """
 
-from ._api import CPExecutor, attention, build, cp_mesh, executor_plan, ring_mask_arrays
+from ._api import (
+    CPExecutor,
+    attention,
+    build,
+    cp_mesh,
+    executor_plan,
+    interval_count,
+    ring_mask_arrays,
+)
 from ._local import local_attention, piece_arrays, resolve_impl
 from ._ring import backward_start, backward_step, forward_step
 
@@ -35,6 +43,7 @@ __all__ = [
     "cp_mesh",
     "executor_plan",
     "forward_step",
+    "interval_count",
     "local_attention",
     "piece_arrays",
     "resolve_impl",

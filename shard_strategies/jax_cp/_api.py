@@ -219,6 +219,18 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
     return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
 
 
+def interval_count(plan: CPPlan) -> int:
+    """Key intervals per row in the executor's stacked mask arrays (an array shape of every
+    kernel call): the widest piece's, rounded up to a power of two, at least MIN_INTERVALS.
+
+    An all-gather piece sees a document's keys in up to one interval per ring rank, so its
+    count follows the documents and ranks (5, 7, 9, ... 128); rounded up, plans share a few
+    counts and their compiled programs. The extra intervals are empty (lo == hi == 0).
+    """
+    widest = max(p.row_intervals()[0].shape[1] for row in plan.pieces for p in row)
+    return max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
+
+
 def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
     """(R, T, ...) host MaskArrays of every ring rank's piece at every kept step, in the shapes
     the executor passes its kernels (the same for every mask of a length). Pieces of equal
@@ -236,7 +248,7 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
             distinct.append(piece_arrays(piece, impl, head_dim, dtype))
         index.append(built[key])
     # stacked with an empty widest mask, so every mask of a length has the same shapes
-    widest = empty_mask_arrays(distinct[0], MIN_INTERVALS)
+    widest = empty_mask_arrays(distinct[0], interval_count(plan))
     stacked = jax.tree.map(lambda x: x[np.array(index)], stack_mask_arrays([*distinct, widest]))
     lead = (plan.ring_size, plan.num_steps)
     return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
