@@ -6,7 +6,6 @@ extends the mask to the padded length), so any sequence length works under any l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +14,6 @@ from attn_masks import Mask
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 DEFAULT_CHUNKS_PER_RANK = 4
-ZIGZAG_GRAINS = 16  # zigzag shard lengths step by 1/16 of the even share (zigzag_multiple)
 
 
 def inverse_order(order: np.ndarray, seqlen: int) -> np.ndarray:
@@ -93,25 +91,9 @@ def _zigzag_segment(start: int, n: int, ring_size: int) -> list[np.ndarray]:
     return [np.concatenate([chunks[r], chunks[2 * ring_size - 1 - r]]) for r in range(ring_size)]
 
 
-def zigzag_multiple(seqlen: int, ring_size: int) -> int:
-    """What every zigzag shard of `seqlen` tokens on `ring_size` ranks is padded to a multiple
-    of: the largest power of two at most 1/ZIGZAG_GRAINS of the even share ceil(seqlen / R).
-
-    Per-document zigzag pads each document to 2R equal chunks, so a shard exceeds the even share
-    by less than two tokens per document, a different amount for every document mask (8320 or
-    8576 tokens instead of 8192 with 128-token tiles), and every amount is a new set of kernel
-    shapes. Rounded up to this multiple, every mask of one (seqlen, R) whose documents need
-    padding, fewer than multiple / 2 of them, gets one shard length (the share plus one
-    multiple, when the share is a multiple of it), for at most 1/ZIGZAG_GRAINS of the share in
-    more padding tokens, which see nothing and are seen by nothing like any other padding.
-    """
-    share = -(-seqlen // ring_size)
-    return 1 << max((share // ZIGZAG_GRAINS).bit_length() - 1, 0)
-
-
 def zigzag_layout(mask: Mask, ring_size: int, multiple: int = 1) -> Layout:
     """Head/tail chunks per document (docs/context_parallel.md, Layouts) given cu_seqlens, else of
-    the whole sequence; shards padded to a multiple of `multiple` and of zigzag_multiple."""
+    the whole sequence."""
     seqlen = mask.seqlen_q
     cu = mask.params.get("cu_seqlens")
     bounds = np.asarray(cu, np.int64) if cu is not None else np.array([0, seqlen], np.int64)
@@ -125,7 +107,7 @@ def zigzag_layout(mask: Mask, ring_size: int, multiple: int = 1) -> Layout:
         for r in range(ring_size):
             per_rank[r].append(parts[r])
     rows = [np.concatenate(p) if p else np.zeros(0, np.int64) for p in per_rank]
-    return _finish("zigzag", seqlen, rows, math.lcm(multiple, zigzag_multiple(seqlen, ring_size)))
+    return _finish("zigzag", seqlen, rows, multiple)
 
 
 def row_area(mask: Mask) -> np.ndarray:
