@@ -43,3 +43,55 @@ def test_interval_count_is_the_executors_array_shape():
     widest = max(p.row_intervals()[0].shape[1] for row in plan.pieces for p in row)
     assert widest > 4 and widest & (widest - 1)  # a count the executor rounds up
     assert arrays.num_intervals == jax_cp.interval_count(plan) == 1 << widest.bit_length()
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy, mode):
+    """The counter's families of a plan are the distinct (step function, argument structure and
+    shapes) that the CP simulator's timed calls run for that plan (reference kernel, 4 ranks):
+    as many, with the same step functions, query rows and key lengths."""
+    import jax
+
+    from experiments.core.points import Grid, expand
+    from experiments.runners import cp_simulate, frameworks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import simulate
+
+    grid = Grid(
+        name="t", cps=(strategy,), layouts=("zigzag",), impls=("reference",),
+        masks=("causal_document",), seqlens=(64,), heads=((4, 2),), head_dim=16,
+        dtype="fp32", modes=(mode,), warmup=0, iters=1,
+    )  # fmt: skip
+    (point,) = expand(
+        grid, "jax", ("reference",), seed=3, num_devices=4, ulysses_size=None,
+        ulysses_intra_node=True,
+    )  # fmt: skip
+    (mask,) = frameworks.make_masks(point)
+    runner = JaxRunner()
+    plan = JaxRanks.executor_plan(point, mask, "reference")
+    ranks = JaxRanks(plan, "reference", point, 0, runner)
+    names = {id(fn): name for name, fn in vars(ranks.steps).items()}
+    timed = {}  # (fn, argument structure and shapes) -> (fn, query rows, keys)
+
+    def record(self, call, warmup, iters):
+        fn, args = self.call(*call)
+        leaves, tree = jax.tree.flatten(args)
+        shapes = tuple(tuple(x.shape) for x in leaves if hasattr(x, "shape"))
+        rows = [s[1] for s in shapes if len(s) == 4]  # (B, tokens, heads, D) arrays
+        if names[id(fn)] == "pullback":
+            query_rows = args[1][0].shape[1]  # the cotangent dout
+        else:
+            query_rows = args[0].shape[1]
+        timed[names[id(fn)], str(tree), shapes] = (names[id(fn)], query_rows, max(rows))
+        return [1.0] * iters
+
+    monkeypatch.setattr(JaxRanks, "time", record)
+    sched = simulate.schedule(plan, mode, itemsize=4, batch=point.batch, entry=simulate.EXCHANGE)
+    cp_simulate.CPSimulator(runner, JaxRanks)._time_calls(ranks, sched, point)
+    families = cp_families.plan_families(plan, mode, "reference", point.dtype, point.batch)
+    step_fn = {"fwd_merge": "fwd", "bwd_accumulate": "bwd"}  # one jitted fn, two argument sets
+    counted = {(step_fn.get(f.fn, f.fn), f.shard_len, f.key_len) for f in families}
+    assert timed and len(families) == len(timed)
+    assert counted == set(timed.values()), (counted, set(timed.values()))
