@@ -219,6 +219,22 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
     return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
 
 
+def _distinct_pieces(plan: CPPlan) -> tuple[list, list[int]]:
+    """(the plan's distinct pieces, each piece's index among them in rank-major order): pieces
+    of equal typed slices are one (a Mask compares by identity). A 64-rank plan of a document
+    mask has 4096 pieces, about 240 distinct (most are empty or whole blocks)."""
+    built: dict[tuple, int] = {}
+    distinct, index = [], []
+    for piece in (p for row in plan.pieces for p in row):
+        slices = (piece.q_ranges, piece.k_ranges, piece.types)
+        key = (piece.seqlen_q, piece.seqlen_k, *(a.tobytes() for a in slices))
+        if key not in built:
+            built[key] = len(distinct)
+            distinct.append(piece)
+        index.append(built[key])
+    return distinct, index
+
+
 def interval_count(plan: CPPlan) -> int:
     """Key intervals per row in the executor's stacked mask arrays (an array shape of every
     kernel call): the widest piece's, rounded up to a power of two, at least MIN_INTERVALS.
@@ -227,28 +243,22 @@ def interval_count(plan: CPPlan) -> int:
     count follows the documents and ranks (5, 7, 9, ... 128); rounded up, plans share a few
     counts and their compiled programs. The extra intervals are empty (lo == hi == 0).
     """
-    widest = max(p.row_intervals()[0].shape[1] for row in plan.pieces for p in row)
+    return _interval_count(_distinct_pieces(plan)[0])
+
+
+def _interval_count(pieces: list) -> int:
+    widest = max(p.row_intervals()[0].shape[1] for p in pieces)
     return max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
 
 
 def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
     """(R, T, ...) host MaskArrays of every ring rank's piece at every kept step, in the shapes
-    the executor passes its kernels (the same for every mask of a length). Pieces of equal
-    slices share one build: a 64-rank plan of a document mask has 4096 pieces, about 240
-    distinct (most are empty or whole blocks)."""
-    built: dict[tuple, int] = {}  # a piece's slices -> its index in `distinct`
-    distinct: list[MaskArrays] = []
-    index = []
-    for piece in (p for row in plan.pieces for p in row):
-        # a Mask compares by identity: pieces are the same when their typed slices are
-        slices = (piece.q_ranges, piece.k_ranges, piece.types)
-        key = (piece.seqlen_q, piece.seqlen_k, *(a.tobytes() for a in slices))
-        if key not in built:
-            built[key] = len(distinct)
-            distinct.append(piece_arrays(piece, impl, head_dim, dtype))
-        index.append(built[key])
+    the executor passes its kernels (the same for every mask of a length); each distinct piece
+    is built once."""
+    pieces, index = _distinct_pieces(plan)
+    distinct = [piece_arrays(piece, impl, head_dim, dtype) for piece in pieces]
     # stacked with an empty widest mask, so every mask of a length has the same shapes
-    widest = empty_mask_arrays(distinct[0], interval_count(plan))
+    widest = empty_mask_arrays(distinct[0], _interval_count(pieces))
     stacked = jax.tree.map(lambda x: x[np.array(index)], stack_mask_arrays([*distinct, widest]))
     lead = (plan.ring_size, plan.num_steps)
     return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), stacked)
