@@ -233,16 +233,19 @@ def _point(mask_name: str, seqlen: int, heads: str, mode: str, variants: list, r
                 f.write(json.dumps(rec) + "\n")
 
 
+RESUME_KEY = ("mask", "seqlen", "heads", "mode", "variant", "spec")  # a point's variant record
+
+
 def recorded(path: str, head_dim: int, dtype: str) -> set[tuple]:
     """(mask, seqlen, heads, mode, variant, spec) of the records in `path` at this head dim and
-    dtype whose status is final (not error): what --resume skips. Empty if the file is absent."""
-    try:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return set()
+    dtype whose status is final (not error): what --resume skips. Empty if the file is absent;
+    lines torn by a kill are skipped (and reported) as the driver's results files' are."""
+    from experiments.core.results import read_json_lines
+
+    fields = (*RESUME_KEY, "head_dim", "dtype", "status")
+    records = read_json_lines(path, keep=lambda r: all(f in r for f in fields))
     return {
-        (r["mask"], r["seqlen"], r["heads"], r["mode"], r["variant"], r["spec"])
+        tuple(r[f] for f in RESUME_KEY)
         for r in records
         if r["head_dim"] == head_dim and r["dtype"] == dtype and r["status"] != "error"
     }
