@@ -34,10 +34,10 @@ class Kernel:
     stages: int
     scale: float
     hints: bool  # emit layout casts (real lowering); interpret mode has no rule for them
+    registers: tuple[int, int]  # setmaxnreg of a consumer, of the producer (KernelConfig)
     fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
-    registers: tuple[int, int] = (232, 40)  # setmaxnreg of a consumer, of the producer
 
     @property
     def qk_scale(self) -> float:

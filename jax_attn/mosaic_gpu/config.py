@@ -111,7 +111,7 @@ class KernelConfig:
     @property
     def producer_registers(self) -> int:
         """The producer warpgroup's registers per thread: at most 40, and what the consumers
-        leave of the SM's 512 registers per thread-slot of a warpgroup (setmaxnreg budget)."""
+        leave of REGISTER_BUDGET (setmaxnreg only moves registers the CTA got at launch)."""
         return min(40, REGISTER_BUDGET - CONSUMER_WARPGROUPS * self.consumer_registers)
 
     @property

@@ -190,7 +190,7 @@ def _kernel(
 
         @pl.when(wg < PRODUCER)
         def _consumer() -> None:
-            plgpu.set_max_registers(geo.config.consumer_registers, action="increase")
+            plgpu.set_max_registers(cfg.consumer_registers, action="increase")
             qk_scale = scale * LOG2E
 
             def load_item(item: tuple, b: Any) -> None:
@@ -359,7 +359,7 @@ def _kernel(
 
         @pl.when(wg == PRODUCER)
         def _producer() -> None:
-            plgpu.set_max_registers(geo.config.producer_registers, action="decrease")
+            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
             def produce(item: tuple, base: Any) -> Any:
                 """Load an item's K and V tiles into ring steps base, base + 1, ...; the next
