@@ -255,10 +255,13 @@ def query_ring(stages: int, bq: int, d: int, dtype: Any, intervals: int) -> list
 def dkv_step(
     kern: Kernel, k_s: Any, v_s: Any, slot: tuple, col0: jax.Array, masked: bool,
     dk_acc: Any, dv_acc: Any,
+    around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
-    with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T."""
+    with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
+    around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
+    (the fused kernel's dQ matmul) or run while dK's matmul is in flight."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
 
@@ -275,7 +278,10 @@ def dkv_step(
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
     ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
     plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
-    plgpu.wgmma(dk_acc, ds_t, q)
+    if around_dk is None:
+        plgpu.wgmma(dk_acc, ds_t, q)
+    else:
+        around_dk(ds_t, lambda: plgpu.wgmma(dk_acc, ds_t, q))
     return ds_t
 
 

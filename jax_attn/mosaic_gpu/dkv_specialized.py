@@ -9,11 +9,14 @@ slots that both consumers read. So the q side is loaded once per 128 keys instea
 Fused (fused_bwd), the CTA adds its 128 keys' share of each step's dQ once: both consumers write
 their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each computes
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
-the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once.
+the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
+dQ matmul goes between dV's and dK's, and dK's runs while the consumer stages and adds dQ.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -68,11 +71,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
             def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                 refs = tuple(x.at[slot] for x in ring)
-                ds_t = dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc)
+                around_dk = None
                 if kern.fused:
                     start, head = walk.at(n)
                     dst = dq_ref.at[batch, pl.ds(start, bq), head]
-                    _add_dq_shared(n, wg, ds_t, k_s, dst, shared_dq)
+                    around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
+                dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk)
 
             plgpu.barrier_wait(kv_bar.at[wg])
             consume(total, n_masked, stages, ready, free, step)
@@ -105,11 +109,14 @@ def dq_columns(head_dim: int) -> list[slice]:
 
 
 def _add_dq_shared(
-    n: jax.Array, wg: jax.Array, ds_t: jax.Array, k_s: Any, dst: Any, shared: tuple
-) -> None:
+    n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
+    issue_dk: Callable[[], None],
+) -> None:  # fmt: skip
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
-    keys: this consumer's dS^T into buffer n mod 2 (once both consumers' reads of step n - 2
-    released it), a rendezvous, then each consumer's dq_columns slice by one TMA reduce-add."""
+    keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
+    consumers' reads of step n - 2 released it), a rendezvous, then each consumer's dq_columns
+    slice issued before dK and read while dK's matmul runs (FlashAttention-3's dV, dQ, dK
+    order), and added by one TMA reduce-add."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
     pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
@@ -126,7 +133,8 @@ def _add_dq_shared(
                 for j in range(CONSUMER_WARPGROUPS):
                     ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
                     plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
-                return acc[...]
+                issue_dk()
+                return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dK still in flight
 
             part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
             plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
@@ -136,7 +144,10 @@ def _add_dq_shared(
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage, dst.at[:, cols], reduction_op="add")
 
-    pl.when(wg >= len(columns))(lambda: plgpu.barrier_arrive(free.at[buf]))
+    @pl.when(wg >= len(columns))
+    def _no_share() -> None:
+        issue_dk()
+        plgpu.barrier_arrive(free.at[buf])
 
 
 def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
