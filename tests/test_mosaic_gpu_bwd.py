@@ -99,6 +99,10 @@ CASES = {
     "gaps_sq_ne_sk": dict(mask=_slices_with_gaps(), hq=2, hkv=2),
     "random_slices_fp16": dict(mask=random_slices(5, 192, 160), dtype=jnp.float16),
 }
+# three 256-key tiles (the last one ragged) with documents ending inside them
+WS_ONLY_CASES = {
+    "causal_document_600": dict(mask=make_mask("causal_document", 600, seed=4), hq=2, hkv=1),
+}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -135,6 +139,11 @@ WARP_SPECIALISED = {
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_overlap=True),
         "gaps_sq_ne_sk",
     ),
+    # 256-key mask tiles (the D=64 default): each 128-key CTA walks its mask tile's q list
+    "ws_both_256_key_tiles": (
+        KernelConfig(block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
+        "causal_document_600",
+    ),
     "fused_overlap_ragged_fp16": (
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
@@ -148,17 +157,17 @@ def test_warp_specialised_gradients(name: str, interpret) -> None:
     """Two consumer warpgroups (64 keys each of a 128-key mask tile) and a producer filling the
     shared q-side ring: the same gradients, also fused and with a deeper ring."""
     config, case_name = WARP_SPECIALISED[name]
-    case = dict(CASES[case_name], d=HEAD_DIMS.get(name, 64))
+    case = dict({**CASES, **WS_ONLY_CASES}[case_name], d=HEAD_DIMS.get(name, 64))
     _check(case.pop("mask"), config, interpret, tiles=config.tiles, **case)
 
 
 def test_warp_specialised_needs_two_halves(interpret) -> None:
     mask = make_mask("causal", 128)
-    with pytest.raises(ValueError, match="bwd_warpgroups=2 .* block_k=128"):
+    with pytest.raises(ValueError, match="bwd_warpgroups=2 .* block_k a multiple of 2 .*=64"):
         _check(mask, KernelConfig(block_k=64, bwd_warpgroups=2), interpret, tiles=(128, 64))
     with pytest.raises(ValueError, match="valid values are 1 and 2"):
         KernelConfig(bwd_warpgroups=3)
-    with pytest.raises(ValueError, match="dq_warpgroups=2 .* block_q_dq None or 64"):
+    with pytest.raises(ValueError, match="dq_warpgroups=2 .* a multiple of 2 .* block_q_dq=128"):
         _check(mask, KernelConfig(dq_warpgroups=2, block_q_dq=128), interpret, tiles=(128, 128))
     with pytest.raises(ValueError, match="dq_warpgroups=0 is invalid"):
         KernelConfig(dq_warpgroups=0)

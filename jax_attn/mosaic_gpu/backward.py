@@ -232,14 +232,14 @@ def _dq_kernel(
 
 
 def _check_split(field: str, mask_name: str, mask_tile: int, tile_name: str, tile: int) -> None:
-    """ValueError unless the mask tile splits into one 64-row/key kernel tile per consumer, as
-    the warp-specialised kernel that `field`=2 selects needs."""
-    if mask_tile != CONSUMER_WARPGROUPS * tile:
-        n = CONSUMER_WARPGROUPS
+    """ValueError unless the mask tile splits into CTAs of one kernel tile per consumer, as the
+    warp-specialised kernel that `field`=2 selects needs."""
+    n = CONSUMER_WARPGROUPS
+    if mask_tile % (n * tile):
         raise ValueError(
-            f"{field}={n} splits each mask tile between {n} consumer warpgroups of {WGMMA_ROWS}: "
-            f"it needs {mask_name}={n * WGMMA_ROWS} and {tile_name} None or {WGMMA_ROWS}, got "
-            f"{mask_name}={mask_tile}, {tile_name}={tile}"
+            f"{field}={n} splits each mask tile into CTAs of {n} consumer warpgroups of one "
+            f"{tile_name} ({tile_name} None: {WGMMA_ROWS}): it needs {mask_name} a multiple of "
+            f"{n} * {tile_name}, got {mask_name}={mask_tile}, {tile_name}={tile}"
         )
 
 

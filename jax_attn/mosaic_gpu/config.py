@@ -166,21 +166,26 @@ def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: 
 
 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
-    """The fastest config measured on an H200 (results/h200/mosaic_variants): FA3-like 128-key
-    steps, two stages (three at D=64), P V accumulated in place, the warp-specialised dK/dV and
-    dQ kernels (dQ over 128-key steps), the persistent forward, the other grids launched tiles
-    fastest."""
+    """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
+    forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
+    128-key steps), the other grids launched tiles fastest. D=128: FA3-like 128-key steps in
+    two stages, consumers at 240 registers. D=64: 256-key forward steps in two stages (half the
+    softmax steps; the backward's CTAs split each 256-key tile in two, through three stages),
+    P computed while dP's matmul runs."""
     del dtype
-    return KernelConfig(
+    common = dict(
         block_q=64,
-        block_k=128,
-        max_concurrent_steps=2 if head_dim > 64 else 3,
         block_k_dq=128,
         bwd_warpgroups=2,
         dq_warpgroups=2,
         in_place_pv=True,
         persistent_fwd=True,
         tiles_fastest=True,
+    )
+    if head_dim > 64:
+        return KernelConfig(block_k=128, max_concurrent_steps=2, consumer_registers=240, **common)
+    return KernelConfig(
+        block_k=256, max_concurrent_steps=2, num_stages_bwd=3, bwd_overlap=True, **common
     )
 
 

@@ -1,11 +1,12 @@
 """Warp-specialised dK/dV kernel (KernelConfig.bwd_warpgroups=2), FlashAttention-3's layout.
 
-One CTA owns a whole 128-key mask tile of one (kv head, batch row): consumer warpgroups 0 and 1
-each own 64 of its keys (their K, V and dK, dV accumulators), and warpgroup 2 is the producer,
-TMA-loading the q rows, dO, LSE, delta and row intervals of every step into a ring of SMEM
-slots that both consumers read. So the q side is loaded once per 128 keys instead of once per
-64, and no consumer issues a copy. A consumer releases a slot once its matmuls on it are done
-(waited at the start of its next step); the producer refills a slot when both released it.
+One CTA owns 128 keys of one (kv head, batch row), a whole 128-key mask tile or half of a
+256-key one (walking that mask tile's q-tile list): consumer warpgroups 0 and 1 each own 64 of
+its keys (their K, V and dK, dV accumulators), and warpgroup 2 is the producer, TMA-loading the
+q rows, dO, LSE, delta and row intervals of every step into a ring of SMEM slots that both
+consumers read. So the q side is loaded once per 128 keys instead of once per 64, and no
+consumer issues a copy. A consumer releases a slot once its matmuls on it are done (waited at
+the start of its next step); the producer refills a slot when both released it.
 Fused (fused_bwd), the CTA adds its 128 keys' share of each step's dQ once: both consumers write
 their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each computes
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
@@ -56,13 +57,16 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
     tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
-    walk = QueryTiles(kern, index_ref, tile, kv_head)
+    cta_keys = CONSUMER_WARPGROUPS * bk
+    walk = QueryTiles(
+        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), kv_head
+    )
     total, n_masked = walk.steps(count_ref, n_partial_ref)
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
         plgpu.set_max_registers(kern.registers[0], action="increase")
-        col0 = tile * kern.mask_block_k + wg * bk
+        col0 = tile * cta_keys + wg * bk
         keys = pl.ds(pl.multiple_of(col0, bk), bk)
         k_own, v_own = k_s.at[wg], v_s.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_own, kv_bar.at[wg])
@@ -152,7 +156,7 @@ def _add_dq_shared(
 
 def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
     """dK, dV (B, padded Sk, Hkv, D) [and the unscaled fp32 dQ when fused] of padded operands,
-    one CTA per 128-key mask tile."""
+    one CTA per CONSUMER_WARPGROUPS * block_k keys (a 128-key mask tile or part of a larger one)."""
     q, k = operands[0], operands[1]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
@@ -172,7 +176,7 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
         ]
-    grid = (k.shape[1] // kern.mask_block_k, k.shape[2], k.shape[0])
+    grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2], k.shape[0])
     name = "mosaic_flash_dkv_ws"
     return launch_dkv(
         _kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMER_WARPGROUPS

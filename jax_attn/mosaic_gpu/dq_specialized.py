@@ -1,7 +1,8 @@
 """Warp-specialised dQ kernel (KernelConfig.dq_warpgroups=2), the layout of jax's and tokamax's
 Mosaic GPU dQ kernels with our mask walk.
 
-One CTA owns a whole 128-row mask q tile of one (q head, batch row): consumer warpgroups 0 and 1
+One CTA owns 128 rows of one (q head, batch row), a whole 128-row mask q tile (or a part of a
+larger one, walking that mask tile's key-tile list): consumer warpgroups 0 and 1
 each own 64 of its rows (their q, dO, LSE, delta, row intervals and dQ accumulator), and
 warpgroup 2 is the producer, TMA-loading the K and V tiles of every listed key tile into a ring
 of SMEM slots that both consumers read (ws_ring.py). So K and V are loaded once per 128 rows
@@ -40,8 +41,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     index_ref, n_partial_ref, count_ref, dq_ref = refs[8:12]
     q_s, do_s, lse_s, delta_s, lo_s, hi_s, k_s, v_s, row_bar, ready, free = refs[12:]
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
-    tile, head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
+    part, head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
+    cta_rows = CONSUMER_WARPGROUPS * bq
+    tile = lax.div(
+        part, jnp.int32(kern.mask_block_q // cta_rows)
+    )  # the mask q tile whose list is walked
     per_tile = kern.mask_block_k // bk
     total = count_ref[tile] * per_tile
     n_masked = n_partial_ref[tile] * per_tile
@@ -49,7 +54,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
         plgpu.set_max_registers(kern.registers[0], action="increase")
-        rows = pl.ds(pl.multiple_of(tile * kern.mask_block_q + wg * bq, bq), bq)
+        rows = pl.ds(pl.multiple_of(part * cta_rows + wg * bq, bq), bq)
         mine = tuple(x.at[wg] for x in (q_s, do_s, lse_s, delta_s, lo_s, hi_s))
         q_own, do_own, lse_own, delta_own, lo_own, hi_own = mine
         bar = row_bar.at[wg]
@@ -92,7 +97,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
 def dq_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> jax.Array:
     """dQ (B, padded Sq, Hq, D) of padded operands over the per-query-tile key tile lists, one
-    CTA per 128-row mask tile."""
+    CTA per CONSUMER_WARPGROUPS * block_q rows."""
     q = operands[0]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
@@ -109,7 +114,7 @@ def dq_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> jax.
         plgpu.Barrier(num_arrivals=2, num_barriers=st),
         plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=st),
     ]
-    grid = (q.shape[1] // kern.mask_block_q, q.shape[2], q.shape[0])
+    grid = (q.shape[1] // (CONSUMER_WARPGROUPS * bq), q.shape[2], q.shape[0])
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     name = "mosaic_flash_dq_ws"
     call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMER_WARPGROUPS + 1)
