@@ -170,7 +170,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
     128-key steps), the other grids launched tiles fastest. D=128: FA3-like 128-key steps in
     two stages, consumers at 240 registers. D=64: 256-key forward steps in two stages (half the
-    softmax steps; the backward's CTAs split each 256-key tile in two, through three stages),
+    softmax steps; the backward's CTAs split each 256-key tile in two, through two stages),
     P computed while dP's matmul runs."""
     del dtype
     common = dict(
@@ -184,9 +184,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     )
     if head_dim > 64:
         return KernelConfig(block_k=128, max_concurrent_steps=2, consumer_registers=240, **common)
-    return KernelConfig(
-        block_k=256, max_concurrent_steps=2, num_stages_bwd=3, bwd_overlap=True, **common
-    )
+    return KernelConfig(block_k=256, max_concurrent_steps=2, bwd_overlap=True, **common)
 
 
 def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:
