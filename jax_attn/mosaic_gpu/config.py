@@ -168,13 +168,14 @@ def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
-    128-key steps), the other grids launched tiles fastest. D=128: FA3-like 128-key steps in
-    two stages, consumers at 240 registers. D=64: 256-key forward steps in two stages (half the
-    softmax steps; the backward's CTAs split each 256-key tile in two, through two stages),
-    P computed while dP's matmul runs."""
+    128-key steps), the other grids launched tiles fastest, two-stage rings. D=128: FA3-like
+    128-key steps, consumers at 240 registers. D=64: 256-key forward steps (half the softmax
+    steps; the backward's CTAs split each 256-key tile in two), P computed while dP's matmul
+    runs."""
     del dtype
     common = dict(
         block_q=64,
+        max_concurrent_steps=2,
         block_k_dq=128,
         bwd_warpgroups=2,
         dq_warpgroups=2,
@@ -183,8 +184,8 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         tiles_fastest=True,
     )
     if head_dim > 64:
-        return KernelConfig(block_k=128, max_concurrent_steps=2, consumer_registers=240, **common)
-    return KernelConfig(block_k=256, max_concurrent_steps=2, bwd_overlap=True, **common)
+        return KernelConfig(block_k=128, consumer_registers=240, **common)
+    return KernelConfig(block_k=256, bwd_overlap=True, **common)
 
 
 def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:
