@@ -1056,6 +1056,29 @@ def test_host_draws_share_a_few_lengths(framework):
         assert np.abs(g).max(axis=(0, 2, 3)).all()  # every row drawn, none left zero
 
 
+def test_jax_draws_share_one_program_across_sequence_lengths():
+    """The same positions drawn for two sequence lengths compile one program (the length is
+    traced): values agree below the shorter length, zeros at and past it."""
+    import jax
+
+    from experiments.runners.cp_ranks_jax import _rows_at
+
+    key = jax.random.key(11)
+    positions = np.array([5, 299, 300, 301, 777, 1500], np.int32)
+    heads = np.array([1, 2], np.int32)
+    draw = _rows_at()
+    before = draw._cache_size()
+    short, long = (
+        np.asarray(draw(key, positions, heads, np.int32(s), 1, 4, D, np.float32))
+        for s in (300, 1200)
+    )
+    assert draw._cache_size() - before <= 1
+    seen = positions < 300
+    np.testing.assert_array_equal(short[:, seen], long[:, seen])
+    assert not short[:, ~seen].any() and np.abs(short[:, seen]).max(axis=(0, 2, 3)).all()
+    assert not long[:, positions >= 1200].any() and np.abs(long[:, 3:5]).max(axis=(0, 2, 3)).all()
+
+
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
     """A row check passes on the ranks' real dK/dV and fails on a NaN in one step's dK, while

@@ -56,7 +56,8 @@ def _rows_at():
     """jitted (key, positions, heads, seqlen, batch, heads_total, head_dim, dtype) -> the values
     at those positions and heads (B, n, len(heads), D): each token's (B, H, D) values drawn from
     the key folded with its position, zeros past seqlen. One compilation per shape, whatever the
-    positions (a rank's shard, a key block, sampled rows)."""
+    positions (a rank's shard, a key block, sampled rows) and the sequence length (traced, so a
+    preset's device counts and lengths share the check's draws)."""
     import jax
     import jax.numpy as jnp
 
@@ -69,7 +70,7 @@ def _rows_at():
         x = jnp.where((positions < seqlen)[:, None, None, None], x, jnp.zeros((), dtype))
         return jnp.moveaxis(x, 0, 1)[:, :, heads]
 
-    return jax.jit(rows_at, static_argnums=(3, 4, 5, 6, 7))
+    return jax.jit(rows_at, static_argnums=(4, 5, 6, 7))
 
 
 @cache
@@ -196,7 +197,15 @@ class JaxRanks(Ranks):
         positions = np.arange(s) if positions is None else np.asarray(positions)
         heads = np.arange(h) if heads is None else np.asarray(heads)
         key = self.jax.random.key(inputs.device_seed(name, *self._source))
-        args = (positions.astype(np.int32), heads.astype(np.int32), s, b, h, d, self.dtype)
+        args = (
+            positions.astype(np.int32),
+            heads.astype(np.int32),
+            np.int32(s),
+            b,
+            h,
+            d,
+            self.dtype,
+        )
         return _rows_at()(key, *args)
 
     def to_host(self, x) -> np.ndarray:
