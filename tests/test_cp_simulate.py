@@ -1056,6 +1056,34 @@ def test_host_draws_share_a_few_lengths(framework):
         assert np.abs(g).max(axis=(0, 2, 3)).all()  # every row drawn, none left zero
 
 
+def test_jax_host_draws_convert_inside_the_draw(caplog):
+    """A bf16 host draw compiles the draw alone (its float32 conversion inside it, no eager
+    conversion program per shape) and equals the device draw converted to float32."""
+    import dataclasses
+    import logging
+
+    import jax
+
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    point = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=512)
+    point = dataclasses.replace(point, dtype="bf16")
+    mask = named_mask("causal_document", point.seqlen_total)
+    ranks = JaxRanks(
+        JaxRanks.executor_plan(point, mask, "reference"), "reference", point, 0, JaxRunner()
+    )
+    rows, heads = np.arange(3, point.seqlen_total, 13), np.array([0, 3])
+    ranks.host("k", rows[:5], heads)  # the key and other per-process programs, another shape
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        got = ranks.host("k", rows, heads)
+    compiled = [r.getMessage() for r in caplog.records if "XLA compilation" in r.getMessage()]
+    assert compiled and all("rows_at" in m for m in compiled), compiled
+    want = ranks.device_rows("k", rows, heads)
+    assert want.dtype == jax.numpy.bfloat16 and got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.asarray(want.astype(np.float32)))
+
+
 def test_jax_draws_share_one_program_across_sequence_lengths():
     """The same positions drawn for two sequence lengths compile one program (the length is
     traced): values agree below the shorter length, zeros at and past it."""
@@ -1069,7 +1097,7 @@ def test_jax_draws_share_one_program_across_sequence_lengths():
     draw = _rows_at()
     before = draw._cache_size()
     short, long = (
-        np.asarray(draw(key, positions, heads, np.int32(s), 1, 4, D, np.float32))
+        np.asarray(draw(key, positions, heads, np.int32(s), 1, 4, D, np.float32, np.float32))
         for s in (300, 1200)
     )
     assert draw._cache_size() - before <= 1

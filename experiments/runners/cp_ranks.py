@@ -100,12 +100,16 @@ class Ranks(ABC):
         draw_length with positions past the end, so the checks' ever-different row and key
         counts share a few compiled draws instead of compiling one each."""
         if rows is None:
-            return self.to_host(self.device_rows(name, None, heads))
+            return self.host_draw(name, None, heads)
         rows = np.asarray(rows)
         past_end = self._shapes[name][1]
         padded = np.full(draw_length(len(rows)), past_end, np.int64)
         padded[: len(rows)] = rows
-        return self.to_host(self.device_rows(name, padded, heads))[:, : len(rows)]
+        return self.host_draw(name, padded, heads)[:, : len(rows)]
+
+    def host_draw(self, name: str, positions: np.ndarray | None, heads) -> np.ndarray:
+        """device_rows(name, positions, heads) as a float32 host array."""
+        return self.to_host(self.device_rows(name, positions, heads))
 
     @abstractmethod
     def normal(self, shape: tuple[int, ...], seed: int):

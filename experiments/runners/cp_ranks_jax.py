@@ -53,24 +53,25 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
 
 @cache
 def _rows_at():
-    """jitted (key, positions, heads, seqlen, batch, heads_total, head_dim, dtype) -> the values
-    at those positions and heads (B, n, len(heads), D): each token's (B, H, D) values drawn from
-    the key folded with its position, zeros past seqlen. One compilation per shape, whatever the
-    positions (a rank's shard, a key block, sampled rows) and the sequence length (traced, so a
-    preset's device counts and lengths share the check's draws)."""
+    """jitted (key, positions, heads, seqlen, batch, heads_total, head_dim, dtype, out_dtype) ->
+    the values at those positions and heads (B, n, len(heads), D) in out_dtype: each token's
+    (B, H, D) values drawn in dtype from the key folded with its position, zeros past seqlen.
+    One compilation per shape, whatever the positions (a rank's shard, a key block, sampled
+    rows) and the sequence length (traced, so a preset's device counts and lengths share the
+    check's draws)."""
     import jax
     import jax.numpy as jnp
 
-    def rows_at(key, positions, heads, seqlen, batch, num_heads, head_dim, dtype):
+    def rows_at(key, positions, heads, seqlen, batch, num_heads, head_dim, dtype, out_dtype):
         def token(p):
             token_key = jax.random.fold_in(key, p)
             return jax.random.normal(token_key, (batch, num_heads, head_dim), dtype)
 
         x = jax.vmap(token)(positions)
         x = jnp.where((positions < seqlen)[:, None, None, None], x, jnp.zeros((), dtype))
-        return jnp.moveaxis(x, 0, 1)[:, :, heads]
+        return jnp.moveaxis(x, 0, 1)[:, :, heads].astype(out_dtype)
 
-    return jax.jit(rows_at, static_argnums=(4, 5, 6, 7))
+    return jax.jit(rows_at, static_argnums=(4, 5, 6, 7, 8))
 
 
 @cache
@@ -193,20 +194,20 @@ class JaxRanks(Ranks):
         return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
 
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
+        return self._draw(name, positions, heads, self.dtype)
+
+    def host_draw(self, name: str, positions: np.ndarray | None, heads) -> np.ndarray:
+        """Drawn and converted to float32 in one program (no eager conversion compiled per
+        shape)."""
+        return np.asarray(self._draw(name, positions, heads, self.jnp.float32))
+
+    def _draw(self, name: str, positions: np.ndarray | None, heads, out_dtype):
         b, s, h, d = self._shapes[name]
         positions = np.arange(s) if positions is None else np.asarray(positions)
         heads = np.arange(h) if heads is None else np.asarray(heads)
         key = self.jax.random.key(inputs.device_seed(name, *self._source))
-        args = (
-            positions.astype(np.int32),
-            heads.astype(np.int32),
-            np.int32(s),
-            b,
-            h,
-            d,
-            self.dtype,
-        )
-        return _rows_at()(key, *args)
+        positions, heads = positions.astype(np.int32), heads.astype(np.int32)
+        return _rows_at()(key, positions, heads, np.int32(s), b, h, d, self.dtype, out_dtype)
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float32))
