@@ -44,9 +44,8 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     part, head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_rows = CONSUMER_WARPGROUPS * bq
-    tile = lax.div(
-        part, jnp.int32(kern.mask_block_q // cta_rows)
-    )  # the mask q tile whose list is walked
+    # the mask q tile whose key-tile list this CTA walks (its rows may be part of it)
+    tile = lax.div(part, jnp.int32(kern.mask_block_q // cta_rows))
     per_tile = kern.mask_block_k // bk
     total = count_ref[tile] * per_tile
     n_masked = n_partial_ref[tile] * per_tile
