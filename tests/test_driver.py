@@ -628,6 +628,30 @@ def test_row_check_matches_full_reference():
     assert auto.cols.size == auto.rows.max() + 1
 
 
+def test_row_reference_on_unmasked_rows_and_rows_without_keys():
+    """The row reference's in-place paths: every row seeing every key (no masking pass) and a
+    row that sees no key (zeros), each equal to the full float64 reference; the reused
+    buffers leave no trace of one head or batch in the next."""
+    from attn_masks import from_slices, make_mask, reference_attention
+
+    full = make_mask("full", 80)
+    holes = from_slices([[0, 30], [50, 80]], [[0, 40], [20, 80]], [0, 1], 80)  # rows 30-49: none
+    rng = np.random.default_rng(7)
+    for mask, rows in ((full, np.array([0, 13, 79])), (holes, np.array([0, 31, 49, 60, 79]))):
+        shapes = inputs.shapes(2, 80, 6, 3, 8)
+        x = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shapes.items()}
+        cols = np.arange(80)[mask.dense()[rows].any(axis=0)]
+        inp = checks.Inputs(
+            **{n: a[:, cols] if n in ("k", "v") else a[:, rows] for n, a in x.items()}
+        )
+        part = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols), 0.3, grads=True)
+        want = reference_attention(x["q"], x["k"], x["v"], mask, scale=0.3, dout=x["dout"])
+        np.testing.assert_allclose(part["out"], want.out[:, rows], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(part["dq"], want.dq[:, rows], rtol=1e-10, atol=1e-12)
+    empty = (rows >= 30) & (rows < 50)
+    assert empty.any() and not np.abs(part["out"][:, empty]).any()
+
+
 def test_row_check_samples_heads_across_kv_groups():
     """Past MAX_HEADS query heads the row check compares a spread of them (first and last
     always, every K/V group of a 64:8 layout), exactly, and fails on a wrong sampled head."""

@@ -140,32 +140,43 @@ def rows_reference(
     inp: Inputs, mask, plan: CheckPlan, scale: float, grads: bool
 ) -> dict[str, np.ndarray]:
     """Exact float64 out (and dq) for the plan's query rows and heads, per (batch, head); each
-    K/V head is converted once for the query heads that share it."""
-    vis = _visible(mask, plan.rows)[:, plan.cols]
+    K/V head is converted once for the query heads that share it, into buffers reused across
+    heads, and the row-by-key arrays are worked on in place: at 64K keys fresh float64
+    temporaries (page faults) and extra element-wise passes cost more than the matmuls."""
+    hidden = ~_visible(mask, plan.rows)[:, plan.cols]
+    masked = bool(hidden.any())  # no pass over the scores where every row sees every key
     b, nrows, hq, d = inp.q.shape
     group = hq // inp.k.shape[2]
     heads = np.arange(hq) if plan.heads is None else np.asarray(plan.heads)
     out = np.zeros((b, nrows, heads.size, d))
     dq = np.zeros_like(out)
+    k = np.empty((inp.k.shape[1], d))
+    v = np.empty_like(k)
+    s = np.empty((nrows, k.shape[0]))
+    dp = np.empty_like(s) if grads else None
     for bi in range(b):
         for kv in np.unique(heads // group):
-            k = inp.k[bi, :, kv].astype(np.float64)
-            v = inp.v[bi, :, kv].astype(np.float64)
+            np.copyto(k, inp.k[bi, :, kv])
+            np.copyto(v, inp.v[bi, :, kv])
             for j in np.flatnonzero(heads // group == kv):
                 q = inp.q[bi, :, heads[j]].astype(np.float64)
-                s = np.where(vis, (q @ k.T) * scale, -np.inf)
+                np.matmul(q, k.T, out=s)
+                s *= scale
+                if masked:
+                    s[hidden] = -np.inf
                 m = s.max(axis=1, keepdims=True, initial=-np.inf)
-                m = np.where(np.isfinite(m), m, 0.0)
-                e = np.where(vis, np.exp(s - m), 0.0)
-                den = e.sum(axis=1, keepdims=True)
-                p = e / np.where(den > 0, den, 1.0)
+                s -= np.where(np.isfinite(m), m, 0.0)
+                p = np.exp(s, out=s)  # hidden keys: exp(-inf) = 0
+                den = p.sum(axis=1, keepdims=True)
+                p /= np.where(den > 0, den, 1.0)
                 o = p @ v
                 out[bi, :, j] = o
                 if grads:
                     do = inp.dout[bi, :, heads[j]].astype(np.float64)
-                    dp = do @ v.T
-                    delta = (do * o).sum(axis=1, keepdims=True)
-                    dq[bi, :, j] = (p * (dp - delta)) @ k * scale
+                    np.matmul(do, v.T, out=dp)
+                    dp -= (do * o).sum(axis=1, keepdims=True)
+                    dp *= p
+                    dq[bi, :, j] = dp @ k * scale
     return {"out": out, "dq": dq} if grads else {"out": out}
 
 
