@@ -334,6 +334,43 @@ def _row_check(runner, monkeypatch) -> None:
     _assert_rank_sized(draws, point.seqlen_total, 4)
 
 
+def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
+    """The two ranks a row check compares (first and busiest, one Ulysses position) share one
+    float64 reference: the keys their rows see cross to the host once, not once per rank; a
+    wrong output on one of them still fails the check, naming that rank alone."""
+    from experiments.runners import checks, cp_ranks, frameworks
+    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import jax_cp
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
+    mask = named_mask("causal", point.seqlen_total)
+    dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
+    plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **settings)
+    ranks = JaxRanks(plan, "reference", point, 0, JaxRunner())
+    copied = []
+    real_host = JaxRanks.host
+    monkeypatch.setattr(
+        JaxRanks, "host", lambda self, n, *a, **k: copied.append(n) or real_host(self, n, *a, **k)
+    )
+    check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    assert check.ok and checked == [0, 3], check.message
+    assert sorted(copied) == ["dout", "dout", "k", "q", "q", "v"]
+    real_emulate = JaxRanks.emulate
+
+    def wrong_last(self, r, u, rows=None):
+        res = real_emulate(self, r, u, rows)
+        if r == plan.ring_size - 1:
+            res["out"] = res["out"] * 1.5
+        return res
+
+    monkeypatch.setattr(JaxRanks, "emulate", wrong_last)
+    bad, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    assert not bad.ok and bad.message.startswith("rank 3:") and "rank 0" not in bad.message
+
+
 def _tile_time(args) -> float:
     """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one,
     counted by walking the piece's forward tile lists (1 ms for a call without a piece)."""

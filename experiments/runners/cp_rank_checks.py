@@ -3,6 +3,8 @@ float64 attention before any of their calls is timed (any framework's Ranks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from experiments.core.points import Point
@@ -10,13 +12,18 @@ from experiments.runners import checks
 from experiments.runners.cp_ranks import Ranks
 
 
-def _merge_checks(results: list[tuple[int, checks.CheckResult]]) -> checks.CheckResult:
-    """One result of several ranks' row checks: the worst error per tensor."""
+def _merge_checks(results: list[tuple[list[int], checks.CheckResult]]) -> checks.CheckResult:
+    """One result of several row checks (each of one or more global ranks): the worst error
+    per tensor."""
     errors: dict[str, float] = {}
     for _, c in results:
         for n, e in c.errors.items():
             errors[n] = max(errors.get(n, 0.0), e)
-    bad = [f"rank {g}: {c.message}" for g, c in results if not c.ok]
+    bad = [
+        f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {c.message}"
+        for g, c in results
+        if not c.ok
+    ]
     return checks.CheckResult(
         ok=not bad,
         kind="rows",
@@ -54,12 +61,20 @@ def _full_check(ranks: Ranks, mask, grads: bool, rtol: float) -> checks.CheckRes
     return checks.compare(mask, inputs, got, plan=checks.CheckPlan(), grads=grads, rtol=rtol)
 
 
-def _rank_check(
-    ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
-) -> checks.CheckResult:
+@dataclass
+class _RankRows:
+    """What a row check compares of one emulated rank: its sampled rows (global positions) and
+    the keys they see, its out (and dq) at those rows, whether its dK/dV parts are finite."""
+
+    plan: checks.CheckPlan
+    got: dict[str, np.ndarray]
+    finite: dict[str, bool]
+
+
+def _rank_rows(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RankRows:
     """Rank (r, u) emulated (on whole query tiles of its shard where the framework can:
-    Ranks.check_rows) and compared at sampled rows of those tokens and its heads (its blocks'
-    dK/dV: finite only, as a row check of the whole problem would)."""
+    Ranks.check_rows), its results kept at sampled rows of those tokens and its heads (its
+    blocks' dK/dV: finite only, as a row check of the whole problem would)."""
     plan = ranks.plan
     rows = ranks.check_rows(r, mask.seqlen_q)
     res = ranks.emulate(r, u, rows)
@@ -67,17 +82,39 @@ def _rank_check(
     rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed, len(ranks.q_heads[u]))
     order = np.argsort(pos)
     local = order[np.searchsorted(pos[order], rows_plan.rows)]
-    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
-    inp = checks.Inputs(
-        q=ranks.host("q", rows_plan.rows, qh),
-        k=ranks.host("k", rows_plan.cols, kh),
-        v=ranks.host("v", rows_plan.cols, kh),
-        dout=ranks.host("dout", rows_plan.rows, qh),
-    )
     parts = res.get("dkv", [])
     finite = {n: all(ranks.all_finite(p[i]) for p in parts) for i, n in ((1, "dk"), (2, "dv"))}
     got = {n: res[n][:, local] for n in ("out", "dq") if n in res}
-    return checks.compare(mask, inp, got, plan=rows_plan, grads=grads, rtol=rtol, finite=finite)
+    return _RankRows(rows_plan, got, finite)
+
+
+def _compare_rows(
+    ranks: Ranks, mask, u: int, members: list[_RankRows], grads: bool, rtol: float
+) -> checks.CheckResult:
+    """Ranks of one Ulysses position compared in one float64 reference over all their sampled
+    rows: the keys those rows see are drawn and converted once, not once per rank (at 64
+    devices that is half a million keys of every K/V head)."""
+    rows = np.concatenate([m.plan.rows for m in members])
+    cols = members[0].plan.cols
+    for m in members[1:]:
+        cols = np.union1d(cols, m.plan.cols)
+    plan = checks.CheckPlan(rows, cols, members[0].plan.heads)
+    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
+    queries = {  # drawn rank by rank: no draw holds more than one rank's own tokens
+        n: np.concatenate([ranks.host(n, m.plan.rows, qh) for m in members], axis=1)
+        for n in ("q", "dout")
+    }
+    inp = checks.Inputs(k=ranks.host("k", cols, kh), v=ranks.host("v", cols, kh), **queries)
+    got = {n: np.concatenate([m.got[n] for m in members], axis=1) for n in members[0].got}
+    finite = {n: all(m.finite[n] for m in members) for n in ("dk", "dv")}
+    return checks.compare(mask, inp, got, plan=plan, grads=grads, rtol=rtol, finite=finite)
+
+
+def _rank_check(
+    ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
+) -> checks.CheckResult:
+    """Rank (r, u) alone: emulated, and compared with float64 attention at sampled rows."""
+    return _compare_rows(ranks, mask, u, [_rank_rows(ranks, mask, r, u, seed)], grads, rtol)
 
 
 def check_ranks(
@@ -85,7 +122,8 @@ def check_ranks(
 ) -> tuple[checks.CheckResult, list[int]]:
     """(check, global ranks checked): every rank against float64 attention of the whole problem
     when it is small (checks.FULL_CHECK_ELEMENTS), else the first rank and the first rank of
-    the busiest ring rank, each at sampled rows."""
+    the busiest ring rank, each at sampled rows, the ranks of one Ulysses position in one
+    reference (each alone again where that fails, so the message names the rank)."""
     from shard_strategies.simulate import global_rank
 
     plan, s = ranks.plan, mask.seqlen_q
@@ -95,8 +133,16 @@ def check_ranks(
     busiest = int(np.argmax(plan.piece_area.sum(axis=1)))
     members = sorted({(plan.ring_rank(0), plan.ulysses_rank(0)), (busiest, 0)})
     seed = point.seed + index
-    results = [
-        (global_rank(plan, r, u), _rank_check(ranks, mask, r, u, grads, rtol, seed))
-        for r, u in members
-    ]
-    return _merge_checks(results), [g for g, _ in results]
+    results = []
+    for u in sorted({u for _, u in members}):
+        ring = [r for r, v in members if v == u]
+        rows = [_rank_rows(ranks, mask, r, u, seed) for r in ring]
+        check = _compare_rows(ranks, mask, u, rows, grads, rtol)
+        if check.ok or len(ring) == 1:
+            results.append(([global_rank(plan, r, u) for r in ring], check))
+        else:  # name the failing rank: each compared alone
+            for r, m in zip(ring, rows):
+                results.append(
+                    ([global_rank(plan, r, u)], _compare_rows(ranks, mask, u, [m], grads, rtol))
+                )
+    return _merge_checks(results), [g for gs, _ in results for g in gs]
