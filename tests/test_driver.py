@@ -939,3 +939,27 @@ def test_a_gpu_preset_on_a_cpu_is_refused_unless_asked_for(tmp_path, capsys):
     assert not (tmp_path / "results.jsonl").exists()
     assert _run_in_process([*args, "--allow_slow", "--dry_run"]) == 0
     assert "points" in capsys.readouterr().out
+
+
+def test_gpu_runs_keep_compiled_programs_in_the_repo_cache():
+    """A GPU runner points JAX's persistent compilation cache at the repo's ignored .cache/jax
+    unless a folder is configured (JAX_COMPILATION_CACHE_DIR), which it keeps; a CPU runner
+    leaves the setting alone."""
+    import jax
+
+    from experiments.runners import jax_runner
+
+    before = jax.config.jax_compilation_cache_dir
+    root = jax_runner.COMPILATION_CACHE.parents[1]
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax_runner.JaxRunner()  # the CPU here
+        assert jax.config.jax_compilation_cache_dir is None
+        assert jax_runner.use_compilation_cache(jax) == str(root / ".cache" / "jax")
+        assert (root / "pyproject.toml").exists() and "/.cache/" in (
+            root / ".gitignore"
+        ).read_text()
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        assert jax_runner.use_compilation_cache(jax) == "/elsewhere"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -77,6 +78,20 @@ def build_call(mode: str, attn: Callable, a: dict) -> tuple[Callable, tuple, dic
     return fn, (q, k, v, do), {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 
+# Where a GPU run keeps its compiled programs unless the environment names a folder.
+COMPILATION_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "jax"
+
+
+def use_compilation_cache(jax) -> str:
+    """The folder JAX's persistent compilation cache uses: the one configured (for example by
+    JAX_COMPILATION_CACHE_DIR), else COMPILATION_CACHE. A sweep resumed in pieces
+    (--time_budget) or run again on the same machine then loads its slow compilations (over
+    JAX's minimum compile time) instead of compiling them again."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(COMPILATION_CACHE))
+    return jax.config.jax_compilation_cache_dir
+
+
 class JaxRunner:
     """Holds the devices, mesh cache and L2 flusher shared by the JAX points of a sweep."""
 
@@ -92,6 +107,8 @@ class JaxRunner:
         self.jax = jax
         self.device = jax.local_devices()[0]
         self.on_gpu = jax.default_backend() == "gpu"
+        if self.on_gpu:
+            use_compilation_cache(jax)
         self.flush = timing.jax_l2_flusher(jax.local_devices())
         self.rtol_override = rtol_override
         self._meshes: dict = {}
