@@ -146,8 +146,7 @@ def _grid_points(
 
 
 def plan(settings: Settings, cps: tuple[str, ...] | None, overrides: dict) -> Plan:
-    """Expand preset + flags into the run's points."""
-    _check_launch(settings)
+    """Expand preset + flags into the run's points (execute has checked the launch)."""
     detected = {fw: _detect_gpu(fw) for fw in settings.frameworks}
     on_gpu = {fw: d[0] for fw, d in detected.items()}
     preset = presets.get_preset(settings.preset, on_gpu=all(on_gpu.values()))
