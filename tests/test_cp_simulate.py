@@ -789,7 +789,7 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         # where the ok point's seconds went: every part measured, within the point's own time,
         # the baseline (its first point of the mask) included, and said on its progress line
         wall = recs["ulysses", 2]["masks"][0]["simulation"]["wall_s"]
-        assert set(wall) == {"baseline", "plan", "check", "calls"}
+        assert set(wall) == {"baseline", "plan", "emulate", "reference", "calls"}
         assert all(secs > 0 for secs in wall.values()), wall
         assert sum(wall.values()) <= recs["ulysses", 2]["elapsed_s"]
         printed = capsys.readouterr().out

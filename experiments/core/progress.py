@@ -17,7 +17,8 @@ def _hms(seconds: float) -> str:
 
 def wall_seconds(record: dict) -> dict[str, float]:
     """Where a predicted point's own seconds went ({part: s}, summed over its masks' wall_s:
-    baseline, plan, check, calls); empty for any other record."""
+    baseline, plan, emulate, reference, calls; before, check for the last two); empty for any
+    other record."""
     total: Counter[str] = Counter()
     for m in record.get("masks") or []:
         total.update((m.get("simulation") or {}).get("wall_s") or {})

@@ -266,7 +266,7 @@ def model_error(records: list[dict]) -> list[str]:
 
 def predictor_cost(records: list[dict]) -> list[str]:
     """One line on where the predictor's own seconds went, summed over the records that say
-    (baseline, plan, rank check, timed calls)."""
+    (baseline, plan, the rank check's emulation and float64 reference, timed calls)."""
     walls = [w for w in map(wall_seconds, records) if w]
     if not walls:
         return []

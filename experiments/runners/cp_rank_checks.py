@@ -45,7 +45,7 @@ def _full_check(ranks: Ranks, mask, grads: bool, rtol: float) -> checks.CheckRes
     got.update({n: np.zeros(host["k"].shape) for n in ("dk", "dv")})
     for g in range(plan.world_size):
         r, u = plan.ring_rank(g), plan.ulysses_rank(g)
-        res = ranks.emulate(r, u)
+        res = ranks.emulated(r, u)
         pos = plan.layout.positions[r]
         real = pos < s
         for n in ("out", "dq") if grads else ("out",):
@@ -77,7 +77,7 @@ def _rank_rows(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RankRows:
     blocks' dK/dV: finite only, as a row check of the whole problem would)."""
     plan = ranks.plan
     rows = ranks.check_rows(r, mask.seqlen_q)
-    res = ranks.emulate(r, u, rows)
+    res = ranks.emulated(r, u, rows)
     pos = plan.layout.positions[r] if rows is None else plan.layout.positions[r][rows]
     rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed, len(ranks.q_heads[u]))
     order = np.argsort(pos)

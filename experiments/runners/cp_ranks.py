@@ -8,6 +8,7 @@ the record) is shared and lives in cp_simulate.py and cp_rank_checks.py.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -62,6 +63,7 @@ class Ranks(ABC):
             point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )
         self._source = (point.seed, index)
+        self.emulate_seconds = 0.0  # spent in emulated(): the checks' runs of the ranks
         self._timing_inputs: dict[tuple, object] = {}
         u, hq, rep = plan.ulysses_size, plan.num_heads_q, plan.kv_replication
         hkv = plan.num_heads_kv * rep
@@ -154,6 +156,15 @@ class Ranks(ABC):
         # evenly spaced indices >= 1 apart, so distinct after rounding
         picks = np.linspace(0, len(tiles) - 1, min(len(tiles), CHECK_TILES)).round().astype(int)
         return (tiles[picks][:, None] * block + np.arange(block)).ravel()
+
+    def emulated(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
+        """emulate(r, u, rows), its seconds added to emulate_seconds, so a point's record can
+        split its check between running the ranks and the float64 reference."""
+        start = time.perf_counter()
+        try:
+            return self.emulate(r, u, rows)
+        finally:
+            self.emulate_seconds += time.perf_counter() - start
 
     @abstractmethod
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:

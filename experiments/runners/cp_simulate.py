@@ -8,8 +8,9 @@ loop; calls of equal shapes and equal mask pieces share one timing. The executor
 then replayed with a link model (shard_strategies.simulate). Before any timing, ranks are
 emulated end to end and checked against float64 attention (cp_rank_checks.py); the whole mask
 on this one device is the efficiency baseline (an ordinary kernel point, checked and timed).
-Each mask's record says where the point's own seconds went (wall_s), so a slow preset shows
-its cost without a profiler.
+Each mask's record says where the point's own seconds went (wall_s: baseline, plan, the
+check's emulation of the ranks and its float64 reference with the input draws it needs, timed
+calls), so a slow preset shows its cost without a profiler.
 """
 
 from __future__ import annotations
@@ -248,7 +249,8 @@ class CPSimulator:
         )
         start = time.perf_counter()
         check, checked = check_ranks(ranks, point, mask, index, rtol)
-        wall["check"] = time.perf_counter() - start
+        wall["emulate"] = ranks.emulate_seconds  # the check's runs of the ranks
+        wall["reference"] = time.perf_counter() - start - wall["emulate"]  # draws, float64
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()
