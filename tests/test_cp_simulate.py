@@ -337,9 +337,10 @@ def _row_check(runner, monkeypatch) -> None:
 def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
     """The two ranks a row check compares (first and busiest, one Ulysses position) share one
     float64 reference: the keys their rows see cross to the host once, not once per rank; a
-    wrong output on one of them still fails the check, naming that rank alone."""
+    wrong output on one of them fails the check naming that rank alone, with the error of its
+    own rows (as checked alone)."""
     from experiments.runners import checks, cp_ranks, frameworks
-    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_rank_checks import _rank_check, check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from shard_strategies import jax_cp
@@ -367,8 +368,12 @@ def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
         return res
 
     monkeypatch.setattr(JaxRanks, "emulate", wrong_last)
-    bad, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    last = plan.ring_size - 1
+    alone = _rank_check(ranks, mask, last, 0, grads=True, rtol=1e-4, seed=point.seed)
+    # a tolerance the wrong rank misses alone but would meet averaged with the right one's rows
+    bad, _ = check_ranks(ranks, point, mask, 0, rtol=0.9 * alone.errors["out"])
     assert not bad.ok and bad.message.startswith("rank 3:") and "rank 0" not in bad.message
+    assert bad.errors["out"] == pytest.approx(alone.errors["out"], rel=1e-9)
 
 
 def _tile_time(args) -> float:

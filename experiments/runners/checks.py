@@ -190,8 +190,10 @@ def compare(
     rtol: float,
     finite: dict[str, bool] | None = None,
     scale: float | None = None,
+    refs: dict[str, np.ndarray] | None = None,
 ) -> CheckResult:
-    """Compare an impl's results with exact float64 attention.
+    """Compare an impl's results with exact float64 attention (`refs`: that of a row plan,
+    computed already, e.g. once for several ranks' rows).
 
     `got` holds 'out' (and 'dq', 'dk', 'dv' when grads): whole arrays under a full plan,
     otherwise 'out' and 'dq' at the plan's rows; `finite` says whether the tensors a row plan
@@ -202,11 +204,11 @@ def compare(
     scale = 1.0 / np.sqrt(inp.q.shape[-1]) if scale is None else scale
     names = ("out", *GRADS) if grads else ("out",)
     tol = {n: rtol * (GRAD_FACTOR if n in GRADS else 1.0) for n in names}
-    if plan.rows is None:
+    if refs is None and plan.rows is None:
         dout = inp.dout if grads else None
         ref = reference_attention(inp.q, inp.k, inp.v, mask, scale=scale, dout=dout)
         refs = {n: getattr(ref, n) for n in names}
-    else:
+    elif refs is None:
         refs = rows_reference(inp, mask, plan, scale, grads)
     unchecked = [n for n in names if n not in refs]
     compared = {n: got[n] if plan.heads is None else got[n][:, :, plan.heads] for n in refs}

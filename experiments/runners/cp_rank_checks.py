@@ -3,6 +3,7 @@ float64 attention before any of their calls is timed (any framework's Ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,18 +13,13 @@ from experiments.runners import checks
 from experiments.runners.cp_ranks import Ranks
 
 
-def _merge_checks(results: list[tuple[list[int], checks.CheckResult]]) -> checks.CheckResult:
-    """One result of several row checks (each of one or more global ranks): the worst error
-    per tensor."""
+def _merge_checks(results: list[tuple[int, checks.CheckResult]]) -> checks.CheckResult:
+    """One result of several ranks' row checks: the worst error per tensor."""
     errors: dict[str, float] = {}
     for _, c in results:
         for n, e in c.errors.items():
             errors[n] = max(errors.get(n, 0.0), e)
-    bad = [
-        f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {c.message}"
-        for g, c in results
-        if not c.ok
-    ]
+    bad = [f"rank {g}: {c.message}" for g, c in results if not c.ok]
     return checks.CheckResult(
         ok=not bad,
         kind="rows",
@@ -90,31 +86,53 @@ def _rank_rows(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RankRows:
 
 def _compare_rows(
     ranks: Ranks, mask, u: int, members: list[_RankRows], grads: bool, rtol: float
-) -> checks.CheckResult:
-    """Ranks of one Ulysses position compared in one float64 reference over all their sampled
-    rows: the keys those rows see are drawn and converted once, not once per rank (at 64
-    devices that is half a million keys of every K/V head)."""
+) -> list[checks.CheckResult]:
+    """Each of the ranks of one Ulysses position compared with float64 attention at its rows,
+    from one reference over all their rows: the keys those rows see are drawn and converted
+    once, not once per rank (at 64 devices half a million keys of every K/V head)."""
     rows = np.concatenate([m.plan.rows for m in members])
     cols = members[0].plan.cols
     for m in members[1:]:
         cols = np.union1d(cols, m.plan.cols)
-    plan = checks.CheckPlan(rows, cols, members[0].plan.heads)
+    heads = members[0].plan.heads
     qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
-    queries = {  # drawn rank by rank: no draw holds more than one rank's own tokens
-        n: np.concatenate([ranks.host(n, m.plan.rows, qh) for m in members], axis=1)
-        for n in ("q", "dout")
-    }
-    inp = checks.Inputs(k=ranks.host("k", cols, kh), v=ranks.host("v", cols, kh), **queries)
-    got = {n: np.concatenate([m.got[n] for m in members], axis=1) for n in members[0].got}
-    finite = {n: all(m.finite[n] for m in members) for n in ("dk", "dv")}
-    return checks.compare(mask, inp, got, plan=plan, grads=grads, rtol=rtol, finite=finite)
+    queries = [  # drawn rank by rank: no draw holds more than one rank's own tokens
+        {n: ranks.host(n, m.plan.rows, qh) for n in ("q", "dout")} for m in members
+    ]
+    inp = checks.Inputs(
+        k=ranks.host("k", cols, kh),
+        v=ranks.host("v", cols, kh),
+        **{n: np.concatenate([q[n] for q in queries], axis=1) for n in ("q", "dout")},
+    )
+    scale = 1.0 / np.sqrt(inp.q.shape[-1])
+    refs = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)
+    results, start = [], 0
+    for m, q in zip(members, queries):
+        end = start + m.plan.rows.size
+        own = {n: ref[:, start:end] for n, ref in refs.items()}
+        member_inp = dataclasses.replace(inp, **q)
+        results.append(
+            checks.compare(
+                mask,
+                member_inp,
+                m.got,
+                plan=m.plan,
+                grads=grads,
+                rtol=rtol,
+                finite=m.finite,
+                scale=scale,
+                refs=own,
+            )
+        )
+        start = end
+    return results
 
 
 def _rank_check(
     ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
 ) -> checks.CheckResult:
     """Rank (r, u) alone: emulated, and compared with float64 attention at sampled rows."""
-    return _compare_rows(ranks, mask, u, [_rank_rows(ranks, mask, r, u, seed)], grads, rtol)
+    return _compare_rows(ranks, mask, u, [_rank_rows(ranks, mask, r, u, seed)], grads, rtol)[0]
 
 
 def check_ranks(
@@ -122,8 +140,8 @@ def check_ranks(
 ) -> tuple[checks.CheckResult, list[int]]:
     """(check, global ranks checked): every rank against float64 attention of the whole problem
     when it is small (checks.FULL_CHECK_ELEMENTS), else the first rank and the first rank of
-    the busiest ring rank, each at sampled rows, the ranks of one Ulysses position in one
-    reference (each alone again where that fails, so the message names the rank)."""
+    the busiest ring rank, each judged at its own sampled rows, the ranks of one Ulysses
+    position from one reference."""
     from shard_strategies.simulate import global_rank
 
     plan, s = ranks.plan, mask.seqlen_q
@@ -137,12 +155,6 @@ def check_ranks(
     for u in sorted({u for _, u in members}):
         ring = [r for r, v in members if v == u]
         rows = [_rank_rows(ranks, mask, r, u, seed) for r in ring]
-        check = _compare_rows(ranks, mask, u, rows, grads, rtol)
-        if check.ok or len(ring) == 1:
-            results.append(([global_rank(plan, r, u) for r in ring], check))
-        else:  # name the failing rank: each compared alone
-            for r, m in zip(ring, rows):
-                results.append(
-                    ([global_rank(plan, r, u)], _compare_rows(ranks, mask, u, [m], grads, rtol))
-                )
-    return _merge_checks(results), [g for gs, _ in results for g in gs]
+        checked = _compare_rows(ranks, mask, u, rows, grads, rtol)
+        results += [(global_rank(plan, r, u), c) for r, c in zip(ring, checked)]
+    return _merge_checks(results), [g for g, _ in results]
