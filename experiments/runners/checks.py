@@ -192,8 +192,8 @@ def compare(
     scale: float | None = None,
     refs: dict[str, np.ndarray] | None = None,
 ) -> CheckResult:
-    """Compare an impl's results with exact float64 attention (`refs`: that of a row plan,
-    computed already, e.g. once for several ranks' rows).
+    """Compare an impl's results with exact float64 attention (`refs`: that reference computed
+    already, e.g. once for several ranks' rows; then `inp` serves only the default scale).
 
     `got` holds 'out' (and 'dq', 'dk', 'dv' when grads): whole arrays under a full plan,
     otherwise 'out' and 'dq' at the plan's rows; `finite` says whether the tensors a row plan

@@ -3,7 +3,6 @@ float64 attention before any of their calls is timed (any framework's Ranks)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,41 +90,34 @@ def _compare_rows(
     from one reference over all their rows: the keys those rows see are drawn and converted
     once, not once per rank (at 64 devices half a million keys of every K/V head)."""
     rows = np.concatenate([m.plan.rows for m in members])
-    cols = members[0].plan.cols
-    for m in members[1:]:
-        cols = np.union1d(cols, m.plan.cols)
-    heads = members[0].plan.heads
+    cols = np.unique(np.concatenate([m.plan.cols for m in members]))
     qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
-    queries = [  # drawn rank by rank: no draw holds more than one rank's own tokens
-        {n: ranks.host(n, m.plan.rows, qh) for n in ("q", "dout")} for m in members
-    ]
+    # queries drawn rank by rank: no draw holds more than one rank's own tokens
+    queries = {n: [ranks.host(n, m.plan.rows, qh) for m in members] for n in ("q", "dout")}
     inp = checks.Inputs(
         k=ranks.host("k", cols, kh),
         v=ranks.host("v", cols, kh),
-        **{n: np.concatenate([q[n] for q in queries], axis=1) for n in ("q", "dout")},
+        **{n: np.concatenate(parts, axis=1) for n, parts in queries.items()},
     )
     scale = 1.0 / np.sqrt(inp.q.shape[-1])
-    refs = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)
-    results, start = [], 0
-    for m, q in zip(members, queries):
-        end = start + m.plan.rows.size
-        own = {n: ref[:, start:end] for n, ref in refs.items()}
-        member_inp = dataclasses.replace(inp, **q)
-        results.append(
-            checks.compare(
-                mask,
-                member_inp,
-                m.got,
-                plan=m.plan,
-                grads=grads,
-                rtol=rtol,
-                finite=m.finite,
-                scale=scale,
-                refs=own,
-            )
+    plan = checks.CheckPlan(rows, cols, members[0].plan.heads)
+    refs = checks.rows_reference(inp, mask, plan, scale, grads)
+    bounds = np.cumsum([m.plan.rows.size for m in members])[:-1]
+    own = {n: np.split(ref, bounds, axis=1) for n, ref in refs.items()}
+    return [
+        checks.compare(
+            mask,
+            inp,
+            m.got,
+            plan=m.plan,
+            grads=grads,
+            rtol=rtol,
+            finite=m.finite,
+            scale=scale,
+            refs={n: parts[i] for n, parts in own.items()},
         )
-        start = end
-    return results
+        for i, m in enumerate(members)
+    ]
 
 
 def _rank_check(
