@@ -63,6 +63,20 @@ class TileList:
         """(index, count, full): the order the kernels take them in."""
         return self.index, self.count, self.full
 
+    def walk_spread(self) -> float:
+        """How unevenly neighbouring outer tiles walk (host lists): the mean distance, beyond
+        one tile, of the step in walk length (count) from one tile to the next from the median
+        step, over the mean walk length. 0 where the step is constant up to a ragged diagonal's
+        one tile (full, causal, windows); about 0.05-0.3 where documents start and end every few
+        tiles; 0 for fewer than two tiles or no walk."""
+        count = np.asarray(self.count, np.float64).reshape(-1, self.count.shape[-1])
+        mean = count.mean()
+        if count.shape[-1] < 2 or mean == 0:
+            return 0.0
+        step = np.diff(count, axis=-1)
+        off = np.abs(step - np.median(step, axis=-1, keepdims=True))
+        return float(np.maximum(off - 1, 0).mean() / mean)
+
 
 @dataclass(frozen=True)
 class BlockLists:

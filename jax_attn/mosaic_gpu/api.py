@@ -14,7 +14,7 @@ from ..flash_vjp import flash_vjp
 from ..kernel_inputs import TilePadding, pad_axis, padded_intervals, query_tile_walk
 from ..mask_arrays import MaskArrays
 from .backward import flash_attention_mosaic_bwd
-from .config import CONSUMER_WARPGROUPS, KernelConfig, default_config
+from .config import CONSUMER_WARPGROUPS, KernelConfig, default_config, launch_tiles_fastest
 from .forward import forward
 from .interpret import interpret_params
 
@@ -51,7 +51,10 @@ def _forward_padded(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq), lse again: the backward takes it unpadded) of the
     kernel on inputs padded to whole tiles."""
-    cfg = static.config
+    order = launch_tiles_fastest(
+        static.config, group=q.shape[2] // k.shape[2], uneven_walks=arrays.uneven_walks
+    )
+    cfg = dataclasses.replace(static.config, tiles_fastest=order)
     pad = TilePadding.of(arrays)
     index, n_partial, count = query_tile_walk(arrays, pad)
     out, lse = forward(

@@ -57,7 +57,7 @@ from .bwd_steps import (
     tile_smem,
     tile_start,
 )
-from .config import CONSUMER_WARPGROUPS, DTYPES, HEAD_DIMS, KernelConfig
+from .config import CONSUMER_WARPGROUPS, DTYPES, HEAD_DIMS, KernelConfig, launch_tiles_fastest
 
 
 def _ring(
@@ -287,7 +287,9 @@ def _kernels(
         stages=stages,
         scale=float(scale),
         hints=not interpret,
-        tiles_fastest=config.tiles_fastest,
+        tiles_fastest=launch_tiles_fastest(
+            config, group=q.shape[2] // k.shape[2], uneven_walks=arrays.uneven_walks
+        ),
         overlap=config.bwd_overlap,
         registers=(config.consumer_registers, config.producer_registers),
     )

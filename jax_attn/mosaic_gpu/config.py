@@ -43,7 +43,9 @@ class KernelConfig:
     key tiles no longer pays the pipeline fill and Q load on its own. tiles_fastest: the
     non-persistent grids run the tile axis fastest instead of the head axis (Pallas Mosaic GPU
     launches the last grid axis fastest), so the CTAs resident together share one head's K/V
-    (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids.
+    (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids;
+    None chooses per call (launch_tiles_fastest): heads fastest for GQA on a mask with uneven
+    walks, where one tile's group of q heads reads one tile list, else tiles fastest.
     bwd_overlap: the backward steps wait for S alone and compute P = exp2(S - LSE) (masked)
     while dP's matmul still runs, instead of waiting for both (FlashAttention-3's order).
     consumer_registers: registers per thread each consumer warpgroup raises itself to
@@ -64,7 +66,7 @@ class KernelConfig:
     in_place_pv: bool = False
     fwd_overlap: bool = False
     persistent_fwd: bool = False
-    tiles_fastest: bool = False
+    tiles_fastest: bool | None = False
     bwd_overlap: bool = False
     consumer_registers: int = 232
 
@@ -159,16 +161,29 @@ class KernelConfig:
 def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: bool) -> dict:
     """grid and grid_names of a non-persistent kernel over (tile axis name and size, heads,
     batch); the last axis launches fastest: batch, then heads, or reversed with tiles_fastest."""
+    if tiles_fastest is None:
+        raise ValueError("tiles_fastest=None: choose the launch order first (launch_tiles_fastest)")
     names, sizes = (tiles[0], "heads", "batch"), (tiles[1], heads, batch)
     if tiles_fastest:
         names, sizes = names[::-1], sizes[::-1]
     return dict(grid=sizes, grid_names=names)
 
 
+def launch_tiles_fastest(config: KernelConfig, *, group: int, uneven_walks: bool) -> bool:
+    """The launch order of config's non-persistent grids for a call with `group` q heads per
+    K/V head on a mask whose walks are (MaskArrays.uneven_walks) uneven: config.tiles_fastest,
+    or where it is None, heads fastest only for GQA on uneven walks (measured on the H200:
+    results/h200/mosaic_variants/29-*; MHA and even masks run faster tiles fastest)."""
+    if config.tiles_fastest is not None:
+        return config.tiles_fastest
+    return not (group > 1 and uneven_walks)
+
+
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
-    128-key steps), the other grids launched tiles fastest, two-stage rings. D=128: FA3-like
+    128-key steps), the other grids' launch order per call (launch_tiles_fastest), two-stage
+    rings. D=128: FA3-like
     128-key steps, consumers at 240 registers. D=64: 256-key forward steps (half the softmax
     steps; the backward's CTAs split each 256-key tile in two), P computed while dP's matmul
     runs."""
@@ -181,7 +196,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         dq_warpgroups=2,
         in_place_pv=True,
         persistent_fwd=True,
-        tiles_fastest=True,
+        tiles_fastest=None,
     )
     if head_dim > 64:
         return KernelConfig(block_k=128, consumer_registers=240, **common)
