@@ -69,9 +69,12 @@ class TileList:
         step, over the mean walk length. 0 where the step is constant up to a ragged diagonal's
         one tile (full, causal, windows); about 0.05-0.3 where documents start and end every few
         tiles; 0 for fewer than two tiles or no walk."""
-        count = np.asarray(self.count, np.float64).reshape(-1, self.count.shape[-1])
+        count = np.asarray(self.count, np.float64)
+        if count.size == 0 or count.shape[-1] < 2:
+            return 0.0
+        count = count.reshape(-1, count.shape[-1])
         mean = count.mean()
-        if count.shape[-1] < 2 or mean == 0:
+        if mean == 0:
             return 0.0
         step = np.diff(count, axis=-1)
         off = np.abs(step - np.median(step, axis=-1, keepdims=True))

@@ -17,8 +17,9 @@ from attn_masks import Mask, TileList
 
 DEFAULT_BLOCK = 64
 # Walk spread (TileList.walk_spread) above which a mask's walks count as uneven: at 8K-32K in
-# 128x128 and 128x256 tiles the benchmark's document masks measure 0.055-0.26, full, causal,
-# prefix-LM causal and the windows at most 0.026.
+# 128x128 and 128x256 tiles the benchmark's 12 static masks measure 0.055-0.26 (the document
+# masks) or at most 0.026 (full, causal, prefix-LM causal, windows); the two long-document
+# masks fall on either side of it with the length and tiles (0.02-0.065).
 UNEVEN_WALK_SPREAD = 0.05
 
 jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])
@@ -36,9 +37,10 @@ class MaskArrays:
     lo, hi: (..., Sq, K) int32, row i sees keys j with lo[i, r] <= j < hi[i, r] for some r.
     kv: the k tiles of each q tile, q: the q tiles of each k tile, as attn_masks.TileList
     (index/full (..., n, W), count (..., n)) on the host or the device; None where an impl reads
-    only the intervals. Tiles are block_q x block_k. uneven_walks: neighbouring tiles walk lists
-    of very different lengths (a static fact of the host lists, which a kernel may choose its
-    launch order by: at most two programs per shape).
+    only the intervals. Tiles are block_q x block_k. uneven_walks: neighbouring tiles of this one
+    mask walk lists of very different lengths (a static fact of the host lists, which a kernel
+    may choose its launch order by: at most two programs per shape); False for a stack, whose
+    masks share one program whatever their walks.
     """
 
     lo: jax.Array | np.ndarray
@@ -123,7 +125,6 @@ def stack_mask_arrays(items: Sequence[MaskArrays]) -> MaskArrays:
         seqlen_k=first.seqlen_k,
         block_q=first.block_q,
         block_k=first.block_k,
-        uneven_walks=any(it.uneven_walks for it in items),
     )
 
 

@@ -34,6 +34,11 @@ def test_walk_spread_ignores_constant_steps_and_ragged_diagonals() -> None:
     assert _walks([1, 1, 2, 2, 3, 3]).walk_spread() == 0.0  # causal, key tile twice as wide
     assert _walks([0, 0, 0]).walk_spread() == 0.0
     assert _walks([7]).walk_spread() == 0.0
+    assert _walks([]).walk_spread() == 0.0
+    stacked = TileList(
+        np.zeros((2, 0, 1), np.int32), np.zeros((2, 0), np.int32), np.zeros((2, 0, 1))
+    )
+    assert stacked.walk_spread() == 0.0
 
 
 def test_walk_spread_measures_jumps_between_neighbours() -> None:
@@ -54,13 +59,13 @@ def test_document_masks_have_uneven_walks_and_dense_or_banded_ones_do_not(
         assert prepare_mask(make_mask(name, seqlen), *tiles).uneven_walks, name
 
 
-def test_stacked_mask_arrays_are_uneven_when_any_is() -> None:
+def test_a_stack_is_never_flagged_so_its_masks_share_one_program() -> None:
     even, uneven = (
         prepare_mask(make_mask(n, 8192), 128, 128) for n in ("causal", "share_question")
     )
-    assert stack_mask_arrays([even, uneven]).uneven_walks
-    assert stack_mask_arrays([uneven, even]).uneven_walks
-    assert not stack_mask_arrays([even, even]).uneven_walks
+    assert uneven.uneven_walks and not even.uneven_walks
+    for items in ([even, uneven], [uneven, uneven], [even, even]):
+        assert not stack_mask_arrays(items).uneven_walks
 
 
 @pytest.mark.parametrize("uneven", [False, True])

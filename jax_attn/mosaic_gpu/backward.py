@@ -280,16 +280,15 @@ def _kernels(
     """The static (dK/dV, dQ) kernel descriptions of a call, validated before any launch."""
     mbq, mbk = arrays.block_q, arrays.block_k
     stages = config.num_stages_bwd or config.max_concurrent_steps
+    group = q.shape[2] // k.shape[2]
     common = dict(
         mask_block_q=mbq,
         mask_block_k=mbk,
-        group=q.shape[2] // k.shape[2],
+        group=group,
         stages=stages,
         scale=float(scale),
         hints=not interpret,
-        tiles_fastest=launch_tiles_fastest(
-            config, group=q.shape[2] // k.shape[2], uneven_walks=arrays.uneven_walks
-        ),
+        tiles_fastest=launch_tiles_fastest(config, group=group, uneven_walks=arrays.uneven_walks),
         overlap=config.bwd_overlap,
         registers=(config.consumer_registers, config.producer_registers),
     )

@@ -158,9 +158,12 @@ class KernelConfig:
             )
 
 
-def grid_axes(tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: bool) -> dict:
+def grid_axes(
+    tiles: tuple[str, int], heads: int, batch: int, *, tiles_fastest: bool | None
+) -> dict:
     """grid and grid_names of a non-persistent kernel over (tile axis name and size, heads,
-    batch); the last axis launches fastest: batch, then heads, or reversed with tiles_fastest."""
+    batch); the last axis launches fastest: batch, then heads, or reversed with tiles_fastest
+    (None, the per-call choice not yet made, is refused)."""
     if tiles_fastest is None:
         raise ValueError("tiles_fastest=None: choose the launch order first (launch_tiles_fastest)")
     names, sizes = (tiles[0], "heads", "batch"), (tiles[1], heads, batch)
@@ -173,7 +176,8 @@ def launch_tiles_fastest(config: KernelConfig, *, group: int, uneven_walks: bool
     """The launch order of config's non-persistent grids for a call with `group` q heads per
     K/V head on a mask whose walks are (MaskArrays.uneven_walks) uneven: config.tiles_fastest,
     or where it is None, heads fastest only for GQA on uneven walks (measured on the H200:
-    results/h200/mosaic_variants/29-*; MHA and even masks run faster tiles fastest)."""
+    results/h200/mosaic_variants/29-*; MHA and even masks run faster tiles fastest). Stacked
+    mask arrays (context parallelism, training) are never flagged, so they run tiles fastest."""
     if config.tiles_fastest is not None:
         return config.tiles_fastest
     return not (group > 1 and uneven_walks)
