@@ -376,6 +376,75 @@ def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
     assert bad.errors["out"] == pytest.approx(alone.errors["out"], rel=1e-9)
 
 
+def _jax_ranks(point, mask):
+    from experiments.runners import cp_ranks, frameworks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import jax_cp
+
+    dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
+    plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **settings)
+    return JaxRanks(plan, "reference", point, 0, JaxRunner())
+
+
+def test_row_references_are_shared_between_a_problems_points(monkeypatch):
+    """The float64 values a row check computed serve the next point of the same problem (another
+    strategy or layout): it draws only the rows it has not seen, its errors are those of a
+    fresh reference, a wrong rank still fails on values taken from the store, and the store
+    empties for another problem."""
+    from experiments.runners import checks
+    from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    drawn = []
+    real_host = JaxRanks.host
+
+    def host(self, name, rows=None, heads=None):
+        drawn.append((name, 0 if rows is None else len(rows)))
+        return real_host(self, name, rows, heads)
+
+    monkeypatch.setattr(JaxRanks, "host", host)
+    store = ReferenceRows()
+    problem = ("causal 64", 0)
+    points = [
+        _point(s, 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout=lay, seqlen=64)
+        for s, lay in (("ring", "contiguous"), ("ring", "zigzag"), ("allgather", "zigzag"))
+    ]
+    mask = named_mask("causal", 64)
+    rows_drawn = []
+    for point in points:
+        ranks = _jax_ranks(point, mask)
+        drawn.clear()
+        fresh, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+        fresh_rows = sum(n for name, n in drawn if name == "q")
+        drawn.clear()
+        shared, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4, known=store.of(problem))
+        rows_drawn.append((fresh_rows, sum(n for name, n in drawn if name == "q")))
+        assert fresh.ok and shared.ok, (fresh.message, shared.message)
+        for name, err in fresh.errors.items():
+            assert shared.errors[name] == pytest.approx(err, rel=1e-6, abs=1e-12), name
+    assert rows_drawn[0][1] == rows_drawn[0][0] > 0  # the first point computes every row
+    assert all(shared < fresh for fresh, shared in rows_drawn[1:]), rows_drawn
+    # the same point again: every value is held, nothing is drawn
+    drawn.clear()
+    assert check_ranks(ranks, point, mask, 0, rtol=1e-4, known=store.of(problem))[0].ok
+    assert drawn == []
+
+    real_emulate = JaxRanks.emulate
+
+    def wrong_first(self, r, u, rows=None):
+        res = real_emulate(self, r, u, rows)
+        if r == 0:
+            res["out"] = res["out"] * 1.5
+        return res
+
+    monkeypatch.setattr(JaxRanks, "emulate", wrong_first)
+    bad, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4, known=store.of(problem))
+    assert not bad.ok and bad.message.startswith("rank 0:") and drawn == []
+    assert store.of(("causal 64", 1)) == {} and store.values == {}
+
+
 def _tile_time(args) -> float:
     """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one,
     counted by walking the piece's forward tile lists (1 ms for a call without a piece)."""

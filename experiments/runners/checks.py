@@ -67,8 +67,12 @@ def sample_rows(mask, candidates: np.ndarray, seed: int, heads_q: int) -> CheckP
     picked = rng.choice(candidates, size=min(n, candidates.size), replace=False)
     ends = [candidates.min(), candidates.max()]
     rows = np.unique(np.concatenate([ends, picked])).astype(np.int64)
-    cols = np.flatnonzero(_visible(mask, rows).any(axis=0))
-    return CheckPlan(rows, cols, sample_heads(heads_q))
+    return CheckPlan(rows, keys_seen(mask, rows), sample_heads(heads_q))
+
+
+def keys_seen(mask, rows: np.ndarray) -> np.ndarray:
+    """The keys any of the query rows sees, ascending: what a row reference needs of k and v."""
+    return np.flatnonzero(_visible(mask, rows).any(axis=0))
 
 
 def _visible(mask, rows: np.ndarray) -> np.ndarray:
@@ -182,7 +186,7 @@ def rows_reference(
 
 def compare(
     mask,
-    inp: Inputs,
+    inp: Inputs | None,
     got: dict[str, np.ndarray],
     *,
     plan: CheckPlan,
@@ -193,7 +197,8 @@ def compare(
     refs: dict[str, np.ndarray] | None = None,
 ) -> CheckResult:
     """Compare an impl's results with exact float64 attention (`refs`: that reference computed
-    already, e.g. once for several ranks' rows; then `inp` serves only the default scale).
+    already, e.g. once for several ranks' rows; then `inp` serves only the default scale, and
+    may be None when `scale` is given).
 
     `got` holds 'out' (and 'dq', 'dk', 'dv' when grads): whole arrays under a full plan,
     otherwise 'out' and 'dq' at the plan's rows; `finite` says whether the tensors a row plan

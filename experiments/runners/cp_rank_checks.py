@@ -3,7 +3,7 @@ float64 attention before any of their calls is timed (any framework's Ranks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -83,41 +83,102 @@ def _rank_rows(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RankRows:
     return _RankRows(rows_plan, got, finite)
 
 
+Known = dict[tuple[int, int], dict[str, np.ndarray]]  # (global row, global q head) -> values
+
+
+@dataclass
+class ReferenceRows:
+    """Float64 reference values kept between the points that draw the same inputs (one mask
+    instance with its shapes, seed and mode: a problem's strategies and layouts, which a sweep
+    runs one after another), per (global query row, global query head), so a row an earlier
+    point compared is neither drawn nor computed again. Holds one problem at a time."""
+
+    problem: object = None
+    values: Known = field(default_factory=dict)
+
+    def of(self, problem: object) -> Known:
+        """The values of `problem`, emptied first when another problem's are held."""
+        if problem != self.problem:
+            self.problem, self.values = problem, {}
+        return self.values
+
+
 def _compare_rows(
-    ranks: Ranks, mask, u: int, members: list[_RankRows], grads: bool, rtol: float
+    ranks: Ranks,
+    mask,
+    u: int,
+    members: list[_RankRows],
+    grads: bool,
+    rtol: float,
+    known: Known | None = None,
 ) -> list[checks.CheckResult]:
     """Each of the ranks of one Ulysses position compared with float64 attention at its rows,
-    from one reference over all their rows: the keys those rows see are drawn and converted
-    once, not once per rank (at 64 devices half a million keys of every K/V head)."""
-    rows = np.concatenate([m.plan.rows for m in members])
-    cols = np.unique(np.concatenate([m.plan.cols for m in members]))
-    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
-    # queries drawn rank by rank: no draw holds more than one rank's own tokens
-    queries = {n: [ranks.host(n, m.plan.rows, qh) for m in members] for n in ("q", "dout")}
-    inp = checks.Inputs(
-        k=ranks.host("k", cols, kh),
-        v=ranks.host("v", cols, kh),
-        **{n: np.concatenate(parts, axis=1) for n, parts in queries.items()},
-    )
-    scale = 1.0 / np.sqrt(inp.q.shape[-1])
-    plan = checks.CheckPlan(rows, cols, members[0].plan.heads)
-    refs = checks.rows_reference(inp, mask, plan, scale, grads)
-    bounds = np.cumsum([m.plan.rows.size for m in members])[:-1]
-    own = {n: np.split(ref, bounds, axis=1) for n, ref in refs.items()}
+    from reference values of every (row, head) they compare: taken from `known` where an
+    earlier point of the same problem computed them, the rest from one reference over all
+    their missing rows (the keys those rows see drawn and converted once, not once per rank:
+    at 64 devices half a million keys of every K/V head), added to `known`."""
+    known = {} if known is None else known
+    heads = members[0].plan.heads
+    global_heads = [int(h) for h in ranks.q_heads[u][heads]]
+    scale = 1.0 / np.sqrt(members[0].got["out"].shape[-1])
+    missing = [
+        np.array([r for r in m.plan.rows if any((int(r), h) not in known for h in global_heads)])
+        for m in members
+    ]
+    if any(rows.size for rows in missing):
+        known.update(_reference_rows(ranks, mask, u, missing, heads, grads, scale))
+    names = ("out", "dq") if grads else ("out",)
     return [
         checks.compare(
             mask,
-            inp,
+            None,
             m.got,
             plan=m.plan,
             grads=grads,
             rtol=rtol,
             finite=m.finite,
             scale=scale,
-            refs={n: parts[i] for n, parts in own.items()},
+            refs={
+                n: np.stack(
+                    [
+                        np.stack([known[(int(r), h)][n] for h in global_heads], 1)
+                        for r in m.plan.rows
+                    ],
+                    1,
+                )
+                for n in names
+            },
         )
-        for i, m in enumerate(members)
+        for m in members
     ]
+
+
+def _reference_rows(
+    ranks: Ranks,
+    mask,
+    u: int,
+    rows_of: list[np.ndarray],
+    heads: np.ndarray,
+    grads: bool,
+    scale: float,
+) -> Known:
+    """Float64 out (and dq) of the ranks' rows `rows_of` in the sampled local `heads` of
+    Ulysses position u, keyed by (global row, global q head)."""
+    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
+    drawn = [rows for rows in rows_of if rows.size]
+    rows = np.concatenate(drawn)
+    cols = checks.keys_seen(mask, rows)
+    # queries drawn rank by rank: no draw holds more than one rank's own tokens
+    q = np.concatenate([ranks.host("q", r, qh) for r in drawn], axis=1)
+    dout = np.concatenate([ranks.host("dout", r, qh) for r in drawn], axis=1) if grads else q
+    inp = checks.Inputs(q=q, k=ranks.host("k", cols, kh), v=ranks.host("v", cols, kh), dout=dout)
+    refs = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)
+    global_heads = ranks.q_heads[u][heads]
+    return {
+        (int(r), int(h)): {n: ref[:, i, j] for n, ref in refs.items()}
+        for i, r in enumerate(rows)
+        for j, h in enumerate(global_heads)
+    }
 
 
 def _rank_check(
@@ -128,12 +189,13 @@ def _rank_check(
 
 
 def check_ranks(
-    ranks: Ranks, point: Point, mask, index: int, rtol: float
+    ranks: Ranks, point: Point, mask, index: int, rtol: float, known: Known | None = None
 ) -> tuple[checks.CheckResult, list[int]]:
     """(check, global ranks checked): every rank against float64 attention of the whole problem
     when it is small (checks.FULL_CHECK_ELEMENTS), else the first rank and the first rank of
     the busiest ring rank, each judged at its own sampled rows, the ranks of one Ulysses
-    position from one reference."""
+    position from one reference (known: the problem's reference values so far,
+    ReferenceRows.of; read and added to)."""
     from shard_strategies.simulate import global_rank
 
     plan, s = ranks.plan, mask.seqlen_q
@@ -147,6 +209,6 @@ def check_ranks(
     for u in sorted({u for _, u in members}):
         ring = [r for r, v in members if v == u]
         rows = [_rank_rows(ranks, mask, r, u, seed) for r in ring]
-        checked = _compare_rows(ranks, mask, u, rows, grads, rtol)
+        checked = _compare_rows(ranks, mask, u, rows, grads, rtol, known)
         results += [(global_rank(plan, r, u), c) for r, c in zip(ring, checked)]
     return _merge_checks(results), [g for g, _ in results]

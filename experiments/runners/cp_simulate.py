@@ -23,7 +23,7 @@ import numpy as np
 from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
-from experiments.runners.cp_rank_checks import check_ranks
+from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
 from experiments.runners.cp_ranks import Ranks
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD, EXCHANGE, REPLICATED
 
@@ -80,6 +80,7 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
+        self._references = ReferenceRows()  # the row checks' float64 values of one problem
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result}), run once
@@ -248,7 +249,8 @@ class CPSimulator:
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
         )
         start = time.perf_counter()
-        check, checked = check_ranks(ranks, point, mask, index, rtol)
+        known = self._references.of((kernel_point(point, impl).key, index))
+        check, checked = check_ranks(ranks, point, mask, index, rtol, known)
         wall["emulate"] = ranks.emulate_seconds  # the check's runs of the ranks
         wall["reference"] = time.perf_counter() - start - wall["emulate"]  # draws, float64
         if not check.ok:
