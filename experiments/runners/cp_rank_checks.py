@@ -138,19 +138,15 @@ def _compare_rows(
             rtol=rtol,
             finite=m.finite,
             scale=scale,
-            refs={
-                n: np.stack(
-                    [
-                        np.stack([known[(int(r), h)][n] for h in global_heads], 1)
-                        for r in m.plan.rows
-                    ],
-                    1,
-                )
-                for n in names
-            },
+            refs={n: _gathered(known, m.plan.rows, global_heads, n) for n in names},
         )
         for m in members
     ]
+
+
+def _gathered(known: Known, rows: np.ndarray, heads: list[int], name: str) -> np.ndarray:
+    """(B, rows, heads, D) of tensor `name` from the values held per (global row, global head)."""
+    return np.stack([np.stack([known[(int(r), h)][name] for h in heads], 1) for r in rows], 1)
 
 
 def _reference_rows(
@@ -170,6 +166,7 @@ def _reference_rows(
     cols = checks.keys_seen(mask, rows)
     # queries drawn rank by rank: no draw holds more than one rank's own tokens
     q = np.concatenate([ranks.host("q", r, qh) for r in drawn], axis=1)
+    # dout is read only for the gradients; without them q stands in for it
     dout = np.concatenate([ranks.host("dout", r, qh) for r in drawn], axis=1) if grads else q
     inp = checks.Inputs(q=q, k=ranks.host("k", cols, kh), v=ranks.host("v", cols, kh), dout=dout)
     refs = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)

@@ -45,7 +45,7 @@ class KernelConfig:
     launches the last grid axis fastest), so the CTAs resident together share one head's K/V
     (forward, dQ) or q-side operands (dK/dV) in L2, as FlashAttention-3/4 order their grids;
     None chooses per call (launch_tiles_fastest): heads fastest for GQA on a mask with uneven
-    walks, where one tile's group of q heads reads one tile list, else tiles fastest.
+    walks, which then starts every head's longest walks in the first wave, else tiles fastest.
     bwd_overlap: the backward steps wait for S alone and compute P = exp2(S - LSE) (masked)
     while dP's matmul still runs, instead of waiting for both (FlashAttention-3's order).
     consumer_registers: registers per thread each consumer warpgroup raises itself to
@@ -187,10 +187,9 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
     128-key steps), the other grids' launch order per call (launch_tiles_fastest), two-stage
-    rings. D=128: FA3-like
-    128-key steps, consumers at 240 registers. D=64: 256-key forward steps (half the softmax
-    steps; the backward's CTAs split each 256-key tile in two), P computed while dP's matmul
-    runs."""
+    rings. D=128: FA3-like 128-key steps, consumers at 240 registers. D=64: 256-key forward
+    steps (half the softmax steps; the backward's CTAs split each 256-key tile in two), P
+    computed while dP's matmul runs."""
     del dtype
     common = dict(
         block_q=64,
