@@ -102,6 +102,7 @@ CASES = {
 # three 256-key tiles (the last one ragged) with documents ending inside them
 WS_ONLY_CASES = {
     "causal_document_600": dict(mask=make_mask("causal_document", 600, seed=4), hq=2, hkv=1),
+    "share_question_gqa4": dict(mask=make_mask("share_question", 320), hq=8, hkv=2),
 }
 
 
@@ -144,12 +145,23 @@ WARP_SPECIALISED = {
         KernelConfig(block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         "causal_document_600",
     ),
+    # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
+    # fp32 partial dK, dV summed after the kernel
+    "ws_head_split_ragged_fp16": (
+        KernelConfig(bwd_warpgroups=2, dkv_head_split=2),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_head_split_4_d128": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, dkv_head_split=4),
+        "share_question_gqa4",
+    ),
     "fused_overlap_ragged_fp16": (
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
     ),
 }
-HEAD_DIMS = {"ws_fused_d128": 128}  # D=128: each consumer reduces half of the head dim
+# D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
+HEAD_DIMS = {"ws_fused_d128": 128, "ws_head_split_4_d128": 128}
 
 
 @pytest.mark.parametrize("name", sorted(WARP_SPECIALISED))
@@ -171,6 +183,20 @@ def test_warp_specialised_needs_two_halves(interpret) -> None:
         _check(mask, KernelConfig(dq_warpgroups=2, block_q_dq=128), interpret, tiles=(128, 128))
     with pytest.raises(ValueError, match="dq_warpgroups=0 is invalid"):
         KernelConfig(dq_warpgroups=0)
+
+
+def test_head_split_refusals(interpret) -> None:
+    """The head split names the group it must divide and the kernel it needs."""
+    mask = make_mask("causal", 128)
+    config = KernelConfig(bwd_warpgroups=2, dkv_head_split=4)
+    with pytest.raises(ValueError, match="dkv_head_split=4 must divide .* a group of 2"):
+        _check(mask, config, interpret, tiles=config.tiles, hq=4, hkv=2)
+    with pytest.raises(ValueError, match="dkv_head_split=0 is invalid: valid values are positive"):
+        KernelConfig(dkv_head_split=0)
+    with pytest.raises(ValueError, match="needs the warp-specialised .* got bwd_warpgroups=1"):
+        KernelConfig(dkv_head_split=2)
+    with pytest.raises(ValueError, match="fused_bwd=True"):
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_head_split=2)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -262,6 +288,7 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, tiles_fastest=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

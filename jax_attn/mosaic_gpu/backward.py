@@ -281,6 +281,11 @@ def _kernels(
     mbq, mbk = arrays.block_q, arrays.block_k
     stages = config.num_stages_bwd or config.max_concurrent_steps
     group = q.shape[2] // k.shape[2]
+    if group % config.dkv_head_split:
+        raise ValueError(
+            f"dkv_head_split={config.dkv_head_split} must divide the GQA group: {q.shape[2]} q "
+            f"heads over {k.shape[2]} K/V heads is a group of {group}"
+        )
     common = dict(
         mask_block_q=mbq,
         mask_block_k=mbk,
@@ -303,6 +308,7 @@ def _kernels(
             block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
             block_k=dkv_tile,
             fused=config.fused_bwd,
+            head_split=config.dkv_head_split,
             **common,
         ),
         Kernel(

@@ -38,10 +38,16 @@ class Kernel:
     fused: bool = False  # dK/dV kernel also reduces dQ into fp32 global memory
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
+    head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
 
     @property
     def qk_scale(self) -> float:
         return self.scale * LOG2E
+
+    @property
+    def walk_heads(self) -> int:
+        """q heads one dK/dV CTA walks: its share of the GQA group."""
+        return self.group // self.head_split
 
 
 def swizzle() -> tuple[Any, Any]:
@@ -129,14 +135,21 @@ def store_tile(smem: Any, value: jax.Array, dst: Any) -> None:
 
 
 def accumulate_dkv(
-    accumulate: Callable[[Any, Any], tuple], kern: Kernel, k_s: Any, v_s: Any, dk: Any, dv: Any
-) -> None:
+    accumulate: Callable[[Any, Any], tuple], kern: Kernel, k_s: Any, v_s: Any, dk: Any, dv: Any,
+    stage: Any = None,
+) -> None:  # fmt: skip
     """accumulate(dk_acc, dv_acc) over fresh fp32 (keys, D) accumulators, then dK (scaled) and
-    dV to their GMEM tiles dk, dv through the K and V tiles' SMEM, waited."""
+    dV to their GMEM tiles dk, dv through the K and V tiles' SMEM, or, given an fp32 SMEM
+    `stage`, through it in fp32 (a head split's partial sums), waited."""
     acc = plgpu.ACC((k_s.shape[0], k_s.shape[-1]), jnp.float32)
     dk_sum, dv_sum = pl.run_scoped(accumulate, acc, acc)
-    store_tile(k_s, dk_sum * kern.scale, dk)
-    store_tile(v_s, dv_sum, dv)
+    if stage is None:
+        store_tile(k_s, dk_sum * kern.scale, dk)
+        store_tile(v_s, dv_sum, dv)
+    else:
+        store_tile(stage, dk_sum * kern.scale, dk)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dK's copy has read the stage
+        store_tile(stage, dv_sum, dv)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -187,38 +200,50 @@ def launch_dkv(
 ) -> tuple:
     """dK, dV (k's shape) of a dK/dV kernel, and when fused the unscaled fp32 dQ (q's shape):
     then the kernel gets a zeroed fp32 dQ Ref after its inputs, which it adds into by TMA
-    reduce-add (the scratch then includes what the kernel stages dQ through)."""
+    reduce-add (the scratch then includes what the kernel stages dQ through). With a head split
+    the kernel writes fp32 partial dK, dV per (kv head, share), summed here."""
     q, k = operands[0], operands[1]
-    out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
+    b, sk, hkv, d = k.shape
+    split = kern.head_split
+    partial = (b, sk, hkv * split, d), jnp.float32 if split > 1 else k.dtype
+    out_type = [jax.ShapeDtypeStruct(*partial)] * 2
     warpgroups = consumers + 1 if consumers > 1 else 1  # several consumers come with a producer
     call = launch(body, kern, grid, out_type, scratch, interpret, name, warpgroups)
-    if not kern.fused:
-        return tuple(call(*operands))
-    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-    dk, dv = call(*operands, dq)
-    return dk, dv, dq[...]
+    if kern.fused:
+        dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
+        dk, dv = call(*operands, dq)
+        return dk, dv, dq[...]
+    dk, dv = call(*operands)
+    if split > 1:
+        dk, dv = (x.reshape(b, sk, hkv, split, d).sum(3).astype(k.dtype) for x in (dk, dv))
+    return dk, dv
 
 
 @dataclasses.dataclass(frozen=True)
 class QueryTiles:
     """The dK/dV kernels' walk of one key tile: its listed mask q tiles, in block_q sub-tiles,
-    times the GQA group's q heads (step n: sub-tile n // group, head n % group of the group)."""
+    times the q heads of the CTA's share of the GQA group (step n: sub-tile n // walk_heads,
+    head n % walk_heads of the share). The launch's head axis runs over (kv head, share)."""
 
     kern: Kernel
     index_ref: Any
     outer: jax.Array  # the mask key tile whose list is walked
-    kv_head: jax.Array
+    grid_head: jax.Array  # kv head * head_split + share
+
+    @property
+    def kv_head(self) -> jax.Array:
+        return lax.div(self.grid_head, jnp.int32(self.kern.head_split))
 
     def steps(self, count_ref: Any, n_partial_ref: Any) -> tuple[jax.Array, jax.Array]:
         """(steps in all, steps over partial mask tiles, which come first)."""
-        per_tile = (self.kern.mask_block_q // self.kern.block_q) * self.kern.group
+        per_tile = (self.kern.mask_block_q // self.kern.block_q) * self.kern.walk_heads
         return count_ref[self.outer] * per_tile, n_partial_ref[self.outer] * per_tile
 
     def at(self, n: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(first q row, q head) of step n."""
-        kern = self.kern
-        unit = lax.div(n, jnp.int32(kern.group))
-        head = self.kv_head * kern.group + lax.rem(n, jnp.int32(kern.group))
+        kern, heads = self.kern, jnp.int32(self.kern.walk_heads)
+        unit = lax.div(n, heads)
+        head = self.grid_head * heads + lax.rem(n, heads)
         return tile_start(self.index_ref, self.outer, unit, kern.mask_block_q, kern.block_q), head
 
 

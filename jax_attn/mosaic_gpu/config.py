@@ -50,6 +50,10 @@ class KernelConfig:
     while dP's matmul still runs, instead of waiting for both (FlashAttention-3's order).
     consumer_registers: registers per thread each consumer warpgroup raises itself to
     (setmaxnreg) in every kernel; the producer gets producer_registers of what is left.
+    dkv_head_split: the warp-specialised dK/dV kernel's CTAs per (key tile, K/V head), each
+    walking that share of the GQA group's q heads into fp32 partial dK, dV summed after the
+    kernel (it must divide the group): shorter longest walks for masks with key tiles every
+    row sees, at the cost of the partials' traffic.
     """
 
     block_q: int = 64
@@ -69,6 +73,7 @@ class KernelConfig:
     tiles_fastest: bool | None = False
     bwd_overlap: bool = False
     consumer_registers: int = 232
+    dkv_head_split: int = 1
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -104,6 +109,17 @@ class KernelConfig:
             raise ValueError(
                 f"consumer_registers={self.consumer_registers} is invalid: valid values are "
                 f"multiples of 8 in [{MIN_CONSUMER_REGISTERS}, {MAX_CONSUMER_REGISTERS}]"
+            )
+        if self.dkv_head_split < 1:
+            raise ValueError(
+                f"dkv_head_split={self.dkv_head_split} is invalid: valid values are positive "
+                "divisors of the GQA group (q heads per K/V head)"
+            )
+        if self.dkv_head_split > 1 and (self.bwd_warpgroups != 2 or self.fused_bwd):
+            raise ValueError(
+                f"dkv_head_split={self.dkv_head_split} needs the warp-specialised unfused dK/dV "
+                f"kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
+                f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

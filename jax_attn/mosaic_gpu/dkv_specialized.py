@@ -12,6 +12,10 @@ their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each c
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
 dQ matmul goes between dV's and dK's, and dK's runs while the consumer stages and adds dQ.
+Head split (KernelConfig.dkv_head_split = s): s CTAs per (128 keys, kv head), each walking
+group / s of the GQA group's q heads into its own fp32 partial dK, dV (staged through an fp32
+SMEM tile), summed after the kernel; so a key tile that every row sees (share_question's
+question) is no longer one CTA's walk of group x its q tiles, the grid's critical path.
 """
 
 from __future__ import annotations
@@ -54,13 +58,15 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
     kv_bar, ready, free = refs[10:13]
     shared_dq = refs[13:] if kern.fused else None
+    stage = refs[13] if kern.head_split > 1 else None  # (consumers, keys, D) fp32 partials
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
-    tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
+    tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_keys = CONSUMER_WARPGROUPS * bk
     walk = QueryTiles(
-        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), kv_head
+        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), grid_head
     )
+    kv_head = walk.kv_head
     total, n_masked = walk.steps(count_ref, n_partial_ref)
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
@@ -89,8 +95,9 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
             return dk_acc[...], dv_acc[...]
 
-        dsts = (x.at[batch, keys, kv_head] for x in (dk_ref, dv_ref))
-        accumulate_dkv(accumulate, kern, k_own, v_own, *dsts)
+        dsts = (x.at[batch, keys, grid_head] for x in (dk_ref, dv_ref))
+        own_stage = None if stage is None else stage.at[wg]
+        accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
@@ -156,7 +163,8 @@ def _add_dq_shared(
 
 def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
     """dK, dV (B, padded Sk, Hkv, D) [and the unscaled fp32 dQ when fused] of padded operands,
-    one CTA per CONSUMER_WARPGROUPS * block_k keys (a 128-key mask tile or part of a larger one)."""
+    one CTA per CONSUMER_WARPGROUPS * block_k keys (a 128-key mask tile or part of a larger one)
+    and per share of the GQA group's q heads (kern.head_split)."""
     q, k = operands[0], operands[1]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
@@ -176,7 +184,9 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
         ]
-    grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2], k.shape[0])
+    if kern.head_split > 1:  # each consumer's fp32 staging tile for its partial dK, dV
+        scratch.append(plgpu.SMEM((CONSUMER_WARPGROUPS, bk, d), jnp.float32))
+    grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2] * kern.head_split, k.shape[0])
     name = "mosaic_flash_dkv_ws"
     return launch_dkv(
         _kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMER_WARPGROUPS
