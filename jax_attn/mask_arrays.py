@@ -28,7 +28,7 @@ jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["lo", "hi", "kv", "q"],
-    meta_fields=["seqlen_q", "seqlen_k", "block_q", "block_k", "uneven_walks"],
+    meta_fields=["seqlen_q", "seqlen_k", "block_q", "block_k", "uneven_walks", "walk_peak"],
 )
 @dataclasses.dataclass(frozen=True)
 class MaskArrays:
@@ -40,7 +40,9 @@ class MaskArrays:
     only the intervals. Tiles are block_q x block_k. uneven_walks: neighbouring tiles of this one
     mask walk lists of very different lengths (a static fact of the host lists, which a kernel
     may choose its launch order by: at most two programs per shape); False for a stack, whose
-    masks share one program whatever their walks.
+    masks share one program whatever their walks. walk_peak: the longest dK/dV walk (q tiles
+    of one key tile) over the mean, rounded to a power of two so that masks of one shape share
+    few programs (static: a kernel may split its longest walks by it); 0 for a stack or no walk.
     """
 
     lo: jax.Array | np.ndarray
@@ -52,6 +54,7 @@ class MaskArrays:
     block_q: int
     block_k: int
     uneven_walks: bool = False
+    walk_peak: int = 0
 
     @property
     def num_intervals(self) -> int:
@@ -75,6 +78,7 @@ def prepare_mask(
         block_q=block_q,
         block_k=block_k,
         uneven_walks=spread > UNEVEN_WALK_SPREAD,
+        walk_peak=lists.q.walk_peak(),
     )
 
 

@@ -57,7 +57,14 @@ from .bwd_steps import (
     tile_smem,
     tile_start,
 )
-from .config import CONSUMER_WARPGROUPS, DTYPES, HEAD_DIMS, KernelConfig, launch_tiles_fastest
+from .config import (
+    CONSUMER_WARPGROUPS,
+    DTYPES,
+    HEAD_DIMS,
+    KernelConfig,
+    dkv_head_split,
+    launch_tiles_fastest,
+)
 
 
 def _ring(
@@ -281,10 +288,14 @@ def _kernels(
     mbq, mbk = arrays.block_q, arrays.block_k
     stages = config.num_stages_bwd or config.max_concurrent_steps
     group = q.shape[2] // k.shape[2]
-    if group % config.dkv_head_split:
+    dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
+    cta_keys = dkv_tile * config.bwd_warpgroups
+    dkv_ctas = -(-k.shape[1] // mbk) * (mbk // cta_keys) * k.shape[2] * k.shape[0]
+    split = dkv_head_split(config, group=group, walk_peak=arrays.walk_peak, dkv_ctas=dkv_ctas)
+    if group % split:
         raise ValueError(
-            f"dkv_head_split={config.dkv_head_split} must divide the GQA group: {q.shape[2]} q "
-            f"heads over {k.shape[2]} K/V heads is a group of {group}"
+            f"dkv_head_split={split} must divide the GQA group: {q.shape[2]} q heads over "
+            f"{k.shape[2]} K/V heads is a group of {group}"
         )
     common = dict(
         mask_block_q=mbq,
@@ -297,7 +308,6 @@ def _kernels(
         overlap=config.bwd_overlap,
         registers=(config.consumer_registers, config.producer_registers),
     )
-    dkv_tile = _kernel_tile(config.block_k_dkv, "block_k_dkv", mbk)
     dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)
     if config.bwd_warpgroups == CONSUMER_WARPGROUPS:
         _check_split("bwd_warpgroups", "block_k", mbk, "block_k_dkv", dkv_tile)
@@ -308,7 +318,7 @@ def _kernels(
             block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
             block_k=dkv_tile,
             fused=config.fused_bwd,
-            head_split=config.dkv_head_split,
+            head_split=split,
             **common,
         ),
         Kernel(

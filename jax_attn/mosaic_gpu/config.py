@@ -15,6 +15,11 @@ MAX_INTERVALS = 8
 REGISTER_BUDGET = 504  # 3 x 168: the CTA's launch registers per thread, summed over warpgroups
 MIN_CONSUMER_REGISTERS = 168  # 64K registers over the CTA's 384 threads, no setmaxnreg raise
 MAX_CONSUMER_REGISTERS = 240  # (504 - 24) / 2: the producer keeps setmaxnreg's minimum, 24
+HOPPER_SMS = 132  # H100 / H200 SXM
+# The longest dK/dV walk over an SM's share of the grid from which the head split pays: on the
+# H200 at 64:8 heads it won 11-22% at 0.87-1.45 (share_question; causal_document at 8K) and
+# lost 6% at 0.34 (causal_document at 32K).
+DKV_SPLIT_BOUND = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +58,7 @@ class KernelConfig:
     dkv_head_split: the warp-specialised dK/dV kernel's CTAs per (key tile, K/V head), each
     walking that share of the GQA group's q heads into fp32 partial dK, dV summed after the
     kernel (it must divide the group): shorter longest walks for masks with key tiles every
-    row sees, at the cost of the partials' traffic.
+    row sees, at the cost of the partials' traffic. None chooses per call (dkv_head_split).
     """
 
     block_q: int = 64
@@ -73,7 +78,7 @@ class KernelConfig:
     tiles_fastest: bool | None = False
     bwd_overlap: bool = False
     consumer_registers: int = 232
-    dkv_head_split: int = 1
+    dkv_head_split: int | None = 1
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -110,12 +115,13 @@ class KernelConfig:
                 f"consumer_registers={self.consumer_registers} is invalid: valid values are "
                 f"multiples of 8 in [{MIN_CONSUMER_REGISTERS}, {MAX_CONSUMER_REGISTERS}]"
             )
-        if self.dkv_head_split < 1:
+        split = self.dkv_head_split or 1
+        if self.dkv_head_split is not None and self.dkv_head_split < 1:
             raise ValueError(
                 f"dkv_head_split={self.dkv_head_split} is invalid: valid values are positive "
                 "divisors of the GQA group (q heads per K/V head)"
             )
-        if self.dkv_head_split > 1 and (self.bwd_warpgroups != 2 or self.fused_bwd):
+        if split > 1 and (self.bwd_warpgroups != 2 or self.fused_bwd):
             raise ValueError(
                 f"dkv_head_split={self.dkv_head_split} needs the warp-specialised unfused dK/dV "
                 f"kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
@@ -199,13 +205,26 @@ def launch_tiles_fastest(config: KernelConfig, *, group: int, uneven_walks: bool
     return not (group > 1 and uneven_walks)
 
 
+def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: int, dkv_ctas: int) -> int:
+    """The dK/dV head split of a call: config.dkv_head_split, or where it is None, 2 when the
+    longest dK/dV walk is at least DKV_SPLIT_BOUND of an SM's share of the grid (walk_peak
+    x HOPPER_SMS over the unsplit grid's dkv_ctas CTAs) and the GQA group is even (the
+    warp-specialised unfused kernel only), else 1. Measured on the H200:
+    results/h200/mosaic_variants/32-*."""
+    if config.dkv_head_split is not None:
+        return config.dkv_head_split
+    if config.bwd_warpgroups != CONSUMER_WARPGROUPS or config.fused_bwd or group % 2:
+        return 1
+    return 2 if walk_peak * HOPPER_SMS >= DKV_SPLIT_BOUND * dkv_ctas else 1
+
+
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
-    128-key steps), the other grids' launch order per call (launch_tiles_fastest), two-stage
-    rings. D=128: FA3-like 128-key steps, consumers at 240 registers. D=64: 256-key forward
-    steps (half the softmax steps; the backward's CTAs split each 256-key tile in two), P
-    computed while dP's matmul runs."""
+    128-key steps), the other grids' launch order and the dK/dV head split chosen per call
+    (launch_tiles_fastest, dkv_head_split), two-stage rings. D=128: FA3-like 128-key steps,
+    consumers at 240 registers. D=64: 256-key forward steps (half the softmax steps; the
+    backward's CTAs split each 256-key tile in two), P computed while dP's matmul runs."""
     del dtype
     common = dict(
         block_q=64,
@@ -216,6 +235,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         in_place_pv=True,
         persistent_fwd=True,
         tiles_fastest=None,
+        dkv_head_split=None,
     )
     if head_dim > 64:
         return KernelConfig(block_k=128, consumer_registers=240, **common)
