@@ -80,16 +80,17 @@ class TileList:
         off = np.abs(step - np.median(step, axis=-1, keepdims=True))
         return float(np.maximum(off - 1, 0).mean() / mean)
 
-    def walk_peak(self) -> int:
-        """The longest walk (count) over the mean walk, as the nearest power of two (a coarse,
-        hashable fact for a kernel's static choices): 1 where all walks are equal (full), 2 for
-        causal, up to the outer tile count where one tile is walked by all (share_question's
-        question); 0 where nothing is walked."""
+    def walk_peak(self) -> float:
+        """The longest walk (count) over the mean walk, rounded to a power of sqrt(2) (a
+        coarse, hashable fact for a kernel's static choices): 1 where all walks are equal
+        (full), 2 for causal, up to the outer tile count where one tile is walked by all
+        (share_question's question); 0 where nothing is walked."""
         count = np.asarray(self.count, np.float64)
         mean = count.mean() if count.size else 0.0
         if mean == 0:
-            return 0
-        return 1 << max(0, round(float(np.log2(count.max() / mean))))
+            return 0.0
+        half_octaves = max(0, round(2 * float(np.log2(count.max() / mean))))
+        return float(2 ** (half_octaves / 2))
 
 
 @dataclass(frozen=True)

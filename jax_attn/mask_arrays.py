@@ -41,8 +41,9 @@ class MaskArrays:
     mask walk lists of very different lengths (a static fact of the host lists, which a kernel
     may choose its launch order by: at most two programs per shape); False for a stack, whose
     masks share one program whatever their walks. walk_peak: the longest dK/dV walk (q tiles
-    of one key tile) over the mean, rounded to a power of two so that masks of one shape share
-    few programs (static: a kernel may split its longest walks by it); 0 for a stack or no walk.
+    of one key tile) over the mean, rounded to a power of sqrt(2) so that masks of one shape
+    share few programs (static: a kernel may split its longest walks by it); 0 for a stack or
+    no walk.
     """
 
     lo: jax.Array | np.ndarray
@@ -54,7 +55,7 @@ class MaskArrays:
     block_q: int
     block_k: int
     uneven_walks: bool = False
-    walk_peak: int = 0
+    walk_peak: float = 0.0
 
     @property
     def num_intervals(self) -> int:

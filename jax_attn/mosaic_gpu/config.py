@@ -16,10 +16,11 @@ REGISTER_BUDGET = 504  # 3 x 168: the CTA's launch registers per thread, summed 
 MIN_CONSUMER_REGISTERS = 168  # 64K registers over the CTA's 384 threads, no setmaxnreg raise
 MAX_CONSUMER_REGISTERS = 240  # (504 - 24) / 2: the producer keeps setmaxnreg's minimum, 24
 HOPPER_SMS = 132  # H100 / H200 SXM
-# The longest dK/dV walk over an SM's share of the grid from which the head split pays: on the
-# H200 at 64:8 heads it won 11-22% at 0.87-1.45 (share_question; causal_document at 8K) and
-# lost 6% at 0.34 (causal_document at 32K).
-DKV_SPLIT_BOUND = 0.75
+# The longest dK/dV walk over an SM's share of the grid from which the head split pays: the
+# critical path. On the H200 at 64:8 heads (results/h200/mosaic_variants/32-*, 33-*) it won
+# 12-22% on share_question (1.08-1.45) and lost 6-9% on causal_document at 32K (0.34) and
+# causal_blockwise and prefix_lm_document at 8K (0.81-0.86); within 2% elsewhere measured.
+DKV_SPLIT_BOUND = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,12 +206,11 @@ def launch_tiles_fastest(config: KernelConfig, *, group: int, uneven_walks: bool
     return not (group > 1 and uneven_walks)
 
 
-def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: int, dkv_ctas: int) -> int:
+def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ctas: int) -> int:
     """The dK/dV head split of a call: config.dkv_head_split, or where it is None, 2 when the
     longest dK/dV walk is at least DKV_SPLIT_BOUND of an SM's share of the grid (walk_peak
     x HOPPER_SMS over the unsplit grid's dkv_ctas CTAs) and the GQA group is even (the
-    warp-specialised unfused kernel only), else 1. Measured on the H200:
-    results/h200/mosaic_variants/32-*."""
+    warp-specialised unfused kernel only), else 1."""
     if config.dkv_head_split is not None:
         return config.dkv_head_split
     if config.bwd_warpgroups != CONSUMER_WARPGROUPS or config.fused_bwd or group % 2:
@@ -221,10 +221,12 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: int, dkv_ctas
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
-    128-key steps), the other grids' launch order and the dK/dV head split chosen per call
-    (launch_tiles_fastest, dkv_head_split), two-stage rings. D=128: FA3-like 128-key steps,
-    consumers at 240 registers. D=64: 256-key forward steps (half the softmax steps; the
-    backward's CTAs split each 256-key tile in two), P computed while dP's matmul runs."""
+    128-key steps), the other grids' launch order chosen per call (launch_tiles_fastest),
+    two-stage rings. D=128: FA3-like 128-key steps, consumers at 240 registers, the dK/dV
+    head split chosen per call (dkv_head_split). D=64: 256-key forward steps (half the
+    softmax steps; the backward's CTAs split each 256-key tile in two), P computed while dP's
+    matmul runs, no head split (faster on share_question, but its dK, dV not yet checked on
+    the GPU at D=64: the acceptance command's D=64 case has no GQA group)."""
     del dtype
     common = dict(
         block_q=64,
@@ -235,10 +237,9 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         in_place_pv=True,
         persistent_fwd=True,
         tiles_fastest=None,
-        dkv_head_split=None,
     )
     if head_dim > 64:
-        return KernelConfig(block_k=128, consumer_registers=240, **common)
+        return KernelConfig(block_k=128, consumer_registers=240, dkv_head_split=None, **common)
     return KernelConfig(block_k=256, bwd_overlap=True, **common)
 
 
