@@ -54,6 +54,8 @@ QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 SEQLEN = 700  # divides neither 64 nor 128: every kernel sees ragged edge tiles
 ALIGNED = 768  # a multiple of every tile: the kernels' unpredicated path (no ragged edge)
 ALIGNED_MASKS = ("causal", "causal_document", "share_question")
+# GQA at D=64: the Mosaic dK/dV head split (a GQA group shared over CTAs) at the 256-key tiles
+GQA_D64_MASKS = ("causal", "share_question")
 TWO_FRONT_ENDS = "triton"  # the impl whose one kernel source both frameworks launch
 NAN_MASK = "causal"  # rows before the NaN key cannot see it, rows after it must turn NaN
 # (framework, impl, device) that docs/api.md documents as breaking the NaN contract
@@ -118,8 +120,8 @@ def build_mask(case: Case) -> Mask:
 def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
     """(impl, case) pairs: every impl on five masks (and two in the other half dtype), some
     library kernels on every static mask; the own kernels on every mask, both half
-    dtypes, D 64 and 128, MHA and GQA, fp32, random slices with Sq != Sk, and three masks at a
-    tile-aligned length. only: these impls."""
+    dtypes, D 64 and 128, MHA and GQA (at both head dims), fp32, random slices with Sq != Sk,
+    and three masks at a tile-aligned length. only: these impls."""
     from experiments.runners import frameworks
 
     main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
@@ -137,6 +139,7 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
     for impl in own:
         out += [(impl, Case(m, **main)) for m in (*STATIC_MASKS, "random")]
         out += [(impl, Case(m, **other)) for m in EVERY_IMPL_MASKS]
+        out += [(impl, Case(m, **dict(main, head_dim=64))) for m in GQA_D64_MASKS]
         out += [(impl, Case(m, **dict(main, dtype="float32"))) for m in EVERY_IMPL_MASKS]
         out.append((impl, Case("random", **dict(main, seqlen_k=s + s // 5))))
         out.append((impl, Case("random", **dict(other, seqlen_q=s - s // 4))))

@@ -225,8 +225,8 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     two-stage rings. D=128: FA3-like 128-key steps, consumers at 240 registers, the dK/dV
     head split chosen per call (dkv_head_split). D=64: 256-key forward steps (half the
     softmax steps; the backward's CTAs split each 256-key tile in two), P computed while dP's
-    matmul runs, no head split (faster on share_question, but its dK, dV not yet checked on
-    the GPU at D=64: the acceptance command's D=64 case has no GQA group)."""
+    matmul runs, no head split (faster on share_question, but its dK, dV at D=64 are not yet
+    checked on the GPU: the acceptance command's GQA D=64 cases have not run there yet)."""
     del dtype
     common = dict(
         block_q=64,
