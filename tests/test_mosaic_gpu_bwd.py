@@ -155,6 +155,13 @@ WARP_SPECIALISED = {
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, dkv_head_split=4),
         "share_question_gqa4",
     ),
+    # the D=64 default's grid: two 128-key CTAs per 256-key mask tile, each split in two
+    "ws_head_split_256_key_tiles": (
+        KernelConfig(
+            block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2
+        ),
+        "causal_document_600",
+    ),
     "fused_overlap_ragged_fp16": (
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
