@@ -102,7 +102,7 @@ CASES = {
 # three 256-key tiles (the last one ragged) with documents ending inside them
 WS_ONLY_CASES = {
     "causal_document_600": dict(mask=make_mask("causal_document", 600, seed=4), hq=2, hkv=1),
-    "share_question_gqa4": dict(mask=make_mask("share_question", 320), hq=8, hkv=2),
+    "share_question_gqa4": dict(mask=make_mask("share_question", 320), hq=4, hkv=1),
 }
 
 
