@@ -65,10 +65,8 @@ def test_split_rule(group: int) -> None:
 @pytest.mark.parametrize("seqlen", [8192, 16384, 32768])
 def test_only_share_question_is_split_at_64_to_8_heads(seqlen: int, head_dim: int) -> None:
     """The measured wins (share_question) split, the measured losses (causal_blockwise and
-    prefix_lm_document at 8K, causal_document at 32K) do not; 64:8 heads, batch 1. The D=64
-    default keeps the split off (not yet checked on the GPU there), the rule would split the
-    same masks."""
-    config = dataclasses.replace(default_config(head_dim, jnp.bfloat16), dkv_head_split=None)
+    prefix_lm_document at 8K, causal_document at 32K) do not; 64:8 heads, batch 1."""
+    config = default_config(head_dim, jnp.bfloat16)
     q = jnp.ones((1, seqlen, 64, head_dim), jnp.bfloat16)
     k = jnp.ones((1, seqlen, 8, head_dim), jnp.bfloat16)
     split = {}
@@ -95,6 +93,6 @@ def test_the_split_grid_walks_each_share_of_the_group() -> None:
     assert (dkv.group, dkv.head_split, dkv.walk_heads) == (8, 2, 4)
 
 
-def test_defaults_choose_the_split_per_call_at_d128_only() -> None:
-    assert default_config(128, jnp.bfloat16).dkv_head_split is None
-    assert default_config(64, jnp.bfloat16).dkv_head_split == 1
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_defaults_choose_the_split_per_call(head_dim: int) -> None:
+    assert default_config(head_dim, jnp.bfloat16).dkv_head_split is None

@@ -232,11 +232,10 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
     forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
     128-key steps), the other grids' launch order chosen per call (launch_tiles_fastest),
-    two-stage rings. D=128: FA3-like 128-key steps, consumers at 240 registers, the dK/dV
-    head split chosen per call (dkv_head_split). D=64: 256-key forward steps (half the
-    softmax steps; the backward's CTAs split each 256-key tile in two), P computed while dP's
-    matmul runs, no head split (faster on share_question, but its dK, dV at D=64 are not yet
-    checked on the GPU: the acceptance command's GQA D=64 cases have not run there yet)."""
+    two-stage rings, the dK/dV head split chosen per call (dkv_head_split). D=128: FA3-like
+    128-key steps, consumers at 240 registers. D=64: 256-key forward steps (half the softmax
+    steps; the backward's CTAs split each 256-key tile in two), P computed while dP's matmul
+    runs."""
     del dtype
     common = dict(
         block_q=64,
@@ -247,9 +246,10 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         in_place_pv=True,
         persistent_fwd=True,
         tiles_fastest=None,
+        dkv_head_split=None,
     )
     if head_dim > 64:
-        return KernelConfig(block_k=128, consumer_registers=240, dkv_head_split=None, **common)
+        return KernelConfig(block_k=128, consumer_registers=240, **common)
     return KernelConfig(block_k=256, bwd_overlap=True, **common)
 
 
