@@ -16,7 +16,7 @@ import pytest
 from attn_masks import MaskType, from_slices, random_slices, reference_attention
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
-from jax_attn.mosaic_gpu import KernelConfig, dkv_specialized, dq_specialized
+from jax_attn.mosaic_gpu import KernelConfig
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
@@ -162,22 +162,6 @@ WARP_SPECIALISED = {
         ),
         "causal_document_600",
     ),
-    # both kernels' CTA tiles launched by decreasing walk, with the head split and without
-    "ws_longest_first_gaps": (
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_longest_first=True),
-        "gaps_sq_ne_sk",
-    ),
-    "ws_longest_first_split_256_key_tiles": (
-        KernelConfig(
-            block_k=256,
-            bwd_warpgroups=2,
-            dq_warpgroups=2,
-            block_k_dq=128,
-            dkv_head_split=2,
-            bwd_longest_first=True,
-        ),
-        "causal_document_600",
-    ),
     "fused_overlap_ragged_fp16": (
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
@@ -220,21 +204,6 @@ def test_head_split_refusals(interpret) -> None:
         KernelConfig(dkv_head_split=2)
     with pytest.raises(ValueError, match="fused_bwd=True"):
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_head_split=2)
-
-
-@pytest.mark.parametrize("module", [dkv_specialized, dq_specialized])
-def test_longest_first_kernels_take_their_tiles_from_the_order(
-    module, monkeypatch, interpret
-) -> None:
-    """An order naming tile 0 for every CTA leaves the other tiles' gradients unwritten or
-    wrong: each kernel reads the order it is given."""
-    monkeypatch.setattr(
-        module, "longest_first_order", lambda count, per: jnp.zeros(count.size * per, jnp.int32)
-    )
-    config = KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_longest_first=True)
-    mask = make_mask("causal", 384)
-    with pytest.raises(AssertionError, match="relative error|non-finite"):
-        _check(mask, config, interpret, tiles=config.tiles, hq=2, hkv=1)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -327,7 +296,6 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2),
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_longest_first=True),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

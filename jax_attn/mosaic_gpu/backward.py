@@ -306,7 +306,6 @@ def _kernels(
         hints=not interpret,
         tiles_fastest=launch_tiles_fastest(config, group=group, uneven_walks=arrays.uneven_walks),
         overlap=config.bwd_overlap,
-        longest_first=config.bwd_longest_first,
         registers=(config.consumer_registers, config.producer_registers),
     )
     dq_tile = _kernel_tile(config.block_q_dq, "block_q_dq", mbq)

@@ -39,7 +39,6 @@ class Kernel:
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
-    longest_first: bool = False  # CTA tiles launched by decreasing walk (bwd_longest_first)
 
     @property
     def qk_scale(self) -> float:
@@ -115,21 +114,6 @@ def one_matmul(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
         return acc[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def longest_first_order(count: jax.Array, ctas_per_tile: int) -> jax.Array:
-    """(CTA tiles,) int32: the CTA tiles of a walk (ctas_per_tile per mask tile, whose walk
-    lengths are `count`) by decreasing walk length, ties in tile order; the tile axis of a grid
-    launched through it starts the longest walks first (longest-first list scheduling)."""
-    walks = jnp.repeat(count, ctas_per_tile)
-    return jnp.argsort(-walks, stable=True).astype(jnp.int32)
-
-
-def cta_tile(kern: Kernel, order_ref: Any) -> jax.Array:
-    """The CTA tile this CTA owns: its tile axis index, or with longest_first the entry of
-    the order (longest_first_order) at that index."""
-    launched = lax.axis_index("tiles")
-    return order_ref[launched] if kern.longest_first else launched
 
 
 def tile_start(

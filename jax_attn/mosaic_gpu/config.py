@@ -60,9 +60,6 @@ class KernelConfig:
     walking that share of the GQA group's q heads into fp32 partial dK, dV summed after the
     kernel (it must divide the group): shorter longest walks for masks with key tiles every
     row sees, at the cost of the partials' traffic. None chooses per call (dkv_head_split).
-    bwd_longest_first: the warp-specialised backward kernels launch their tile axis through a
-    permutation by decreasing walk length (longest-first list scheduling: the longest walks
-    start in the first wave instead of where the tile order puts them).
     """
 
     block_q: int = 64
@@ -83,7 +80,6 @@ class KernelConfig:
     bwd_overlap: bool = False
     consumer_registers: int = 232
     dkv_head_split: int | None = 1
-    bwd_longest_first: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -131,12 +127,6 @@ class KernelConfig:
                 f"dkv_head_split={self.dkv_head_split} needs the warp-specialised unfused dK/dV "
                 f"kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
                 f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
-            )
-        if self.bwd_longest_first and (self.bwd_warpgroups, self.dq_warpgroups) != (2, 2):
-            raise ValueError(
-                "bwd_longest_first needs the warp-specialised backward kernels "
-                f"(bwd_warpgroups=2, dq_warpgroups=2), got bwd_warpgroups={self.bwd_warpgroups}, "
-                f"dq_warpgroups={self.dq_warpgroups}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

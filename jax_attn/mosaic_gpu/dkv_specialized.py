@@ -36,11 +36,9 @@ from .bwd_steps import (
     Kernel,
     QueryTiles,
     accumulate_dkv,
-    cta_tile,
     dkv_step,
     fetch_queries,
     launch_dkv,
-    longest_first_order,
     query_ring,
     tile_smem,
 )
@@ -52,20 +50,17 @@ DS_BUFFERS = 2  # the fused dQ's shared dS^T tiles: step n writes buffer n mod 2
 
 
 def _kernel(*refs: Any, kern: Kernel) -> None:
-    """refs: the 11 inputs [and the launch order with longest_first], [the fp32 dQ Ref when
-    fused], dK, dV, then the scratch."""
-    inputs, refs = refs[: INPUTS + kern.longest_first], refs[INPUTS + kern.longest_first :]
+    """refs: the 11 inputs, [the fp32 dQ Ref when fused], dK, dV, then the scratch."""
+    inputs, refs = refs[:INPUTS], refs[INPUTS:]
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref = inputs[:8]
-    index_ref, n_partial_ref, count_ref = inputs[8:INPUTS]
-    order_ref = inputs[INPUTS] if kern.longest_first else None
+    index_ref, n_partial_ref, count_ref = inputs[8:]
     dq_ref, refs = (refs[0], refs[1:]) if kern.fused else (None, refs)
     dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
     kv_bar, ready, free = refs[10:13]
     shared_dq = refs[13:] if kern.fused else None
     stage = refs[13] if kern.head_split > 1 else None  # (consumers, keys, D) fp32 partials
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
-    grid_head, batch = (lax.axis_index(n) for n in ("heads", "batch"))
-    tile = cta_tile(kern, order_ref)
+    tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_keys = CONSUMER_WARPGROUPS * bk
     walk = QueryTiles(
@@ -191,10 +186,8 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         ]
     if kern.head_split > 1:  # each consumer's fp32 staging tile for its partial dK, dV
         scratch.append(plgpu.SMEM((CONSUMER_WARPGROUPS, bk, d), jnp.float32))
-    cta_keys = CONSUMER_WARPGROUPS * bk
-    grid = (k.shape[1] // cta_keys, k.shape[2] * kern.head_split, k.shape[0])
-    inputs = (*operands, *lists)
-    if kern.longest_first:
-        inputs += (longest_first_order(lists[2], kern.mask_block_k // cta_keys),)
+    grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2] * kern.head_split, k.shape[0])
     name = "mosaic_flash_dkv_ws"
-    return launch_dkv(_kernel, kern, grid, scratch, inputs, interpret, name, CONSUMER_WARPGROUPS)
+    return launch_dkv(
+        _kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMER_WARPGROUPS
+    )

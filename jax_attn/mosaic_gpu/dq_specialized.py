@@ -22,10 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .bwd_steps import (
     Kernel,
     broadcast,
-    cta_tile,
     dq_step,
     launch,
-    longest_first_order,
     row_vector,
     store_tile,
     tile_smem,
@@ -38,15 +36,12 @@ ROW_COPIES = 6  # q, dO, LSE, delta, lo, hi of a consumer's rows: its row barrie
 
 
 def _kernel(*refs: Any, kern: Kernel) -> None:
-    """refs: q, k, v, dO, LSE, delta, lo, hi, the three tile-list arrays [and the launch order
-    with longest_first], dQ, then the scratch."""
+    """refs: q, k, v, dO, LSE, delta, lo, hi, the three tile-list arrays, dQ, then the scratch."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref = refs[:8]
-    index_ref, n_partial_ref, count_ref = refs[8:11]
-    order_ref, refs = (refs[11], refs[12:]) if kern.longest_first else (None, refs[11:])
-    dq_ref, q_s, do_s, lse_s, delta_s, lo_s, hi_s, k_s, v_s, row_bar, ready, free = refs
+    index_ref, n_partial_ref, count_ref, dq_ref = refs[8:12]
+    q_s, do_s, lse_s, delta_s, lo_s, hi_s, k_s, v_s, row_bar, ready, free = refs[12:]
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
-    head, batch = (lax.axis_index(n) for n in ("heads", "batch"))
-    part = cta_tile(kern, order_ref)
+    part, head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_rows = CONSUMER_WARPGROUPS * bq
     # the mask q tile whose key-tile list this CTA walks (its rows may be part of it)
@@ -118,11 +113,8 @@ def dq_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> jax.
         plgpu.Barrier(num_arrivals=2, num_barriers=st),
         plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=st),
     ]
-    cta_rows = CONSUMER_WARPGROUPS * bq
-    grid = (q.shape[1] // cta_rows, q.shape[2], q.shape[0])
+    grid = (q.shape[1] // (CONSUMER_WARPGROUPS * bq), q.shape[2], q.shape[0])
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     name = "mosaic_flash_dq_ws"
     call = launch(_kernel, kern, grid, out_type, scratch, interpret, name, CONSUMER_WARPGROUPS + 1)
-    if kern.longest_first:
-        return call(*operands, *lists, longest_first_order(lists[2], kern.mask_block_q // cta_rows))
     return call(*operands, *lists)
