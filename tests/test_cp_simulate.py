@@ -650,6 +650,40 @@ def test_a_failed_points_baseline_seconds_go_to_the_next_point():
     assert sims[0]["wall_s"]["baseline"] > 0 and sims[1]["wall_s"]["baseline"] == 0
 
 
+def test_a_problem_above_the_cap_takes_its_masks_rate_at_the_cap():
+    """128 tokens with the cap at 64: no 128-token baseline runs; the record's baseline is the
+    whole mask at 64 tokens (status scaled, its length and reason given), the same run the
+    64-token problem reports as its own, and efficiency is measured against its TFLOP/s."""
+    from experiments.runners.jax_runner import JaxRunner
+
+    runner = JaxRunner(sim_baseline_max_seqlen=64)
+    run, single = runner.run, []
+
+    def recording(point):
+        single.extend([] if point.simulated else [point.seqlen_total])
+        return run(point)
+
+    runner.run = recording
+    long = runner.run(_point("ring", 4, "fwd", sim.LinkModel(), "causal", seqlen=32))
+    short = runner.run(_point("ring", 2, "fwd", sim.LinkModel(), "causal", seqlen=32))
+    assert single == [64], "one baseline, at the cap"
+    scaled = long["masks"][0]["simulation"]["single_device"]
+    own = short["masks"][0]["simulation"]["single_device"]
+    assert (scaled["status"], scaled["seqlen"], own["status"], own["seqlen"]) == (
+        "scaled",
+        64,
+        "ok",
+        64,
+    )
+    assert "128 tokens > --sim_baseline_max_seqlen=64" in scaled["reason"]
+    assert scaled["key"] == own["key"] and scaled["tflops"] == own["tflops"] > 0
+    assert "time_ms" not in scaled, "no time of the 128-token problem was measured"
+    assert long["metrics"]["efficiency_pct"] == pytest.approx(
+        100 * long["metrics"]["tflops"]["median"] / scaled["tflops"]
+    )
+    assert long["metrics"]["single_device_status"] == "scaled"
+
+
 # ----------------------------------------------------------------------------- torch runner
 
 
@@ -1023,6 +1057,9 @@ def test_report_predicts_and_compares_with_measured(tmp_path):
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "## Predicted context parallelism" in md and "### Predicted vs measured" in md
     assert "| causal | 8 | 0.0833 (4%) | unsup. |" in md
+    scaled = report_sim.flat_row(sims[1])
+    scaled["single_gpu_status"] = "scaled"
+    assert report_sim._cell(scaled) == "0.0833 (4%*)", "an efficiency at the cap is marked"
     assert "| causal | 4 | ring/zigzag | 0.1 | 8 / 1 / 1 | 1.00 |" in md
     assert any("predicted_fwd_causal" in p.name for p in out["plots"])
     res = subprocess.run(

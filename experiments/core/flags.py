@@ -169,9 +169,10 @@ def _define_simulation_flags() -> None:
     flags.DEFINE_string(
         "sim_baseline_max_seqlen",
         None,
-        "Longest whole sequence timed on one device as a simulated point's efficiency baseline "
-        "(longer: efficiency not given). Default: 512K on a GPU, 8K on a CPU, whose dense "
-        "reference impl needs minutes and gigabytes per call beyond that.",
+        "Longest whole sequence timed on one device as a simulated point's efficiency baseline; "
+        "a longer problem's baseline is its mask's TFLOP/s at this length (status 'scaled'). "
+        "Default: 128K on a GPU (a 512K forward+backward call takes about a minute), 2K on a "
+        "CPU, whose dense reference impl needs a minute per call at 8K.",
     )
     flags.DEFINE_integer(
         "sim_timed_calls",

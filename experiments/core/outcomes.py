@@ -6,6 +6,9 @@ import traceback
 
 OK, OOM, UNSUPPORTED, WRONG, ERROR = "ok", "oom", "unsupported", "wrong", "error"
 STATUSES = (OK, OOM, UNSUPPORTED, WRONG, ERROR)
+# a simulated point's single-device baseline measured at a capped length, its rate standing for
+# the longer problem's (--sim_baseline_max_seqlen)
+SCALED = "scaled"
 MAX_MESSAGE_CHARS = 2000
 
 

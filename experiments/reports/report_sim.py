@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments.core.outcomes import SCALED
 from experiments.core.progress import wall_seconds
 from experiments.reports import plots, report_cp
 from experiments.reports.report_parts import (
@@ -126,10 +127,15 @@ def _group(row: dict) -> tuple:
 
 
 def _cell(row: dict) -> str:
+    """Predicted TFLOP/s and efficiency; * marks an efficiency against the mask's rate at the
+    baseline cap (the whole problem is longer than one device was asked to run)."""
     if row["status"] != "ok":
         return report_cp.label(row)
     eff = row["efficiency_pct"]
-    return f"{row['tflops_per_gpu']:.3g} ({f'{eff:.0f}%' if eff is not None else 'eff. n/a'})"
+    if eff is None:
+        return f"{row['tflops_per_gpu']:.3g} (eff. n/a)"
+    scaled = "*" if row["single_gpu_status"] == SCALED else ""
+    return f"{row['tflops_per_gpu']:.3g} ({eff:.0f}%{scaled})"
 
 
 def tables(rows: list[dict]) -> list[str]:
@@ -295,7 +301,9 @@ def write_sim_report(
         "timed on one device, communication from the plan's bytes and a link model, ranks in "
         "lock step (docs/context_parallel.md). Cells: predicted per-GPU TFLOP/s of the whole "
         "call (with the executor's dispatch of global arrays) and, in brackets, efficiency "
-        "against the whole mask on one device; unsup. = the strategy cannot run the point. "
+        "against the whole mask on one device (*: against its rate at the shorter length "
+        "--sim_baseline_max_seqlen, where the whole problem was not run on one device); "
+        "unsup. = the strategy cannot run the point. "
         "Best tables: the slowest rank's compute, the communication it does not hide, and the "
         "dispatch, summed over steps.",
         "",

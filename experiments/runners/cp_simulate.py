@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from experiments.core.outcomes import UNSUPPORTED, WRONG, PointFailure
+from experiments.core.outcomes import SCALED, UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
@@ -28,16 +28,20 @@ from experiments.runners.cp_ranks import Ranks
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD, EXCHANGE, REPLICATED
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
-# Longest whole mask timed on one device as the efficiency baseline, unless given: on a CPU the
-# dense reference impl takes minutes and gigabytes per call beyond 8K tokens.
-BASELINE_MAX_SEQLEN = {"gpu": 512 * 1024, "cpu": 8 * 1024}
+# Longest whole mask timed on one device as the efficiency baseline, unless given; a longer
+# problem's baseline is the rate of its mask at this length (SCALED). On a GPU a forward+backward
+# call of 512K tokens takes about a minute, one of 128K a few seconds; on a CPU the dense
+# reference impl takes a minute per call at 8K tokens, seconds at 2K.
+BASELINE_MAX_SEQLEN = {"gpu": 128 * 1024, "cpu": 2 * 1024}
 # How each framework's executor takes global arrays (shard_strategies.simulate entries).
 ENTRY = {"jax": EXCHANGE, "torch": REPLICATED}
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
 
 
-def kernel_point(point: Point, impl: str) -> Point:
-    """The single-device point of the same total work: the whole mask on one device."""
+def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
+    """The single-device point of the same total work: the whole mask on one device (at
+    `seqlen` tokens instead of the point's, for a baseline measured at a capped length)."""
+    seqlen = point.seqlen_total if seqlen is None else seqlen
     return dataclasses.replace(
         point,
         impl=impl,
@@ -45,7 +49,8 @@ def kernel_point(point: Point, impl: str) -> Point:
         layout="none",
         ulysses_size=None,
         ulysses_intra_node=None,
-        seqlen_per_device=point.seqlen_total,
+        seqlen_total=seqlen,
+        seqlen_per_device=seqlen,
         scaling="none",
         num_devices=1,
         simulated=False,
@@ -83,29 +88,38 @@ class CPSimulator:
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
 
     def baseline(self, point: Point, impl: str) -> dict:
-        """The kernel point of the whole mask on this device ({status, reason, result}), run once
-        per key and shared by every strategy and layout of the same problem."""
-        kp = kernel_point(point, impl)
+        """The kernel point of the whole mask on this device ({status, reason, result, key,
+        seqlen}), run once per key and shared by every strategy and layout of the same problem.
+        A problem longer than the cap gets the whole mask's run at the cap (status SCALED): its
+        TFLOP/s stand for the long problem's, which is not run (one call of a 512K-token
+        forward+backward takes about a minute)."""
+        cap = self.baseline_max_seqlen
+        if cap is None or point.seqlen_total <= cap:
+            return self._run_baseline(kernel_point(point, impl))
+        out = dict(self._run_baseline(kernel_point(point, impl, seqlen=cap)))
+        if out["status"] == "ok":
+            out["status"] = SCALED
+            out["reason"] = (
+                f"{point.seqlen_total} tokens > --sim_baseline_max_seqlen={cap}: the rate of "
+                f"the whole mask at {cap} tokens"
+            )
+        return out
+
+    def _run_baseline(self, kp: Point) -> dict:
+        """The kernel point `kp` run (or its earlier outcome) as a baseline."""
         if kp.key in self._baselines:
             return self._baselines[kp.key]
         start = time.perf_counter()
-        cap = self.baseline_max_seqlen
-        if cap is not None and kp.seqlen_total > cap:
-            out = {
-                "status": "not_run",
-                "reason": f"{kp.seqlen_total} tokens > --sim_baseline_max_seqlen={cap}",
-            }
-        else:
-            try:
-                out = {"status": "ok", "reason": None, "result": self.runner.run(kp)}
-            except PointFailure as e:
-                out = {"status": e.status, "reason": e.reason}
-            except Exception as e:
-                from experiments.core.outcomes import classify
+        try:
+            out = {"status": "ok", "reason": None, "result": self.runner.run(kp)}
+        except PointFailure as e:
+            out = {"status": e.status, "reason": e.reason}
+        except Exception as e:
+            from experiments.core.outcomes import classify
 
-                status, reason = classify(e)
-                out = {"status": status, "reason": reason}
-        out["key"] = kp.key
+            status, reason = classify(e)
+            out = {"status": status, "reason": reason}
+        out.update(key=kp.key, seqlen=kp.seqlen_total)
         self._baselines[kp.key] = out
         self._baseline_s[kp.key] = time.perf_counter() - start
         return out
@@ -284,6 +298,8 @@ class CPSimulator:
         if base["status"] == "ok":
             m = base["result"]["masks"][index]
             single = {"time_ms": m["time_ms"]["median"], "tflops": m["tflops"]["median"]}
+        elif base["status"] == SCALED:  # the rate at the cap: no time of this problem's length
+            single = {"tflops": base["result"]["masks"][index]["tflops"]["median"]}
         return {
             "impl": impl,
             "link": dataclasses.asdict(link),
@@ -319,6 +335,7 @@ class CPSimulator:
                 "key": base["key"],
                 "status": base["status"],
                 "reason": base["reason"],
+                "seqlen": base["seqlen"],
                 **(single or {}),
             },
             "efficiency_pct": 100.0 * per_gpu / single["tflops"] if single else None,
