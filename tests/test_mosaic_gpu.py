@@ -220,20 +220,25 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize(
-    "d, in_place_pv, overlap, persistent",
-    [(64, False, False, False), (128, False, False, False), (128, True, False, False),
-     (64, True, True, False), (128, True, True, False), (128, True, False, True),
-     (64, True, True, True)],
+    "d, in_place_pv, overlap, persistent, deal",
+    [(64, False, False, False, False), (128, False, False, False, False),
+     (128, True, False, False, False), (64, True, True, False, False),
+     (128, True, True, False, False), (128, True, False, True, False),
+     (64, True, True, True, False), (128, True, False, True, True)],
 )  # fmt: skip
 def test_forward_and_backward_lower_for_hopper(
-    d: int, in_place_pv: bool, overlap: bool, persistent: bool
+    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool
 ) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
     in_place_pv (P V into O's registers) exists only on this path."""
     config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, d), jnp.bfloat16), None)
     config = dataclasses.replace(
-        config, in_place_pv=in_place_pv, fwd_overlap=overlap, persistent_fwd=persistent
+        config,
+        in_place_pv=in_place_pv,
+        fwd_overlap=overlap,
+        persistent_fwd=persistent,
+        deal_by_walk_start=deal,
     )
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
@@ -291,16 +296,45 @@ def test_persistent_forward() -> None:
     _check(mask, arrays, b=2, hq=3, hkv=1, d=64, dtype=jnp.bfloat16, config=config, seed=4)
 
 
-def _dealt(name: str, seqlen: int, heads: tuple[int, int], ctas: int = 132) -> tuple:
+@interpreted
+def test_persistent_forward_dealt_by_walk_start() -> None:
+    """deal_by_walk_start: the same outputs on every row, the tiles of three causal documents
+    (and of a q tile that sees no key) dealt by where their walks start."""
+    config = dataclasses.replace(SMALL, persistent_fwd=True, deal_by_walk_start=True)
+    mask = from_slices(
+        [[0, 100], [100, 230], [230, 260], [300, 330]],
+        [[0, 100], [100, 230], [230, 260], [300, 330]],
+        [CAUSAL, CAUSAL, CAUSAL, CAUSAL],
+        330,
+        330,
+    )
+    arrays = prepare_mask(mask, *SMALL.tiles)
+    assert (np.asarray(arrays.kv.count) == 0).sum() == 0 and np.asarray(arrays.kv.count).max() > 1
+    _check(mask, arrays, b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, config=config, seed=5)
+
+
+def test_walk_start_deal_needs_the_persistent_forward() -> None:
+    with pytest.raises(ValueError, match="deal_by_walk_start .* needs persistent_fwd=True"):
+        KernelConfig(deal_by_walk_start=True)
+
+
+def _dealt(
+    name: str, seqlen: int, heads: tuple[int, int], ctas: int = 132, by_walk_start: bool = False
+) -> tuple:
     """The persistent forward's deal replayed outside the kernel: (key-tile count per q tile,
     the dealt (q tile, head) of every CTA's local steps, which of those steps exist)."""
     config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
-    count = np.asarray(prepare_mask(make_mask(name, seqlen), *config.tiles).kv.count)
+    lists = prepare_mask(make_mask(name, seqlen), *config.tiles).kv
+    count = np.asarray(lists.count)
     geo = mosaic_forward.Geometry(
         batch=1, seq_q=seqlen, seq_k=seqlen, heads_q=heads[0], heads_kv=heads[1], head_dim=128,
         intervals=1, config=config, ctas=ctas,
     )  # fmt: skip
-    items = np.asarray(mosaic_forward.deal_items(geo, jnp.asarray(count)))
+    first = None
+    if by_walk_start:
+        none = seqlen // config.tiles[1]
+        first = mosaic_forward.walk_starts(jnp.asarray(lists.index), jnp.asarray(count), none)
+    items = np.asarray(mosaic_forward.deal_items(geo, jnp.asarray(count), first))
     cta = jnp.arange(ctas, dtype=jnp.int32)
     runs = np.asarray(mosaic_forward._local_items(geo, cta))
     local = jnp.arange(int(runs.max()), dtype=jnp.int32)
@@ -326,6 +360,48 @@ def test_persistent_deal_covers_every_item_once_and_balances_key_tiles(
     )
     cost = ((count[tile] + 1) * valid).sum(axis=1)
     assert cost.max() <= bound * max(cost.sum() / len(cost), count.max() + 1), cost.max()
+
+
+def _split_documents(name: str, seqlen: int, heads: tuple[int, int], by_walk_start: bool) -> int:
+    """How many runs of items the deal does not list as one block, a run being the q tiles of
+    one WALK_RUN-aligned stretch that start their walks at one key tile (a document's) and the
+    heads of one K/V head."""
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
+    lists = prepare_mask(make_mask(name, seqlen), *config.tiles).kv
+    index, count = np.asarray(lists.index), np.asarray(lists.count)
+    start = np.where(count > 0, index[:, 0], -1)  # host lists are ascending
+    geo = mosaic_forward.Geometry(
+        batch=1, seq_q=seqlen, seq_k=seqlen, heads_q=heads[0], heads_kv=heads[1], head_dim=128,
+        intervals=1, config=config, ctas=132,
+    )  # fmt: skip
+    first = None
+    if by_walk_start:
+        none = seqlen // config.tiles[1]
+        first = mosaic_forward.walk_starts(jnp.asarray(index), jnp.asarray(count), none)
+    tile, head, _ = np.asarray(mosaic_forward.deal_items(geo, jnp.asarray(count), first))
+    where: dict[tuple, list[int]] = {}
+    for at, (t, h) in enumerate(zip(tile, head)):
+        run = (start[t], t // mosaic_forward.WALK_RUN, h // geo.group)
+        where.setdefault(run, []).append(at)
+    return sum(ix[-1] - ix[0] + 1 != len(ix) for ix in where.values())
+
+
+@pytest.mark.parametrize("name", ["causal_document", "full_document", "causal", "full"])
+def test_walk_start_deal_keeps_each_documents_tiles_together(name: str) -> None:
+    """deal_by_walk_start at 32K, 64:64 heads: every (q tile, head) item dealt once, each run
+    of a document's tiles in one K/V head as one block (the default deal splits causal
+    documents over its count bands), and the busiest CTA's cost (key tiles plus one per item)
+    within 5% of the larger of the mean and the costliest item."""
+    heads = (64, 64)
+    count, (tile, head), valid = _dealt(name, 32768, heads, by_walk_start=True)
+    assert sorted(zip(tile[valid].tolist(), head[valid].tolist())) == sorted(
+        (t, h) for t in range(len(count)) for h in range(heads[0])
+    )
+    assert _split_documents(name, 32768, heads, by_walk_start=True) == 0
+    if name == "causal_document":
+        assert _split_documents(name, 32768, heads, by_walk_start=False) > 0
+    cost = ((count[tile] + 1) * valid).sum(axis=1)
+    assert cost.max() <= 1.05 * max(cost.sum() / len(cost), count.max() + 1), cost.max()
 
 
 @pytest.mark.parametrize("name", ["full", "causal", "causal_document"])

@@ -60,6 +60,10 @@ class KernelConfig:
     walking that share of the GQA group's q heads into fp32 partial dK, dV summed after the
     kernel (it must divide the group): shorter longest walks for masks with key tiles every
     row sees, at the cost of the partials' traffic. None chooses per call (dkv_head_split).
+    deal_by_walk_start: the persistent forward deals the q tiles whose walks start at the same
+    key tile (a document's tiles) together, in the band of their longest walk, so the CTAs
+    resident at once share that document's K/V in L2; the default bands by each tile's own walk,
+    which spreads a causal document's tiles over every band.
     """
 
     block_q: int = 64
@@ -80,6 +84,7 @@ class KernelConfig:
     bwd_overlap: bool = False
     consumer_registers: int = 232
     dkv_head_split: int | None = 1
+    deal_by_walk_start: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -127,6 +132,11 @@ class KernelConfig:
                 f"dkv_head_split={self.dkv_head_split} needs the warp-specialised unfused dK/dV "
                 f"kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
                 f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
+            )
+        if self.deal_by_walk_start and not self.persistent_fwd:
+            raise ValueError(
+                "deal_by_walk_start orders the persistent forward's deal: it needs "
+                "persistent_fwd=True, got persistent_fwd=False"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

@@ -27,6 +27,7 @@ from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig, grid_axes
 HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
 INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
 COST_BUCKETS = 32  # bands of key-tile count in the persistent deal (deal_items)
+WALK_RUN = 4  # q tiles dealt as one run by deal_by_walk_start (at most; sharing a walk start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +106,28 @@ def _persistent_ctas(interpret: Any) -> int:
         return HOPPER_SMS
 
 
-def deal_items(geo: Geometry, count: jax.Array) -> jax.Array:
+def deal_items(geo: Geometry, count: jax.Array, first: jax.Array | None = None) -> jax.Array:
     """(3, items) int32: the persistent walk's (q tile, q head, batch) items in the order they
     are dealt. Items come in COST_BUCKETS bands of key-tile count, costliest first, so dealt in
     snake rows they stay close to longest-first list scheduling; inside a band, one K/V head's
     items (its batch, its group of q heads) come together, q tiles by decreasing count, so the
-    CTAs resident at once share that head's K/V tiles in L2."""
+    CTAs resident at once share that head's K/V tiles in L2. With `first` (each q tile's first
+    key tile, KernelConfig.deal_by_walk_start) runs of up to WALK_RUN neighbouring q tiles
+    starting their walks at one key tile (a document's) are banded by their longest walk and
+    dealt together, sharing that document's K/V; longer runs cost balance (the snake rows'
+    costs no longer fall monotonically)."""
     tiles, group = geo.num_q_tiles, geo.group
     most = jnp.maximum(jnp.max(count), 1)
-    band = jnp.minimum((most - count) * COST_BUCKETS // most, COST_BUCKETS - 1)
-    rank = jnp.argsort(jnp.argsort(-count, stable=True), stable=True)
+    if first is None:
+        cost, by_rank = count, jnp.argsort(-count, stable=True)
+    else:
+        runs = -(-tiles // WALK_RUN)
+        run = first * runs + jnp.arange(tiles) // WALK_RUN
+        key_tiles = geo.seq_k // geo.config.tiles[1] + 1  # walk_starts' `none` included
+        cost = jax.ops.segment_max(count, run, num_segments=key_tiles * runs)[run]
+        by_rank = jnp.lexsort((-count, run, -cost))
+    band = jnp.minimum((most - cost) * COST_BUCKETS // most, COST_BUCKETS - 1)
+    rank = jnp.argsort(by_rank, stable=True)
     tile, section, member = jnp.meshgrid(
         jnp.arange(tiles), jnp.arange(geo.batch * geo.heads_kv), jnp.arange(group), indexing="ij"
     )
@@ -124,6 +137,12 @@ def deal_items(geo: Geometry, count: jax.Array) -> jax.Array:
     head = lax.rem(section, geo.heads_kv) * group + member
     items = jnp.stack([tile.ravel(), head.ravel(), lax.div(section, geo.heads_kv).ravel()])
     return items[:, order].astype(jnp.int32)
+
+
+def walk_starts(index: jax.Array, count: jax.Array, none: int) -> jax.Array:
+    """Each q tile's first key tile (its walk's smallest index), `none` where it walks none."""
+    listed = jnp.arange(index.shape[-1]) < count[:, None]
+    return jnp.min(jnp.where(listed, index, none), axis=1, initial=none)
 
 
 def _item(items_ref: Any, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -492,4 +511,6 @@ def forward(
         raise ValueError(
             f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
         )
-    return kernel(q, k, v, bounds, index, n_partial, count, deal_items(geo, count))
+    none = geo.seq_k // config.tiles[1]  # past the last key tile
+    first = walk_starts(index, count, none) if config.deal_by_walk_start else None
+    return kernel(q, k, v, bounds, index, n_partial, count, deal_items(geo, count, first))
