@@ -60,10 +60,11 @@ class KernelConfig:
     walking that share of the GQA group's q heads into fp32 partial dK, dV summed after the
     kernel (it must divide the group): shorter longest walks for masks with key tiles every
     row sees, at the cost of the partials' traffic. None chooses per call (dkv_head_split).
-    deal_by_walk_start: the persistent forward deals the q tiles whose walks start at the same
-    key tile (a document's tiles) together, in the band of their longest walk, so the CTAs
-    resident at once share that document's K/V in L2; the default bands by each tile's own walk,
-    which spreads a causal document's tiles over every band.
+    deal_by_walk_start: the persistent forward deals runs of up to forward.WALK_RUN
+    neighbouring q tiles whose walks start at the same key tile (a document's) together, in the
+    band of their longest walk, so the CTAs resident at once share that document's K/V in L2;
+    the default bands by each tile's own walk, which spreads a causal document's tiles over
+    every band.
     """
 
     block_q: int = 64
