@@ -298,18 +298,18 @@ def test_persistent_forward() -> None:
 
 @interpreted
 def test_persistent_forward_dealt_by_walk_start() -> None:
-    """deal_by_walk_start: the same outputs on every row, the tiles of three causal documents
-    (and of a q tile that sees no key) dealt by where their walks start."""
+    """deal_by_walk_start: the same outputs on every row, the tiles of four causal documents
+    and a ragged last q tile that sees no key dealt by where their walks start."""
     config = dataclasses.replace(SMALL, persistent_fwd=True, deal_by_walk_start=True)
     mask = from_slices(
         [[0, 100], [100, 230], [230, 260], [300, 330]],
         [[0, 100], [100, 230], [230, 260], [300, 330]],
         [CAUSAL, CAUSAL, CAUSAL, CAUSAL],
-        330,
+        460,
         330,
     )
     arrays = prepare_mask(mask, *SMALL.tiles)
-    assert (np.asarray(arrays.kv.count) == 0).sum() == 0 and np.asarray(arrays.kv.count).max() > 1
+    assert (np.asarray(arrays.kv.count) == 0).sum() == 1 and np.asarray(arrays.kv.count).max() > 1
     _check(mask, arrays, b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, config=config, seed=5)
 
 
@@ -318,23 +318,27 @@ def test_walk_start_deal_needs_the_persistent_forward() -> None:
         KernelConfig(deal_by_walk_start=True)
 
 
+def _deal(name: str, seqlen: int, heads: tuple[int, int], ctas: int, by_walk_start: bool):
+    """(host key-tile lists of the mask's q tiles, geometry, the dealt (q tile, head, batch)
+    items) of the persistent forward at the default config."""
+    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
+    lists = prepare_mask(make_mask(name, seqlen), *config.tiles).kv
+    index, count = jnp.asarray(lists.index), jnp.asarray(lists.count)
+    geo = mosaic_forward.Geometry(
+        batch=1, seq_q=seqlen, seq_k=seqlen, heads_q=heads[0], heads_kv=heads[1], head_dim=128,
+        intervals=1, config=config, ctas=ctas,
+    )  # fmt: skip
+    first = mosaic_forward.walk_starts(geo, index, count) if by_walk_start else None
+    return lists, geo, np.asarray(mosaic_forward.deal_items(geo, count, first))
+
+
 def _dealt(
     name: str, seqlen: int, heads: tuple[int, int], ctas: int = 132, by_walk_start: bool = False
 ) -> tuple:
     """The persistent forward's deal replayed outside the kernel: (key-tile count per q tile,
     the dealt (q tile, head) of every CTA's local steps, which of those steps exist)."""
-    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
-    lists = prepare_mask(make_mask(name, seqlen), *config.tiles).kv
+    lists, geo, items = _deal(name, seqlen, heads, ctas, by_walk_start)
     count = np.asarray(lists.count)
-    geo = mosaic_forward.Geometry(
-        batch=1, seq_q=seqlen, seq_k=seqlen, heads_q=heads[0], heads_kv=heads[1], head_dim=128,
-        intervals=1, config=config, ctas=ctas,
-    )  # fmt: skip
-    first = None
-    if by_walk_start:
-        none = seqlen // config.tiles[1]
-        first = mosaic_forward.walk_starts(jnp.asarray(lists.index), jnp.asarray(count), none)
-    items = np.asarray(mosaic_forward.deal_items(geo, jnp.asarray(count), first))
     cta = jnp.arange(ctas, dtype=jnp.int32)
     runs = np.asarray(mosaic_forward._local_items(geo, cta))
     local = jnp.arange(int(runs.max()), dtype=jnp.int32)
@@ -366,19 +370,9 @@ def _split_documents(name: str, seqlen: int, heads: tuple[int, int], by_walk_sta
     """How many runs of items the deal does not list as one block, a run being the q tiles of
     one WALK_RUN-aligned stretch that start their walks at one key tile (a document's) and the
     heads of one K/V head."""
-    config = mosaic_api.resolve_config(jnp.zeros((1, 1, 1, 128), jnp.bfloat16), None)
-    lists = prepare_mask(make_mask(name, seqlen), *config.tiles).kv
+    lists, geo, (tile, head, _) = _deal(name, seqlen, heads, 132, by_walk_start)
     index, count = np.asarray(lists.index), np.asarray(lists.count)
     start = np.where(count > 0, index[:, 0], -1)  # host lists are ascending
-    geo = mosaic_forward.Geometry(
-        batch=1, seq_q=seqlen, seq_k=seqlen, heads_q=heads[0], heads_kv=heads[1], head_dim=128,
-        intervals=1, config=config, ctas=132,
-    )  # fmt: skip
-    first = None
-    if by_walk_start:
-        none = seqlen // config.tiles[1]
-        first = mosaic_forward.walk_starts(jnp.asarray(index), jnp.asarray(count), none)
-    tile, head, _ = np.asarray(mosaic_forward.deal_items(geo, jnp.asarray(count), first))
     where: dict[tuple, list[int]] = {}
     for at, (t, h) in enumerate(zip(tile, head)):
         run = (start[t], t // mosaic_forward.WALK_RUN, h // geo.group)

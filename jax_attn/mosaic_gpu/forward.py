@@ -63,6 +63,11 @@ class Geometry:
     def num_q_tiles(self) -> int:
         return self.seq_q // self.config.mask_block_q
 
+    @property
+    def num_k_tiles(self) -> int:
+        """Key tiles of the mask arrays (also walk_starts' index for a q tile seeing none)."""
+        return -(-self.seq_k // self.config.tiles[1])
+
 
 def _smem_transforms() -> tuple[Any, ...]:
     """128-byte swizzled (8, 64) tiles: the layout wgmma reads half-precision operands in."""
@@ -123,8 +128,8 @@ def deal_items(geo: Geometry, count: jax.Array, first: jax.Array | None = None) 
     else:
         runs = -(-tiles // WALK_RUN)
         run = first * runs + jnp.arange(tiles) // WALK_RUN
-        key_tiles = geo.seq_k // geo.config.tiles[1] + 1  # walk_starts' `none` included
-        cost = jax.ops.segment_max(count, run, num_segments=key_tiles * runs)[run]
+        segments = (geo.num_k_tiles + 1) * runs  # walk starts and walk_starts' none
+        cost = jax.ops.segment_max(count, run, num_segments=segments)[run]
         by_rank = jnp.lexsort((-count, run, -cost))
     band = jnp.minimum((most - cost) * COST_BUCKETS // most, COST_BUCKETS - 1)
     rank = jnp.argsort(by_rank, stable=True)
@@ -139,8 +144,10 @@ def deal_items(geo: Geometry, count: jax.Array, first: jax.Array | None = None) 
     return items[:, order].astype(jnp.int32)
 
 
-def walk_starts(index: jax.Array, count: jax.Array, none: int) -> jax.Array:
-    """Each q tile's first key tile (its walk's smallest index), `none` where it walks none."""
+def walk_starts(geo: Geometry, index: jax.Array, count: jax.Array) -> jax.Array:
+    """Each q tile's first key tile (its walk's smallest index), num_k_tiles where it walks
+    none."""
+    none = geo.num_k_tiles
     listed = jnp.arange(index.shape[-1]) < count[:, None]
     return jnp.min(jnp.where(listed, index, none), axis=1, initial=none)
 
@@ -511,6 +518,5 @@ def forward(
         raise ValueError(
             f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
         )
-    none = geo.seq_k // config.tiles[1]  # past the last key tile
-    first = walk_starts(index, count, none) if config.deal_by_walk_start else None
+    first = walk_starts(geo, index, count) if config.deal_by_walk_start else None
     return kernel(q, k, v, bounds, index, n_partial, count, deal_items(geo, count, first))
