@@ -64,7 +64,8 @@ class KernelConfig:
     neighbouring q tiles whose walks start at the same key tile (a document's) together, in the
     band of their longest walk, so the CTAs resident at once share that document's K/V in L2;
     the default bands by each tile's own walk, which spreads a causal document's tiles over
-    every band.
+    every band. Measured 5-9% faster on causal_document at 64:64, slower at 64:8 and on
+    full_document (NOTES.md).
     """
 
     block_q: int = 64
