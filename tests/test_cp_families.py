@@ -95,3 +95,24 @@ def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy
     counted = {(step_fn.get(f.fn, f.fn), f.shard_len, f.key_len) for f in families}
     assert timed and len(families) == len(timed)
     assert counted == set(timed.values()), (counted, set(timed.values()))
+
+
+def test_distinct_mask_arrays_index_every_pieces_own_arrays():
+    """jax_cp.distinct_mask_arrays holds each distinct piece once, and the (rank, step) index
+    picks arrays whose row intervals show exactly that piece's visible keys (dense check)."""
+    from shard_strategies import jax_cp
+
+    sizes = [37, 101, 59, 200, 91, 24]
+    mask = make_mask("causal_document", sum(sizes), seqlens=sizes)
+    plan = ss.make_plan(mask, 6, "ring", "zigzag")
+    stacked, index = jax_cp.distinct_mask_arrays(plan, "reference", 16, np.float32)
+    assert index.shape == (plan.ring_size, plan.num_steps)
+    assert len(np.unique(index)) < index.size  # empty and whole blocks repeat
+    assert len(stacked.lo) == index.max() + 2  # the distinct pieces and one empty, widest
+    for r in range(plan.ring_size):
+        for t in range(plan.num_steps):
+            piece = plan.pieces[r][t]
+            lo, hi = stacked.lo[index[r, t]], stacked.hi[index[r, t]]
+            keys = np.arange(piece.seqlen_k)
+            seen = ((keys >= lo[..., None]) & (keys < hi[..., None])).any(axis=1)
+            np.testing.assert_array_equal(seen, piece.dense())

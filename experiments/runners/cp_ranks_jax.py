@@ -110,11 +110,12 @@ class JaxRanks(Ranks):
         super().__init__(plan, impl, point, index)
         self.jax, self.jnp = jax, jnp
         self.flush = runner.flush
-        self._digests: dict[tuple[int, int], str] = {}
+        self._digests: dict[int, str] = {}  # per distinct piece
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
-        self.arrays = jax_cp.ring_mask_arrays(plan, impl, d, self.dtype)
+        # the distinct pieces' arrays and each (ring rank, kept step)'s index among them
+        self.arrays, self.piece_index = jax_cp.distinct_mask_arrays(plan, impl, d, self.dtype)
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -133,9 +134,14 @@ class JaxRanks(Ranks):
     def ring_core(self) -> bool:
         return self.plan.core == RING_CORE
 
+    def _host_piece(self, r: int, t: int):
+        """The executor's MaskArrays of ring rank r at kept step t, on the host."""
+        i = self.piece_index[r, t]
+        return self.jax.tree.map(lambda a: a[i], self.arrays)
+
     def piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""
-        return self.jax.device_put(self.jax.tree.map(lambda a: a[r, t], self.arrays))
+        return self.jax.device_put(self._host_piece(r, t))
 
     def check_block(self) -> int:
         return self.arrays.block_q
@@ -167,15 +173,19 @@ class JaxRanks(Ranks):
 
     def fingerprint(self, r: int, t: int) -> str:
         """A digest of the arrays the kernel receives."""
-        if (r, t) not in self._digests:
+        i = int(self.piece_index[r, t])
+        if i not in self._digests:
             h = hashlib.sha1()
-            for leaf in self.jax.tree.leaves(self.jax.tree.map(lambda a: a[r, t], self.arrays)):
+            for leaf in self.jax.tree.leaves(self._host_piece(r, t)):
                 h.update(np.ascontiguousarray(leaf).tobytes())
-            self._digests[r, t] = h.hexdigest()
-        return self._digests[r, t]
+            self._digests[i] = h.hexdigest()
+        return self._digests[i]
 
     def features(self) -> np.ndarray:
-        return call_model.piece_features(self.arrays.kv, self.plan.piece_area)
+        # per distinct piece (equal pieces: equal areas); the stack's last, empty one: 0
+        area = np.zeros(len(self.jax.tree.leaves(self.arrays)[0]))
+        area[self.piece_index.ravel()] = np.asarray(self.plan.piece_area).ravel()
+        return call_model.piece_features(self.arrays.kv, area)[self.piece_index]
 
     def queries(self, name: str, r: int, u: int, rows: np.ndarray | None = None):
         """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it, zeros
