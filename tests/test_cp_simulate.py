@@ -336,9 +336,9 @@ def _row_check(runner, monkeypatch) -> None:
 
 def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
     """The two ranks a row check compares (first and busiest, one Ulysses position) share one
-    float64 reference: the keys their rows see cross to the host once, not once per rank; a
-    wrong output on one of them fails the check naming that rank alone, with the error of its
-    own rows (as checked alone)."""
+    float64 reference: the keys their rows see are drawn once, not once per rank; a wrong
+    output on one of them fails the check naming that rank alone, with the error of its own
+    rows (as checked alone)."""
     from experiments.runners import checks, cp_ranks, frameworks
     from experiments.runners.cp_rank_checks import _rank_check, check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
@@ -351,14 +351,21 @@ def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
     dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
     plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **settings)
     ranks = JaxRanks(plan, "reference", point, 0, JaxRunner())
-    copied = []
-    real_host = JaxRanks.host
+    references = []
+    real_reference = JaxRanks.reference_rows
     monkeypatch.setattr(
-        JaxRanks, "host", lambda self, n, *a, **k: copied.append(n) or real_host(self, n, *a, **k)
+        JaxRanks,
+        "reference_rows",
+        lambda self, m, rows_of, *a: (
+            references.append(rows_of) or real_reference(self, m, rows_of, *a)
+        ),
     )
     check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
     assert check.ok and checked == [0, 3], check.message
-    assert sorted(copied) == ["dout", "dout", "k", "q", "q", "v"]
+    assert len(references) == 1  # both ranks' rows in one reference
+    shard = len(plan.layout.positions[0])
+    first, last = references[0]
+    assert (first < shard).all() and (last >= 3 * shard).all()
     real_emulate = JaxRanks.emulate
 
     def wrong_last(self, r, u, rows=None):
@@ -387,6 +394,38 @@ def _jax_ranks(point, mask):
     return JaxRanks(plan, "reference", point, 0, JaxRunner())
 
 
+@pytest.mark.parametrize(
+    "strategy,mask_name,mode",
+    [
+        ("ring", "causal_document", "fwd_bwd"),
+        ("usp", "share_question", "fwd_bwd"),
+        ("ring", "causal", "fwd"),
+    ],
+)
+def test_device_reference_is_the_host_reference(strategy, mask_name, mode):
+    """The JAX ranks' float64 row reference, computed on the device from its own draws (rows,
+    keys and intervals padded), gives the host reference's values (Ranks.reference_rows) for
+    rows of two ranks, in a spread of one Ulysses position's heads."""
+    from experiments.runners.cp_ranks import Ranks
+
+    point = _point(strategy, 4, mode, sim.LinkModel(), mask=mask_name, layout="zigzag", seqlen=96)
+    mask = named_mask(mask_name, point.seqlen_total)
+    ranks = _jax_ranks(point, mask)
+    rng = np.random.default_rng(5)
+    shard = ranks.plan.layout.positions
+    rows_of = [np.sort(rng.choice(p[p < mask.seqlen_q], 5, replace=False)) for p in shard[[0, -1]]]
+    u = ranks.plan.ulysses_size - 1
+    heads = np.array([0, len(ranks.q_heads[u]) - 1])
+    grads = mode != "fwd"
+    got = ranks.reference_rows(mask, rows_of, u, heads, grads, 0.3)
+    want = Ranks.reference_rows(ranks, mask, rows_of, u, heads, grads, 0.3)
+    assert sorted(got) == sorted(want) == (["dq", "out"] if grads else ["out"])
+    for name in want:
+        assert got[name].shape == want[name].shape == (1, 10, 2, D)
+        assert np.abs(want[name]).min() > 0  # every row sees keys: no value left unwritten
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
 def test_row_references_are_shared_between_a_problems_points(monkeypatch):
     """The float64 values a row check computed serve the next point of the same problem (another
     strategy or layout): it draws only the rows it has not seen, its errors are those of a
@@ -397,14 +436,14 @@ def test_row_references_are_shared_between_a_problems_points(monkeypatch):
     from experiments.runners.cp_ranks_jax import JaxRanks
 
     monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    drawn = []
-    real_host = JaxRanks.host
+    drawn = []  # (input, rows) of each reference's query draw
+    real_reference = JaxRanks.reference_rows
 
-    def host(self, name, rows=None, heads=None):
-        drawn.append((name, 0 if rows is None else len(rows)))
-        return real_host(self, name, rows, heads)
+    def reference(self, mask, rows_of, *args):
+        drawn.append(("q", sum(map(len, rows_of))))
+        return real_reference(self, mask, rows_of, *args)
 
-    monkeypatch.setattr(JaxRanks, "host", host)
+    monkeypatch.setattr(JaxRanks, "reference_rows", reference)
     store = ReferenceRows()
     problem = ("causal 64", 0)
     points = [

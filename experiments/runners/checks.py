@@ -71,8 +71,13 @@ def sample_rows(mask, candidates: np.ndarray, seed: int, heads_q: int) -> CheckP
 
 
 def keys_seen(mask, rows: np.ndarray) -> np.ndarray:
-    """The keys any of the query rows sees, ascending: what a row reference needs of k and v."""
-    return np.flatnonzero(_visible(mask, rows).any(axis=0))
+    """The keys any of the query rows sees, ascending: what a row reference needs of k and v
+    (from the rows' intervals in one pass over the keys, not a rows x keys table)."""
+    lo, hi = (x[rows].ravel() for x in mask.row_intervals())
+    edges = np.zeros(mask.seqlen_k + 1, np.int64)
+    np.add.at(edges, lo[lo < hi], 1)
+    np.add.at(edges, hi[lo < hi], -1)
+    return np.flatnonzero(np.cumsum(edges[:-1]) > 0)
 
 
 def _visible(mask, rows: np.ndarray) -> np.ndarray:

@@ -160,16 +160,9 @@ def _reference_rows(
 ) -> Known:
     """Float64 out (and dq) of the ranks' rows `rows_of` in the sampled local `heads` of
     Ulysses position u, keyed by (global row, global q head)."""
-    qh, kh = ranks.q_heads[u], np.unique(ranks.kv_heads[u])
     drawn = [rows for rows in rows_of if rows.size]
     rows = np.concatenate(drawn)
-    cols = checks.keys_seen(mask, rows)
-    # queries drawn rank by rank: no draw holds more than one rank's own tokens
-    q = np.concatenate([ranks.host("q", r, qh) for r in drawn], axis=1)
-    # dout is read only for the gradients; without them q stands in for it
-    dout = np.concatenate([ranks.host("dout", r, qh) for r in drawn], axis=1) if grads else q
-    inp = checks.Inputs(q=q, k=ranks.host("k", cols, kh), v=ranks.host("v", cols, kh), dout=dout)
-    refs = checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)
+    refs = ranks.reference_rows(mask, drawn, u, heads, grads, scale)
     global_heads = ranks.q_heads[u][heads]
     return {
         (int(r), int(h)): {n: ref[:, i, j] for n, ref in refs.items()}

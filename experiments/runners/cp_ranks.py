@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from experiments.core.points import Point
-from experiments.runners import frameworks, inputs
+from experiments.runners import checks, frameworks, inputs
 
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
@@ -112,6 +112,23 @@ class Ranks(ABC):
     def host_draw(self, name: str, positions: np.ndarray | None, heads) -> np.ndarray:
         """device_rows(name, positions, heads) as a float32 host array."""
         return self.to_host(self.device_rows(name, positions, heads))
+
+    def reference_rows(
+        self, mask, rows_of: list[np.ndarray], u: int, heads: np.ndarray, grads: bool, scale: float
+    ) -> dict[str, np.ndarray]:
+        """Float64 out (and dq), (B, rows, len(heads), D) each, at the global query rows of
+        `rows_of` (one array per rank, concatenated) in the local query `heads` of Ulysses
+        position u, over every key those rows see: on the host from float32 copies of the
+        inputs, the queries drawn rank by rank (no draw holds more than one rank's own tokens);
+        a framework may compute it on its device."""
+        qh, kh = self.q_heads[u], np.unique(self.kv_heads[u])
+        rows = np.concatenate(rows_of)
+        cols = checks.keys_seen(mask, rows)
+        q = np.concatenate([self.host("q", r, qh) for r in rows_of], axis=1)
+        # dout is read only for the gradients; without them q stands in for it
+        dout = np.concatenate([self.host("dout", r, qh) for r in rows_of], axis=1) if grads else q
+        inp = checks.Inputs(q=q, k=self.host("k", cols, kh), v=self.host("v", cols, kh), dout=dout)
+        return checks.rows_reference(inp, mask, checks.CheckPlan(rows, cols, heads), scale, grads)
 
     @abstractmethod
     def normal(self, shape: tuple[int, ...], seed: int):

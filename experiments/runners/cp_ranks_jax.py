@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, frameworks, inputs, timing
-from experiments.runners.cp_ranks import Ranks, plan_settings
+from experiments.runners import call_model, checks, frameworks, inputs, timing
+from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
 
 
@@ -96,6 +96,38 @@ def _rows_f32():
         return jnp.take(x, rows, axis=1).astype(jnp.float32)
 
     return jax.jit(rows_f32)
+
+
+@cache
+def _reference():
+    """jitted float64 attention rows, to trace under jax.enable_x64: (q, k, v, dout, lo, hi,
+    cols, kv_of, scale) -> out, dq (B, n, H, D) for the n query rows (q, dout (B, n, H, D)) over
+    the m keys `cols` (k, v (B, m, G, D); global positions, -1 for padding), a row seeing the
+    keys in its intervals [lo, hi) (n, I), query head j reading K/V column kv_of[j]. One head
+    at a time, so the float64 scores of a million keys fit beside the inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    def reference(q, k, v, dout, lo, hi, cols, kv_of, scale):
+        seen = ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
+
+        def head(j):
+            qj, doj = (jnp.take(x, j, axis=2).astype(jnp.float64) for x in (q, dout))
+            kj, vj = (jnp.take(x, kv_of[j], axis=2).astype(jnp.float64) for x in (k, v))
+            s = jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf)
+            top = s.max(axis=-1, keepdims=True)
+            p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
+            total = p.sum(axis=-1, keepdims=True)
+            p = p / jnp.where(total > 0, total, 1.0)
+            out = jnp.einsum("bnm,bmd->bnd", p, vj)
+            dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
+            dp = (dp - (doj * out).sum(axis=-1, keepdims=True)) * p
+            return out, jnp.einsum("bnm,bmd->bnd", dp, kj) * scale
+
+        out, dq = jax.lax.map(head, jnp.arange(q.shape[2]))
+        return jnp.moveaxis(out, 0, 2), jnp.moveaxis(dq, 0, 2)
+
+    return jax.jit(reference)
 
 
 class JaxRanks(Ranks):
@@ -199,6 +231,45 @@ class JaxRanks(Ranks):
         """The K/V block rank (r, u) attends to at kept step t (its K/V heads)."""
         rows, heads = self.plan.key_positions(r, t), self.kv_heads[u]
         return tuple(self.device_rows(n, rows, heads) for n in ("k", "v"))
+
+    def reference_rows(
+        self, mask, rows_of: list[np.ndarray], u: int, heads: np.ndarray, grads: bool, scale: float
+    ) -> dict[str, np.ndarray]:
+        """Ranks.reference_rows computed on the device in float64: only the sampled rows' out
+        and dq come back, not the keys they see (at 64 devices, millions of keys per head).
+        Rows, keys and intervals are padded to a few lengths, so a preset compiles it a few
+        times."""
+        rows = np.concatenate(rows_of)
+        gq = self.q_heads[u][heads]
+        kv, kv_of = np.unique(
+            gq // (self.plan.num_heads_q // self.plan.num_heads_kv), return_inverse=True
+        )
+        cols = checks.keys_seen(mask, rows)
+        n, m = draw_length(len(rows)), draw_length(len(cols))
+        lo, hi = (x[rows] for x in mask.row_intervals())
+        width = 1 << (lo.shape[1] - 1).bit_length()
+        bounds = [np.zeros((n, width), np.int32) for _ in range(2)]
+        for b, x in zip(bounds, (lo, hi)):
+            b[: len(rows), : x.shape[1]] = x
+        seen = np.full(m, -1, np.int32)
+        seen[: len(cols)] = cols
+
+        def draw(name, positions, heads, length):
+            padded = np.full(length, self._shapes[name][1], np.int64)
+            padded[: len(positions)] = positions
+            return self._draw(name, padded, heads, self.jnp.float32)
+
+        q = draw("q", rows, gq, n)
+        dout = draw("dout", rows, gq, n) if grads else q
+        k, v = (draw(name, cols, kv, m) for name in ("k", "v"))
+        with self.jax.enable_x64(True):
+            out, dq = _reference()(
+                q, k, v, dout, *bounds, seen, kv_of.astype(np.int32), np.float64(scale)
+            )
+            refs = {"out": np.asarray(out)[:, : len(rows)]}
+            if grads:
+                refs["dq"] = np.asarray(dq)[:, : len(rows)]
+        return refs
 
     def normal(self, shape: tuple[int, ...], seed: int):
         return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
