@@ -232,7 +232,7 @@ def _parts_add_up(runner, monkeypatch) -> None:
     calls = []
 
     def fake(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
-        calls.append(fn)
+        calls.append(iters)
         return [2.0] * iters
 
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", fake)
@@ -245,7 +245,9 @@ def _parts_add_up(runner, monkeypatch) -> None:
     assert set(result["check"]["max_errors"]) == {"out", "dq", "dk", "dv"}
     assert s["check_ranks"] == list(range(n))
     assert s["calls"]["total"] == 2 * steps * n
-    assert 1 <= s["calls"]["distinct"] == s["calls"]["timed"] == len(calls) - 1  # - baseline
+    assert 1 <= s["calls"]["distinct"] == s["calls"]["timed"]
+    # short calls: `iters` samples of each distinct call and of the baseline
+    assert sum(calls) == (s["calls"]["distinct"] + 1) * 2
     assert s["calls"]["distinct"] <= 2 * steps * n
     assert s["compute_ms"] == pytest.approx(2.0 * 2 * steps * n)
     assert result["metrics"]["time_ms"]["median"] == pytest.approx(2.0 * 2 * steps)
@@ -1334,3 +1336,24 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
     monkeypatch.setattr(ranks_type, "emulate", poisoned)
     bad = _rank_check(ranks, mask, 1, 0, grads=True, rtol=1e-4, seed=0)
     assert not bad.ok and "dk" in bad.message, bad.message
+
+
+@pytest.mark.parametrize("first_ms,samples", [(250.0, 1), (3.0, 3)])
+def test_a_long_call_is_sampled_once(first_ms, samples):
+    """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
+    long, and `iters` of a shorter one, each after one untimed run of the call."""
+    from types import SimpleNamespace
+
+    from experiments.runners.cp_ranks import LONG_CALL_MS, Ranks
+
+    assert first_ms >= LONG_CALL_MS or first_ms * 10 < LONG_CALL_MS
+    made, asked = [], []
+
+    def timer(call):
+        made.append(call)
+        return lambda warmup, iters: asked.append((warmup, iters)) or [first_ms] * iters
+
+    times = Ranks.time(SimpleNamespace(timer=timer), ("call",), 2, 3)
+    assert times == [first_ms] * samples
+    assert made == [("call",)]  # made ready (and run untimed) once
+    assert sum(n for _, n in asked) == samples and asked[0] == (2, 1)

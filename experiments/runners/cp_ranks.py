@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from experiments.runners import checks, frameworks, inputs
 
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
+LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
 
 
 def draw_length(n: int) -> int:
@@ -206,7 +208,18 @@ class Ranks(ABC):
     def features(self) -> np.ndarray:
         """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
 
-    @abstractmethod
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
-        first, then with the timing loop."""
+        first, then with the timing loop: `iters` samples, or one where that one takes at least
+        LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
+        or Ulysses call takes seconds)."""
+        sample = self.timer(call)
+        times = sample(warmup, 1)
+        if iters > 1 and times[0] < LONG_CALL_MS:
+            times += sample(0, iters - 1)
+        return times
+
+    @abstractmethod
+    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
+        """One call made ready and run once untimed: (warmup, iters) -> its per-call
+        milliseconds from the timing loop."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from functools import cache
 from types import SimpleNamespace
 
@@ -341,10 +342,12 @@ class JaxRanks(Ranks):
         _, pullback = s.once_vjp(q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
 
-    def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
+    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)
         self.jax.block_until_ready(fn(*args))
-        return timing.jax_time_calls(fn, args, warmup=warmup, iters=iters, flush=self.flush)
+        return lambda warmup, iters: timing.jax_time_calls(
+            fn, args, warmup=warmup, iters=iters, flush=self.flush
+        )
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         """Each backward step adds its dK/dV to an empty accumulator and the pullback runs

@@ -198,11 +198,12 @@ class TorchRanks(Ranks):
 
         return backward
 
-    def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
+    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn = self.call(*call)
         fn()
-        times, _ = timing.torch_time_calls(fn, warmup=warmup, iters=iters, device=self.device)
-        return times
+        return lambda warmup, iters: timing.torch_time_calls(
+            fn, warmup=warmup, iters=iters, device=self.device
+        )[0]
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         if rows is not None:
