@@ -8,6 +8,7 @@ piece of arithmetic instead of four.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
@@ -58,50 +59,46 @@ def bands_to_typed(
     k1: np.ndarray,
     lo: np.ndarray,
     hi: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    group: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Re-express bands-in-rectangles as non-empty typed slices (at most 3 per band).
 
     Rows are first clipped to those that see a key; then split where the row's first visible key
-    stops being k0 (lower diagonal takes over) and where its last stops being k1 - 1.
+    stops being k0 (lower diagonal takes over) and where its last stops being k1 - 1. Each band
+    belongs to a group (e.g. the key block of a batched restriction): the slices come back with
+    their band's group, sorted by group, then query start, then key start.
     """
-    q0, q1, k0, k1, lo, hi = (np.asarray(a, np.int64) for a in (q0, q1, k0, k1, lo, hi))
+    q0, q1, k0, k1, lo, hi, group = (
+        np.asarray(a, np.int64) for a in (q0, q1, k0, k1, lo, hi, group)
+    )
     lo_inf, hi_inf = lo <= -INF, hi >= INF
     lo = np.maximum(lo, k0 - q1)  # offsets beyond the rectangle change nothing; keep numbers small
     hi = np.minimum(hi, k1 - 1 - q0)
     r0 = np.maximum(q0, k0 - hi)
     r1 = np.minimum(q1, k1 - lo)
     ok = (r0 < r1) & (lo <= hi) & (k0 < k1)
-    q0, q1, k0, k1, lo, hi, r0, r1, lo_inf, hi_inf = (
-        a[ok] for a in (q0, q1, k0, k1, lo, hi, r0, r1, lo_inf, hi_inf)
-    )
     # rows < p1: first visible key is k0; rows < p2: last visible key is i + hi. A row where both
     # readings agree goes to the diagonal reading, so plain CAUSAL/BICAUSAL slices stay whole.
     p1 = np.where(lo_inf, r1, np.clip(k0 - lo, r0, r1))
     p2 = np.where(hi_inf, r0, np.clip(k1 - hi, r0, r1))
     cuts = np.stack([r0, np.minimum(p1, p2), np.maximum(p1, p2), r1], axis=1)
-    out_q, out_k, out_t = [], [], []
-    for s in range(3):
-        a, b = cuts[:, s], cuts[:, s + 1]
-        keep = a < b
-        a, b = a[keep], b[keep]
-        kk0, kk1, ll, hh = k0[keep], k1[keep], lo[keep], hi[keep]
-        lo_const = a < p1[keep]
-        hi_var = a < p2[keep]
-        start = np.where(lo_const, kk0, a + ll)
-        end = np.where(hi_var, b + hh, kk1)
-        typ = np.where(
-            lo_const,
-            np.where(hi_var, MaskType.CAUSAL, MaskType.FULL),
-            np.where(hi_var, MaskType.BICAUSAL, MaskType.INVCAUSAL),
-        )
-        out_q.append(np.stack([a, b], 1))
-        out_k.append(np.stack([start, end], 1))
-        out_t.append(typ)
-    qr = np.concatenate(out_q).reshape(-1, 2)
-    kr = np.concatenate(out_k).reshape(-1, 2)
-    ty = np.concatenate(out_t).astype(np.int8)
-    order = np.lexsort((kr[:, 0], qr[:, 0]))
-    return qr[order], kr[order], ty[order]
+    # the (up to) three non-empty row segments [a, b) of every band that sees a key
+    at = np.flatnonzero((cuts[:, :3] < cuts[:, 1:]) & ok[:, None])  # band * 3 + segment
+    band = at // 3
+    a, b = np.take(cuts, at + band), np.take(cuts, at + band + 1)
+    lo_const = a < p1[band]
+    hi_var = a < p2[band]
+    start = np.where(lo_const, k0[band], a + lo[band])
+    end = np.where(hi_var, b + hi[band], k1[band])
+    typ = hi_var * MaskType.CAUSAL + ~lo_const * MaskType.INVCAUSAL  # BICAUSAL: both
+    group = group[band]
+    order = np.lexsort((start, a, group))
+    return (
+        np.stack([a, b], 1)[order],
+        np.stack([start, end], 1)[order],
+        typ[order].astype(np.int8),
+        group[order],
+    )
 
 
 def typed_area(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) -> np.ndarray:
@@ -241,43 +238,55 @@ class Mask:
         Local query t is global position q_positions[t] (any order, e.g. a zigzag shard); the
         result is mask[q_positions][:, k_positions] expressed again as typed slices.
         """
+        return self.restrict_blocks(q_positions, [k_positions])[0]
+
+    def restrict_blocks(self, q_positions: Any, k_blocks: Sequence[Any]) -> list[Mask]:
+        """[self.restrict(q_positions, kb) for kb in k_blocks], in a few vectorised passes instead
+        of a small call per block (a CP plan restricts every rank's queries to each step's keys)."""
         qp = _positions(q_positions, self.seqlen_q, "q_positions")
-        kp = _positions(k_positions, self.seqlen_k, "k_positions")
-        q_runs = _runs(qp)
-        k_runs = _runs(kp)
+        kps = [np.asarray(k, dtype=np.int64).reshape(-1) for k in k_blocks]
+        sizes = np.array([k.size for k in kps], np.int64)
+        kp = _positions(np.concatenate([np.zeros(0, np.int64), *kps]), self.seqlen_k, "k_positions")
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
         lo_off, hi_off = self.bands
         # every (query run, slice) pair that meets, then every key run each pair meets, in work
         # proportional to the pieces found (a CP plan restricts a long mask thousands of times,
         # each over hundreds to thousands of position runs)
-        qg, ql, qn = q_runs
+        qg, ql, qn = _runs(qp)
         q_run, s = _run_overlaps(qg, qn, self.q_ranges[:, 0], self.q_ranges[:, 1])
-        kg, kl, kn = k_runs
-        k_run, pair = _run_overlaps(kg, kn, self.k_ranges[s, 0], self.k_ranges[s, 1])
-        # in the order of query run, then key run, then slice
-        order = np.lexsort((s[pair], k_run, q_run[pair]))
-        k_run, pair = k_run[order], pair[order]
+        # key runs break at block starts; block b's runs and its copy of every pair are shifted
+        # by b * seqlen_k, so that a pair meets only the key runs of its own block
+        kg, kl, kn = _runs(kp, starts)
+        blk = np.searchsorted(ends, kl, side="right")
+        kl = kl - starts[blk]
+        shift = np.arange(len(kps), dtype=np.int64)[:, None] * self.seqlen_k
+        k_run, item = _run_overlaps(
+            kg + shift[blk, 0],
+            kn,
+            (self.k_ranges[s, 0] + shift).reshape(-1),
+            (self.k_ranges[s, 1] + shift).reshape(-1),
+        )
+        block = blk[k_run]
+        pair = item - block * s.size  # item: block * len(s) + pair
         sl, qi = s[pair], q_run[pair]
         dq = (qg - ql)[qi]
         dk = (kg - kl)[k_run]
-        parts = []
-        if pair.size:
-            parts.append(
-                (
-                    np.maximum(self.q_ranges[sl, 0], qg[qi]) - dq,
-                    np.minimum(self.q_ranges[sl, 1], (qg + qn)[qi]) - dq,
-                    np.maximum(self.k_ranges[sl, 0], kg[k_run]) - dk,
-                    np.minimum(self.k_ranges[sl, 1], (kg + kn)[k_run]) - dk,
-                    np.where(lo_off[sl] <= -INF, -INF, lo_off[sl] - dk + dq),
-                    np.where(hi_off[sl] >= INF, INF, hi_off[sl] - dk + dq),
-                )
-            )
-        if parts:
-            cols = [np.concatenate(c) for c in zip(*parts)]
-            qr, kr, ty = bands_to_typed(*cols)
-        else:
-            qr = kr = np.zeros((0, 2), np.int64)
-            ty = np.zeros(0, np.int8)
-        return Mask(len(qp), len(kp), qr, kr, ty, name=f"{self.name}[restricted]", params={})
+        qr, kr, ty, piece_block = bands_to_typed(
+            np.maximum(self.q_ranges[sl, 0], qg[qi]) - dq,
+            np.minimum(self.q_ranges[sl, 1], (qg + qn)[qi]) - dq,
+            np.maximum(self.k_ranges[sl, 0], kg[k_run]) - dk,
+            np.minimum(self.k_ranges[sl, 1], (kg + kn)[k_run]) - dk,
+            np.where(lo_off[sl] <= -INF, -INF, lo_off[sl] - dk + dq),
+            np.where(hi_off[sl] >= INF, INF, hi_off[sl] - dk + dq),
+            block,
+        )
+        cut = np.searchsorted(piece_block, np.arange(len(kps) + 1))
+        name = f"{self.name}[restricted]"
+        return [
+            Mask(len(qp), int(n), qr[a:b], kr[a:b], ty[a:b], name=name, params={})
+            for n, a, b in zip(sizes, cut[:-1], cut[1:])
+        ]
 
 
 def _positions(p: Any, n: int, what: str) -> np.ndarray:
@@ -306,14 +315,17 @@ def _run_overlaps(
     return order[np.repeat(first, counts) + offset], item
 
 
-def _runs(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of consecutive increasing positions: (global start, local start, length)."""
-    if p.size == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    brk = np.nonzero(np.diff(p) != 1)[0] + 1
-    local = np.concatenate([[0], brk])
-    length = np.diff(np.concatenate([local, [p.size]]))
-    return p[local], local, length
+def _runs(
+    p: np.ndarray, starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of consecutive increasing positions, also broken before each index in
+    `starts` (0..len(p)): (global start, local start, length)."""
+    new = np.ones(p.size + 1, bool)
+    np.not_equal(np.diff(p), 1, out=new[1:-1])
+    if starts is not None:
+        new[starts] = True
+    edges = np.flatnonzero(new)
+    return p[edges[:-1]], edges[:-1], np.diff(edges)
 
 
 def from_slices(

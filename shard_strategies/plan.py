@@ -378,7 +378,9 @@ def make_plan(
         src = int(step.sources[r])
         return lay.order() if src < 0 else lay.positions[src]
 
-    grid = [[full.restrict(lay.positions[r], keys(r, s)) for s in all_steps] for r in range(ring)]
+    grid = [
+        full.restrict_blocks(lay.positions[r], [keys(r, s) for s in all_steps]) for r in range(ring)
+    ]
     nonempty = [any(grid[r][t].area() > 0 for r in range(ring)) for t in range(len(all_steps))]
     if not any(nonempty):
         nonempty[0] = True
