@@ -24,6 +24,7 @@ from experiments.core.outcomes import PointFailure
 from experiments.core.points import DEFAULT_IMPL, Point, expand
 from experiments.runners import frameworks
 from experiments.runners.cp_ranks import plan_settings
+from experiments.runners.cp_ranks_jax import JaxRanks
 from shard_strategies import simulate
 
 GPU_IMPL = "pallas"  # the GPU preset's default impl: its tiles set the shapes
@@ -118,8 +119,9 @@ def preset_points(
 
 
 def problem_plans(points: Iterable[Point], impl: str) -> Iterator[tuple[list[Point], object]]:
-    """(points, plan) for each mask of each problem the executor can plan (as cp_simulate's
-    _plan), the points being that problem's modes: one plan serves them all, and none is kept
+    """(points, plan) for each mask of each problem the executor can plan, as cp_simulate
+    times it (the executor's plan, its shards bucketed: JaxRanks.timed_plan), the points being
+    that problem's modes: one plan serves them all, and none is kept
     past its problem (a 64-rank plan of 2M tokens holds gigabytes)."""
     from shard_strategies import jax_cp
 
@@ -138,7 +140,7 @@ def problem_plans(points: Iterable[Point], impl: str) -> Iterator[tuple[list[Poi
                 plan = jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
             except ValueError:
                 continue
-            yield modes, plan
+            yield modes, JaxRanks.timed_plan(point, mask, impl, plan)
 
 
 def count(points: Iterable[Point], impl: str = GPU_IMPL) -> dict[Family, int]:

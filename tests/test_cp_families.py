@@ -116,3 +116,64 @@ def test_distinct_mask_arrays_index_every_pieces_own_arrays():
             keys = np.arange(piece.seqlen_k)
             seen = ((keys >= lo[..., None]) & (keys < hi[..., None])).any(axis=1)
             np.testing.assert_array_equal(seen, piece.dense())
+
+
+def _preset_problem(strategy: str, layout: str, devices: int = 4):
+    """A GPU-preset point (forward, 8K tokens a device, causal_document) and its mask."""
+    from experiments.runners import frameworks
+
+    points = cp_families.preset_points((devices,), (8192,), ("causal_document",))
+    (point,) = [p for p in points if (p.cp, p.layout, p.mode) == (strategy, layout, "fwd")]
+    return point, frameworks.make_masks(point)[0]
+
+
+def _executor_plan(point, mask, **kw):
+    from experiments.runners import frameworks
+    from experiments.runners.cp_ranks import plan_settings
+    from shard_strategies import jax_cp
+
+    dtype = frameworks.framework_dtype("jax", point.dtype)
+    return jax_cp.executor_plan(mask, impl="pallas", dtype=dtype, **plan_settings(point), **kw)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_timed_plan_pads_document_shards_to_a_bucket(strategy):
+    """The predictor times per-document zigzag shards at a bucketed length (at most 1/16 more,
+    all padding): every rank holds the executor's real tokens in the same order, and every
+    piece holds the executor's piece's typed slices, nothing in the padding."""
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from shard_strategies import jax_cp
+
+    point, mask = _preset_problem(strategy, "zigzag")
+    plan = _executor_plan(point, mask)
+    timed = JaxRanks.timed_plan(point, mask, "pallas", plan)
+    step = jax_cp.bucket_multiple(plan.shard_len, 128)
+    assert plan.shard_len % step  # the executor's own length is off the bucket
+    assert timed.shard_len == -(-plan.shard_len // step) * step
+    assert timed.shard_len <= plan.shard_len * (1 + 1 / 16)
+    s = mask.seqlen_q
+    for a, b in zip(plan.layout.positions, timed.layout.positions):
+        np.testing.assert_array_equal(a[a < s], b[b < s])
+        assert (b[len(a) :] >= s).all()
+    assert len(plan.pieces[0]) == len(timed.pieces[0])
+    for r in range(plan.ring_size):
+        for t in range(len(plan.pieces[r])):
+            want, got = plan.pieces[r][t], timed.pieces[r][t]
+            assert got.seqlen_q == timed.shard_len and got.seqlen_k >= want.seqlen_k
+            # the same typed slices: the padding rows and keys see nothing
+            for a, b in zip(want.slices, got.slices):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_timed_plan_keeps_the_executors_plan_when_padding_would_move_tokens():
+    """A contiguous layout puts tokens by shard length, so a longer shard would move real
+    tokens between ranks: the executor's plan is timed as it is, as it is under the reference
+    impl (no tiles, nothing to share)."""
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    point, _ = _preset_problem("ring", "contiguous", devices=3)
+    mask = make_mask("causal_document", 25200, seqlens=[9000, 16200])
+    plan = _executor_plan(point, mask)
+    assert plan.shard_len == 8448  # 8400 tokens a rank, in 128-token tiles: off the bucket
+    assert JaxRanks.timed_plan(point, mask, "pallas", plan) is plan
+    assert JaxRanks.timed_plan(point, mask, "reference", plan) is plan

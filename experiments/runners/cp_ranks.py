@@ -98,6 +98,13 @@ class Ranks(ABC):
     def executor_plan(point: Point, mask, impl: str):
         """The CPPlan the executor builds for the point (ValueError when it cannot)."""
 
+    @staticmethod
+    def timed_plan(point: Point, mask, impl: str, plan):
+        """The plan whose ranks the predictor checks and times for the executor's `plan`: that
+        plan here; a framework that compiles per shape may pad its shards to shared lengths
+        (the schedule, and so the communication charged, stays the executor's)."""
+        return plan
+
     def host(self, name: str, rows: np.ndarray | None = None, heads=None) -> np.ndarray:
         """Float32 host copy of input `name` as the kernels see it: all of it, or the given
         token rows and heads (device_rows, copied back). The rows are drawn padded to

@@ -163,6 +163,28 @@ class JaxRanks(Ranks):
         dtype = frameworks.framework_dtype("jax", point.dtype)
         return jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
 
+    @staticmethod
+    def timed_plan(point: Point, mask, impl: str, plan):
+        """The executor's plan with bucketed shards (jax_cp.executor_plan's bucket_shards) where
+        that only adds padding, which a block-sparse kernel skips: every rank holds the same
+        real tokens in the same order, so its calls do the same work, in shapes that the
+        preset's document masks (per-document zigzag: 8320, 8576, ... tokens) share."""
+        from shard_strategies import jax_cp
+
+        dtype = frameworks.framework_dtype("jax", point.dtype)
+        tile = jax_cp.shard_multiple(impl, point.head_dim, dtype)
+        if tile == 1 or plan.shard_len % jax_cp.bucket_multiple(plan.shard_len, tile) == 0:
+            return plan
+        settings = plan_settings(point)
+        bucketed = jax_cp.executor_plan(
+            mask, impl=impl, dtype=dtype, bucket_shards=True, **settings
+        )
+        same = all(
+            np.array_equal(a[a < plan.seqlen], b[b < plan.seqlen])
+            for a, b in zip(plan.layout.positions, bucketed.layout.positions)
+        )
+        return bucketed if same else plan
+
     @property
     def ring_core(self) -> bool:
         return self.plan.core == RING_CORE

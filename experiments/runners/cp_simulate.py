@@ -162,7 +162,7 @@ class CPSimulator:
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         features = ranks.features()
-        shapes = (point.batch, plan.shard_len, len(ranks.q_heads[0]), len(ranks.kv_heads[0]))
+        shapes = (point.batch, ranks.plan.shard_len, len(ranks.q_heads[0]), len(ranks.kv_heads[0]))
         common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
         uses: list[tuple[int, int, tuple]] = []  # (phase, ring rank, call key)
         classes: dict[tuple, dict[tuple, tuple]] = {}  # class -> {key: (call args, features)}
@@ -257,7 +257,8 @@ class CPSimulator:
         sched = simulate.schedule(
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
         )
-        ranks = self.ranks(plan, impl, point, index, self.runner)
+        timed_plan = self.ranks.timed_plan(point, mask, impl, plan)
+        ranks = self.ranks(timed_plan, impl, point, index, self.runner)
         wall["plan"] = time.perf_counter() - start
         rtol = checks.tolerance(
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override

@@ -25,12 +25,14 @@ The ring step functions are exported for the CP predictor, which times them rank
 from ._api import (
     CPExecutor,
     attention,
+    bucket_multiple,
     build,
     cp_mesh,
     distinct_mask_arrays,
     executor_plan,
     interval_count,
     ring_mask_arrays,
+    shard_multiple,
 )
 from ._local import local_attention, piece_arrays, resolve_impl
 from ._ring import backward_start, backward_step, forward_step
@@ -40,6 +42,7 @@ __all__ = [
     "attention",
     "backward_start",
     "backward_step",
+    "bucket_multiple",
     "build",
     "cp_mesh",
     "distinct_mask_arrays",
@@ -50,4 +53,5 @@ __all__ = [
     "piece_arrays",
     "resolve_impl",
     "ring_mask_arrays",
+    "shard_multiple",
 ]

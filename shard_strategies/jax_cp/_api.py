@@ -31,6 +31,7 @@ from ._ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
 ULYSSES, RING = "ulysses", "ring"
 _CACHE_SIZE = 16
 MIN_INTERVALS = 4
+SHARD_BUCKETS = 16  # lengths per power of two a bucketed ring shard takes (executor_plan)
 
 
 def shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -274,7 +275,14 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
     return jax.tree.map(lambda x: x[index], stacked)
 
 
-def _pad_multiple(impl: str, head_dim: int, dtype: Any) -> int:
+def bucket_multiple(shard_len: int, multiple: int) -> int:
+    """The pad multiple that rounds a ring shard of shard_len tokens (a multiple of `multiple`)
+    up to one of SHARD_BUCKETS lengths per power of two: at most 1/SHARD_BUCKETS more tokens."""
+    step = 1 << max(shard_len.bit_length() - SHARD_BUCKETS.bit_length(), 0)
+    return math.lcm(multiple, step)
+
+
+def shard_multiple(impl: str, head_dim: int, dtype: Any) -> int:
     """Ring shards padded to whole kernel tiles (so gathered K/V stay tile-aligned too)."""
     if impl == REFERENCE:
         return 1
@@ -434,23 +442,32 @@ def executor_plan(
     num_windows: int | None = None,
     inner_axis: str = ULYSSES,
     pad_multiple: int | None = None,
+    bucket_shards: bool = False,
 ) -> CPPlan:
     """The plan an executor of `impl` runs on `world_size` devices: ring shards padded to whole
-    kernel tiles unless pad_multiple says otherwise."""
+    kernel tiles unless pad_multiple says otherwise. bucket_shards: padded further, to one of
+    SHARD_BUCKETS lengths per power of two (bucket_multiple), so masks whose layouts pad to
+    different lengths (per-document zigzag: 8320, 8576, ... tokens) share compiled programs;
+    the extra tokens are padding, which a block-sparse kernel skips."""
     if pad_multiple is None:
-        pad_multiple = _pad_multiple(impl, head_dim, dtype)
-    return make_plan(
-        mask,
-        world_size,
-        strategy,
-        layout,
-        ulysses_size,
+        pad_multiple = shard_multiple(impl, head_dim, dtype)
+    settings = dict(
         num_windows=num_windows,
         inner_axis=inner_axis,
         num_heads_q=num_heads_q,
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,
-        pad_multiple=pad_multiple,
+    )
+    plan = make_plan(
+        mask, world_size, strategy, layout, ulysses_size, pad_multiple=pad_multiple, **settings
+    )
+    if not bucket_shards:
+        return plan
+    bucket = bucket_multiple(plan.shard_len, pad_multiple)
+    if plan.shard_len % bucket == 0:
+        return plan
+    return make_plan(
+        mask, world_size, strategy, layout, ulysses_size, pad_multiple=bucket, **settings
     )
 
 
