@@ -146,10 +146,12 @@ class CPPlan:
         return inverse_order(self.order(), self.seqlen)
 
     def key_positions(self, ring_rank: int, step: int) -> np.ndarray:
-        """Global positions of the keys ring rank `ring_rank` sees at kept step `step`."""
+        """Global positions of the keys ring rank `ring_rank` sees at kept step `step` (an
+        all-gather's: every real position in global order, as the executors put the gathered
+        K/V back, so a document's keys form one interval)."""
         src = int(self.steps[step].sources[ring_rank])
         if src < 0:
-            return self.layout.order()
+            return np.arange(self.seqlen)
         return self.layout.positions[src]
 
     def piece(self, rank: int, step: int) -> Mask:
@@ -376,7 +378,7 @@ def make_plan(
 
     def keys(r: int, step: Step) -> np.ndarray:
         src = int(step.sources[r])
-        return lay.order() if src < 0 else lay.positions[src]
+        return np.arange(lay.seqlen) if src < 0 else lay.positions[src]
 
     grid = [
         full.restrict_blocks(lay.positions[r], [keys(r, s) for s in all_steps]) for r in range(ring)

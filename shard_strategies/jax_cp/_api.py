@@ -75,7 +75,7 @@ class _Config:
 def _device_body(cfg: _Config):
     """The per-device program: Ulysses in, the strategy's core, Ulysses out."""
 
-    def body(q, k, v, arrays):
+    def body(q, k, v, arrays, key_order):
         arrays = jax.tree.map(lambda x: x[0], arrays)
         if cfg.ulysses_size > 1:
             q = seq_to_heads(q, ULYSSES)
@@ -86,7 +86,7 @@ def _device_body(cfg: _Config):
             out, lse = ring(q, k, v, arrays)
         elif cfg.core == ALLGATHER_CORE:
             out, lse = allgather_attention(
-                q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale, RING
+                q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale, RING, key_order
             )
         else:
             out, lse = local_attention(q, k, v, step_arrays(arrays, 0), cfg.impl, cfg.scale)
@@ -102,13 +102,13 @@ def _device_body(cfg: _Config):
 def _sharded_fn(cfg: _Config):
     names = cfg.mesh.axis_names
     out_specs = (cfg.tokens, cfg.lse_tokens) if cfg.return_lse else cfg.tokens
-    in_specs = (cfg.tokens, cfg.tokens, cfg.tokens, P(names))
+    in_specs = (cfg.tokens, cfg.tokens, cfg.tokens, P(names), P())
     return shard_map(_device_body(cfg), cfg.mesh, in_specs, out_specs)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _run_sharded(q, k, v, arrays, cfg: _Config):
-    return _sharded_fn(cfg)(q, k, v, arrays)
+def _run_sharded(q, k, v, arrays, inverse, cfg: _Config):
+    return _sharded_fn(cfg)(q, k, v, arrays, inverse)
 
 
 def _exchange_body(rounds, names: tuple[str, ...], axis: int):
@@ -155,7 +155,7 @@ def _undispatch(y: jax.Array, inverse: jax.Array, cfg: _Config, tables, axis: in
 
 def _run(q, k, v, order, inverse, arrays, tables, cfg: _Config):
     qd, kd, vd = (_dispatch(x, order, cfg, tables) for x in (q, k, v))
-    res = _sharded_fn(cfg)(qd, kd, vd, arrays)
+    res = _sharded_fn(cfg)(qd, kd, vd, arrays, inverse)
     if not cfg.return_lse:
         return _undispatch(res, inverse, cfg, tables, 1)
     return _undispatch(res[0], inverse, cfg, tables, 1), _undispatch(
@@ -404,7 +404,8 @@ class CPExecutor:
 
     def sharded(self, q: jax.Array, k: jax.Array, v: jax.Array):
         """Attention on dispatched arrays: out (and lse) stay in rank order, sharded."""
-        return _run_sharded(q, k, v, self._leaves(q, k, v)[0], self.config)
+        arrays, _, inverse, _ = self._leaves(q, k, v)
+        return _run_sharded(q, k, v, arrays, inverse, self.config)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array):
         """Attention on global arrays in global token order (differentiable)."""

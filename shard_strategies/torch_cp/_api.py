@@ -19,7 +19,7 @@ from shard_strategies.plan import CPPlan, check_heads, make_plan
 from shard_strategies.strategies import ALLGATHER_CORE, RING_CORE
 
 from ._allgather import AllGatherAttention
-from ._dispatch import Dispatch, Undispatch
+from ._dispatch import Dispatch, Undispatch, plan_indices
 from ._groups import Groups, group_members, plan_groups
 from ._local import default_impl
 from ._ring import Mover, Ring, RingAttention
@@ -204,7 +204,8 @@ def shard_attention(
     if b.core == RING_CORE:
         out, lse = RingAttention.apply(q, k, v, b.ring, scale, impl)
     elif b.core == ALLGATHER_CORE:
-        out, lse = AllGatherAttention.apply(q, k, v, b.groups.ring, b.piece, scale, impl)
+        key_order = plan_indices(plan, ("inverse", q.device), plan.inverse)
+        out, lse = AllGatherAttention.apply(q, k, v, b.groups.ring, b.piece, scale, impl, key_order)
     else:
         out, lse = local_core(q, k, v, b.piece, plan, scale, impl)
     if u > 1:

@@ -22,7 +22,7 @@ from ._comm import all_gather
 _INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _indices(plan: CPPlan, key: tuple, build) -> torch.Tensor:
+def plan_indices(plan: CPPlan, key: tuple, build) -> torch.Tensor:
     """Index tensors of a plan, built once per (plan, key) on the key's device."""
     per_plan = _INDEX.setdefault(plan, {})
     if key not in per_plan:
@@ -33,8 +33,8 @@ def _indices(plan: CPPlan, key: tuple, build) -> torch.Tensor:
 def to_local(x: torch.Tensor, plan: CPPlan, rank: int, dim: int) -> torch.Tensor:
     """Rank `rank`'s shard of global x along `dim` (padding slots zero)."""
     pos = plan.positions[rank]
-    src = _indices(plan, ("src", rank, x.device), lambda: pos[pos < plan.seqlen])
-    dst = _indices(plan, ("dst", rank, x.device), lambda: np.nonzero(pos < plan.seqlen)[0])
+    src = plan_indices(plan, ("src", rank, x.device), lambda: pos[pos < plan.seqlen])
+    dst = plan_indices(plan, ("dst", rank, x.device), lambda: np.nonzero(pos < plan.seqlen)[0])
     shape = list(x.shape)
     shape[dim] = pos.size
     return x.new_zeros(shape).index_copy(dim, dst, x.index_select(dim, src))
@@ -43,7 +43,7 @@ def to_local(x: torch.Tensor, plan: CPPlan, rank: int, dim: int) -> torch.Tensor
 def to_global(gathered: torch.Tensor, plan: CPPlan, dim: int) -> torch.Tensor:
     """(N, *local shape) shards, stacked by group rank -> the global tensor along `dim`."""
     flat = gathered.movedim(0, dim).flatten(dim, dim + 1)
-    return flat.index_select(dim, _indices(plan, ("inverse", gathered.device), plan.inverse))
+    return flat.index_select(dim, plan_indices(plan, ("inverse", gathered.device), plan.inverse))
 
 
 def _gather_many(
