@@ -51,7 +51,7 @@ class Step:
     """One step of the schedule: (outer, inner) ring offsets and each ring rank's K/V source.
 
     sources[r] is the ring rank whose K/V block ring rank r sees; -1 means all blocks at once
-    (all-gather: the gathered keys in ring-rank order).
+    (all-gather: the gathered keys, put back in global order, real positions only).
     """
 
     outer: int

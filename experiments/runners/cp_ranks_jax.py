@@ -102,14 +102,15 @@ def _rows_f32():
 @cache
 def _reference():
     """jitted float64 attention rows, to trace under jax.enable_x64: (q, k, v, dout, lo, hi,
-    cols, kv_of, scale) -> out, dq (B, n, H, D) for the n query rows (q, dout (B, n, H, D)) over
-    the m keys `cols` (k, v (B, m, G, D); global positions, -1 for padding), a row seeing the
-    keys in its intervals [lo, hi) (n, I), query head j reading K/V column kv_of[j]. One head
-    at a time, so the float64 scores of a million keys fit beside the inputs."""
+    cols, kv_of, scale, grads) -> {"out"(, "dq")} (B, n, H, D) for the n query rows (q, dout
+    (B, n, H, D)) over the m keys `cols` (k, v (B, m, G, D); global positions, -1 for padding),
+    a row seeing the keys in its intervals [lo, hi) (n, I), query head j reading K/V column
+    kv_of[j]; dq only with grads (static). One head at a time, so the float64 scores of a
+    million keys fit beside the inputs."""
     import jax
     import jax.numpy as jnp
 
-    def reference(q, k, v, dout, lo, hi, cols, kv_of, scale):
+    def reference(q, k, v, dout, lo, hi, cols, kv_of, scale, grads):
         seen = ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
 
         def head(j):
@@ -120,15 +121,17 @@ def _reference():
             p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
             total = p.sum(axis=-1, keepdims=True)
             p = p / jnp.where(total > 0, total, 1.0)
-            out = jnp.einsum("bnm,bmd->bnd", p, vj)
-            dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
-            dp = (dp - (doj * out).sum(axis=-1, keepdims=True)) * p
-            return out, jnp.einsum("bnm,bmd->bnd", dp, kj) * scale
+            out = {"out": jnp.einsum("bnm,bmd->bnd", p, vj)}
+            if grads:
+                dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
+                dp = (dp - (doj * out["out"]).sum(axis=-1, keepdims=True)) * p
+                out["dq"] = jnp.einsum("bnm,bmd->bnd", dp, kj) * scale
+            return out
 
-        out, dq = jax.lax.map(head, jnp.arange(q.shape[2]))
-        return jnp.moveaxis(out, 0, 2), jnp.moveaxis(dq, 0, 2)
+        per_head = jax.lax.map(head, jnp.arange(q.shape[2]))
+        return {name: jnp.moveaxis(x, 0, 2) for name, x in per_head.items()}
 
-    return jax.jit(reference)
+    return jax.jit(reference, static_argnames=("grads",))
 
 
 class JaxRanks(Ranks):
@@ -165,19 +168,21 @@ class JaxRanks(Ranks):
 
     @staticmethod
     def timed_plan(point: Point, mask, impl: str, plan):
-        """The executor's plan with bucketed shards (jax_cp.executor_plan's bucket_shards) where
-        that only adds padding, which a block-sparse kernel skips: every rank holds the same
-        real tokens in the same order, so its calls do the same work, in shapes that the
-        preset's document masks (per-document zigzag: 8320, 8576, ... tokens) share."""
+        """The executor's plan with its ring shards padded up to shared lengths
+        (jax_cp.bucket_multiple) where that only adds padding, which a block-sparse kernel
+        skips: every rank holds the same real tokens in the same order, so its calls do the
+        same work, in shapes that the preset's document masks (per-document zigzag: 8320,
+        8576, ... tokens) share."""
         from shard_strategies import jax_cp
 
         dtype = frameworks.framework_dtype("jax", point.dtype)
         tile = jax_cp.shard_multiple(impl, point.head_dim, dtype)
-        if tile == 1 or plan.shard_len % jax_cp.bucket_multiple(plan.shard_len, tile) == 0:
+        bucket = jax_cp.bucket_multiple(plan.shard_len, math.lcm(tile, plan.ulysses_size))
+        if tile == 1 or plan.shard_len % bucket == 0:
             return plan
         settings = plan_settings(point)
         bucketed = jax_cp.executor_plan(
-            mask, impl=impl, dtype=dtype, bucket_shards=True, **settings
+            mask, impl=impl, dtype=dtype, pad_multiple=bucket, **settings
         )
         same = all(
             np.array_equal(a[a < plan.seqlen], b[b < plan.seqlen])
@@ -238,7 +243,7 @@ class JaxRanks(Ranks):
 
     def features(self) -> np.ndarray:
         # per distinct piece (equal pieces: equal areas); the stack's last, empty one: 0
-        area = np.zeros(len(self.jax.tree.leaves(self.arrays)[0]))
+        area = np.zeros(len(self.arrays.lo))
         area[self.piece_index.ravel()] = np.asarray(self.plan.piece_area).ravel()
         return call_model.piece_features(self.arrays.kv, area)[self.piece_index]
 
@@ -286,13 +291,10 @@ class JaxRanks(Ranks):
         dout = draw("dout", rows, gq, n) if grads else q
         k, v = (draw(name, cols, kv, m) for name in ("k", "v"))
         with self.jax.enable_x64(True):
-            out, dq = _reference()(
-                q, k, v, dout, *bounds, seen, kv_of.astype(np.int32), np.float64(scale)
+            refs = _reference()(
+                q, k, v, dout, *bounds, seen, kv_of.astype(np.int32), np.float64(scale), grads
             )
-            refs = {"out": np.asarray(out)[:, : len(rows)]}
-            if grads:
-                refs["dq"] = np.asarray(dq)[:, : len(rows)]
-        return refs
+            return {name: np.asarray(x)[:, : len(rows)] for name, x in refs.items()}
 
     def normal(self, shape: tuple[int, ...], seed: int):
         return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)

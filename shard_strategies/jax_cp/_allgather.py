@@ -31,6 +31,9 @@ def allgather_attention(
     """Local queries against the keys of every rank along `axis`, gathered in ring-rank order
     and taken in global order: key_order[p] is the gathered slot of real position p."""
     k_all, v_all = (
-        jnp.take(jax.lax.all_gather(x, axis, axis=1, tiled=True), key_order, axis=1) for x in (k, v)
+        jnp.take(
+            jax.lax.all_gather(x, axis, axis=1, tiled=True), key_order, axis=1, unique_indices=True
+        )
+        for x in (k, v)
     )
     return local_attention(q, k_all, v_all, arrays, impl, scale)

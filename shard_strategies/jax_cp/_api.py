@@ -31,7 +31,7 @@ from ._ulysses import heads_to_seq, lse_heads_to_seq, seq_to_heads
 ULYSSES, RING = "ulysses", "ring"
 _CACHE_SIZE = 16
 MIN_INTERVALS = 4
-SHARD_BUCKETS = 16  # lengths per power of two a bucketed ring shard takes (executor_plan)
+SHARD_BUCKETS = 16  # a bucketed ring shard is at most 1/SHARD_BUCKETS longer (bucket_multiple)
 
 
 def shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -240,9 +240,9 @@ def interval_count(plan: CPPlan) -> int:
     """Key intervals per row in the executor's stacked mask arrays (an array shape of every
     kernel call): the widest piece's, rounded up to a power of two, at least MIN_INTERVALS.
 
-    An all-gather piece sees a document's keys in up to one interval per ring rank, so its
-    count follows the documents and ranks (5, 7, 9, ... 128); rounded up, plans share a few
-    counts and their compiled programs. The extra intervals are empty (lo == hi == 0).
+    A mask whose rows see many key runs (random blocks) gives counts that vary between masks;
+    rounded up, plans share a few counts and their compiled programs. The extra intervals are
+    empty (lo == hi == 0).
     """
     return _interval_count(_distinct_pieces(plan)[0])
 
@@ -276,14 +276,16 @@ def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> Mask
 
 
 def bucket_multiple(shard_len: int, multiple: int) -> int:
-    """The pad multiple that rounds a ring shard of shard_len tokens (a multiple of `multiple`)
-    up to one of SHARD_BUCKETS lengths per power of two: at most 1/SHARD_BUCKETS more tokens."""
-    step = 1 << max(shard_len.bit_length() - SHARD_BUCKETS.bit_length(), 0)
-    return math.lcm(multiple, step)
+    """The pad multiple (for executor_plan) that rounds a ring shard of shard_len tokens, a
+    multiple of `multiple` (the plan's own: tiles and Ulysses size), up to shared lengths:
+    `multiple` times the largest power of two within 1/SHARD_BUCKETS of the shard, so at most
+    that many more tokens and 8-16 lengths per power of two. Padding for the zigzag and
+    balanced layouts, which pad each rank's list at its end; a contiguous layout moves tokens."""
+    return multiple << max((shard_len // (SHARD_BUCKETS * multiple)).bit_length() - 1, 0)
 
 
 def shard_multiple(impl: str, head_dim: int, dtype: Any) -> int:
-    """Ring shards padded to whole kernel tiles (so gathered K/V stay tile-aligned too)."""
+    """The multiple ring shards are padded to: whole kernel tiles of `impl`."""
     if impl == REFERENCE:
         return 1
     arrays = piece_arrays(_probe_mask(), impl, head_dim, dtype)
@@ -443,32 +445,23 @@ def executor_plan(
     num_windows: int | None = None,
     inner_axis: str = ULYSSES,
     pad_multiple: int | None = None,
-    bucket_shards: bool = False,
 ) -> CPPlan:
     """The plan an executor of `impl` runs on `world_size` devices: ring shards padded to whole
-    kernel tiles unless pad_multiple says otherwise. bucket_shards: padded further, to one of
-    SHARD_BUCKETS lengths per power of two (bucket_multiple), so masks whose layouts pad to
-    different lengths (per-document zigzag: 8320, 8576, ... tokens) share compiled programs;
-    the extra tokens are padding, which a block-sparse kernel skips."""
+    kernel tiles unless pad_multiple says otherwise (bucket_multiple: to shared lengths)."""
     if pad_multiple is None:
         pad_multiple = shard_multiple(impl, head_dim, dtype)
-    settings = dict(
+    return make_plan(
+        mask,
+        world_size,
+        strategy,
+        layout,
+        ulysses_size,
         num_windows=num_windows,
         inner_axis=inner_axis,
         num_heads_q=num_heads_q,
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,
-    )
-    plan = make_plan(
-        mask, world_size, strategy, layout, ulysses_size, pad_multiple=pad_multiple, **settings
-    )
-    if not bucket_shards:
-        return plan
-    bucket = bucket_multiple(plan.shard_len, pad_multiple)
-    if plan.shard_len % bucket == 0:
-        return plan
-    return make_plan(
-        mask, world_size, strategy, layout, ulysses_size, pad_multiple=bucket, **settings
+        pad_multiple=pad_multiple,
     )
 
 
