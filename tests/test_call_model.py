@@ -95,3 +95,14 @@ def test_other_quantiles_follow_the_median_in_order():
     assert ratios["median"] == 1.0 and ratios["min"] == pytest.approx(0.85)
     got = call_model.scaled_quantiles(5.0, ratios)
     assert got["median"] == 5.0 and got["min"] <= got["p20"] <= 5.0 <= got["p80"] <= got["max"]
+
+
+def test_calls_sampled_once_give_no_spread():
+    """A call timed once (all its quantiles its one sample) does not narrow the spread given
+    to modelled calls, unless no call of the class was timed more than once."""
+    once = {"min": 9.0, "p20": 9.0, "median": 9.0, "p80": 9.0, "max": 9.0, "n": 1}
+    twice = {"min": 1.8, "p20": 1.9, "median": 2.0, "p80": 2.2, "max": 2.4, "n": 2}
+    names = ("min", "p20", "median", "p80", "max")
+    ratios = call_model.quantile_ratios([once, once, twice], names)
+    assert ratios["min"] == pytest.approx(0.9) and ratios["max"] == pytest.approx(1.2)
+    assert call_model.quantile_ratios([once], names)["max"] == 1.0

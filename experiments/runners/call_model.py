@@ -108,8 +108,12 @@ def scaled_quantiles(median_ms: float, ratios: dict[str, float]) -> dict[str, fl
 
 
 def quantile_ratios(stats: list[dict[str, float]], quantiles: tuple[str, ...]) -> dict[str, float]:
-    """Each quantile's median ratio to the median over timed calls' statistics."""
-    return {q: float(np.median([s[q] / max(s["median"], 1e-12) for s in stats])) for q in quantiles}
+    """Each quantile's median ratio to the median over timed calls' statistics, of the calls
+    timed more than once where there are any (a call sampled once has no spread to give)."""
+    spread = [s for s in stats if s.get("n", 2) > 1] or stats
+    return {
+        q: float(np.median([s[q] / max(s["median"], 1e-12) for s in spread])) for q in quantiles
+    }
 
 
 def held_out_error(predicted: np.ndarray, measured: np.ndarray) -> ModelError:

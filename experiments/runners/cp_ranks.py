@@ -112,11 +112,14 @@ class Ranks(ABC):
         counts share a few compiled draws instead of compiling one each."""
         if rows is None:
             return self.host_draw(name, None, heads)
-        rows = np.asarray(rows)
-        past_end = self._shapes[name][1]
-        padded = np.full(draw_length(len(rows)), past_end, np.int64)
+        return self.host_draw(name, self.padded_positions(name, rows), heads)[:, : len(rows)]
+
+    def padded_positions(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Token positions `rows` of input `name`, padded to draw_length with positions past
+        its end (drawn as zeros), so draws of ever-different counts share a few programs."""
+        padded = np.full(draw_length(len(rows)), self._shapes[name][1], np.int64)
         padded[: len(rows)] = rows
-        return self.host_draw(name, padded, heads)[:, : len(rows)]
+        return padded
 
     def host_draw(self, name: str, positions: np.ndarray | None, heads) -> np.ndarray:
         """device_rows(name, positions, heads) as a float32 host array."""

@@ -273,7 +273,7 @@ class JaxRanks(Ranks):
             gq // (self.plan.num_heads_q // self.plan.num_heads_kv), return_inverse=True
         )
         cols = checks.keys_seen(mask, rows)
-        n, m = draw_length(len(rows)), draw_length(len(cols))
+        n, m = draw_length(len(rows)), draw_length(len(cols))  # the padded draws' lengths
         lo, hi = (x[rows] for x in mask.row_intervals())
         width = 1 << (lo.shape[1] - 1).bit_length()
         bounds = [np.zeros((n, width), np.int32) for _ in range(2)]
@@ -282,14 +282,12 @@ class JaxRanks(Ranks):
         seen = np.full(m, -1, np.int32)
         seen[: len(cols)] = cols
 
-        def draw(name, positions, heads, length):
-            padded = np.full(length, self._shapes[name][1], np.int64)
-            padded[: len(positions)] = positions
-            return self._draw(name, padded, heads, self.jnp.float32)
+        def draw(name, positions, heads):
+            return self._draw(name, self.padded_positions(name, positions), heads, self.jnp.float32)
 
-        q = draw("q", rows, gq, n)
-        dout = draw("dout", rows, gq, n) if grads else q
-        k, v = (draw(name, cols, kv, m) for name in ("k", "v"))
+        q = draw("q", rows, gq)
+        dout = draw("dout", rows, gq) if grads else q
+        k, v = (draw(name, cols, kv) for name in ("k", "v"))
         with self.jax.enable_x64(True):
             refs = _reference()(
                 q, k, v, dout, *bounds, seen, kv_of.astype(np.int32), np.float64(scale), grads
