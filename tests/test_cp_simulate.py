@@ -532,6 +532,46 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
+def _long_calls_modelled_across_shapes(monkeypatch) -> None:
+    """Calls of a kind past LONG_CALL_MS, with times linear in its tiles x heads at any shape:
+    a point with longer key blocks than any timed before (all-gather over 8 devices after 4)
+    times one call of its class, held out, and predicts the rest from the kind's model; its
+    compute equals that of timing every call, the held-out error is 0."""
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+    from jax_attn.mask_arrays import MaskArrays
+
+    def linear(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
+        piece = next(a for a in args if isinstance(a, MaskArrays))
+        count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
+        listed = np.arange(full.shape[-1]) < count[..., None]
+        n_full = int((full.astype(bool) & listed).sum())
+        heads = args[0].shape[0] * args[0].shape[2]
+        return [150.0 + heads * (3.0 * n_full + 7.0 * (int(count.sum()) - n_full))] * iters
+
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", linear)
+    monkeypatch.setattr(
+        cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
+    )
+    small, large = (
+        _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
+        for n in (4, 8)
+    )
+    model = JaxRunner(sim_timed_calls=3)
+    first = model.run(small)["masks"][0]["simulation"]["calls"]
+    assert first["across_shapes"] == 0 and first["timed"] == first["distinct"]
+    result = model.run(large)
+    every = JaxRunner(sim_timed_calls=0).run(large)
+    assert result["check"]["ok"] and every["check"]["ok"]
+    sim_model, sim_every = (r["masks"][0]["simulation"] for r in (result, every))
+    calls = sim_model["calls"]
+    assert calls["distinct"] > 2 and calls["timed"] == 1
+    assert calls["across_shapes"] == calls["modelled"] == calls["distinct"] - 1
+    assert calls["model"]["held_out_calls"] == 1 and calls["model"]["max_error_pct"] < 1e-6
+    assert sim_model["compute_ms"] == pytest.approx(sim_every["compute_ms"], rel=1e-9)
+    assert sim_every["calls"]["across_shapes"] == 0
+
+
 def test_row_checks_emulate_whole_real_query_tiles():
     """A row check's rows on every rank are up to CHECK_TILES whole, aligned query tiles holding
     real tokens, its real tiles' first and last among them; the whole shard where it is short
@@ -667,6 +707,8 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
     _parts_add_up(JaxRunner(), monkeypatch)  # fresh timings: every call faked
     with monkeypatch.context() as m:
         _modelled_equals_timed(m)
+    with monkeypatch.context() as m:
+        _long_calls_modelled_across_shapes(m)
 
 
 def test_a_failed_points_baseline_seconds_go_to_the_next_point():

@@ -7,6 +7,12 @@ a fixed launch and edge cost, then each tile it visits. An impl that reads no ti
 modelled on the piece's visible area instead. A small calibration sample that spans the pieces'
 work is timed, the coefficients are fitted non-negative, and a held-out sample of further timed
 calls measures the model's error, which every simulated record carries.
+
+Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) runs
+at one rate per tile and head once its calls are long enough to fill the device, so calls of
+a long class (seconds each at 2M tokens) are predicted from the kind's model over
+[1, full tiles x heads, partial tiles x heads], fitted on its timed calls of at least
+KIND_FIT_MIN_MS, with LONG_VALIDATION_CALLS of the class timed as its held-out check.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import numpy as np
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 MIN_CALIBRATION = 3  # at least one timed call per feature of the tile model
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
+KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
+LONG_VALIDATION_CALLS = 1  # timed calls of a class predicted across shapes, held out
 
 
 def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
@@ -33,6 +41,14 @@ def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
     tiles = count.sum(axis=-1).astype(np.float64)
     full_tiles = (full.astype(bool) & listed).sum(axis=(-2, -1)).astype(np.float64)
     return np.stack([ones, full_tiles, tiles - full_tiles], axis=-1)
+
+
+def work_features(features: np.ndarray, heads: int) -> np.ndarray:
+    """piece_features of calls that each run `heads` (batch x query heads) attention heads,
+    with the work columns scaled by them: features of one kind of call at any shapes."""
+    x = np.array(features, np.float64)
+    x[..., 1:] *= heads
+    return x
 
 
 def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
 from types import SimpleNamespace
@@ -17,6 +18,34 @@ from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
+
+PLAN_ARRAYS_BYTES = 4 << 30  # host bytes of plans' mask arrays kept for the next points
+_PLAN_ARRAYS: OrderedDict[int, tuple] = OrderedDict()  # id(plan) -> (plan, how, arrays)
+
+
+def plan_arrays(plan, impl: str, head_dim: int, dtype) -> tuple:
+    """(stacked distinct pieces' MaskArrays, (R, T) piece index, {piece: digest} to fill) of
+    a plan (jax_cp.distinct_mask_arrays), kept within PLAN_ARRAYS_BYTES (least recently used
+    out first) for the next point of the same plan object: the CP predictor builds a
+    problem's plans once for both modes, and a 64-rank plan's arrays take about a second."""
+    import jax
+
+    from shard_strategies import jax_cp
+
+    how = (impl, head_dim, np.dtype(dtype).name)
+    hit = _PLAN_ARRAYS.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == how:
+        _PLAN_ARRAYS.move_to_end(id(plan))
+        return hit[2]
+    arrays, index = jax_cp.distinct_mask_arrays(plan, impl, head_dim, dtype)
+    _PLAN_ARRAYS[id(plan)] = (plan, how, (arrays, index, {}))
+
+    def size(entry: tuple) -> int:
+        return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(entry[2][0]))
+
+    while len(_PLAN_ARRAYS) > 1 and sum(map(size, _PLAN_ARRAYS.values())) > PLAN_ARRAYS_BYTES:
+        _PLAN_ARRAYS.popitem(last=False)
+    return _PLAN_ARRAYS[id(plan)][2]
 
 
 @cache
@@ -141,17 +170,15 @@ class JaxRanks(Ranks):
         import jax
         import jax.numpy as jnp
 
-        from shard_strategies import jax_cp
-
         super().__init__(plan, impl, point, index)
         self.jax, self.jnp = jax, jnp
         self.flush = runner.flush
-        self._digests: dict[int, str] = {}  # per distinct piece
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
-        # the distinct pieces' arrays and each (ring rank, kept step)'s index among them
-        self.arrays, self.piece_index = jax_cp.distinct_mask_arrays(plan, impl, d, self.dtype)
+        # the distinct pieces' arrays, each (ring rank, kept step)'s index among them, and
+        # their digests (fingerprint), shared by the points of one plan
+        self.arrays, self.piece_index, self._digests = plan_arrays(plan, impl, d, self.dtype)
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:

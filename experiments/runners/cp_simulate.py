@@ -24,7 +24,7 @@ from experiments.core.outcomes import SCALED, UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
-from experiments.runners.cp_ranks import Ranks
+from experiments.runners.cp_ranks import LONG_CALL_MS, Ranks, plan_settings
 from shard_strategies.simulate import ATTEND_ONCE, ATTEND_ONCE_BWD, EXCHANGE, REPLICATED
 
 QUANTILES = ("median", "p20", "p80", "min", "max")
@@ -85,7 +85,15 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
+        # per kind of call (any shapes): work features of its timed calls, and per class the
+        # calls timed to check its prediction across shapes
+        self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
+        self._validated: dict[tuple, int] = {}
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
+        # the current problem's masks and plans, which its points in both modes share
+        self._problem: tuple | None = None
+        self._masks: list = []
+        self._plans: dict[tuple, tuple] = {}
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -129,7 +137,7 @@ class CPSimulator:
         seconds are charged to the first point that needs it and succeeds (its first mask's
         wall_s): a point failing after running it leaves them to the next, not to nothing."""
         impl = self.ranks.resolve_impl(point, self.runner)
-        masks = frameworks.make_masks(point)
+        masks = self._problem_masks(point)
         base = self.baseline(point, impl)
         per_mask = [self._run_mask(point, m, i, impl, base) for i, m in enumerate(masks)]
         baseline_s = self._baseline_s.pop(base["key"], 0.0)
@@ -144,11 +152,29 @@ class CPSimulator:
         )
         return result
 
-    def _plan(self, point: Point, mask, impl: str):
-        try:
-            return self.ranks.executor_plan(point, mask, impl)
-        except ValueError as e:
-            raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
+    def _problem_masks(self, point: Point) -> list:
+        """The point's masks, drawn once per problem (mask, length, draws), so the points of
+        every strategy, layout and mode of one problem share their plans (_plans)."""
+        problem = (
+            point.mask, point.seqlen_total, point.num_masks, point.seed, point.window,
+            point.reference_compat,
+        )  # fmt: skip
+        if problem != self._problem:
+            self._problem, self._masks, self._plans = problem, frameworks.make_masks(point), {}
+        return self._masks
+
+    def _plans_of(self, point: Point, index: int, impl: str) -> tuple:
+        """(the executor's plan, the plan its ranks are timed with) of mask `index` of the
+        current problem: built once for both modes (a 64-device plan takes seconds)."""
+        settings = (index, impl, point.dtype, *sorted(plan_settings(point).items()))
+        if settings not in self._plans:
+            mask = self._masks[index]
+            try:
+                plan = self.ranks.executor_plan(point, mask, impl)
+            except ValueError as e:
+                raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
+            self._plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
+        return self._plans[settings]
 
     def _time_calls(self, ranks: Ranks, sched, point: Point) -> tuple[dict, dict]:
         """({quantile: (P, N) compute ms}, counts): every (rank, step) call's time statistics.
@@ -158,14 +184,19 @@ class CPSimulator:
         differs) with more untimed calls than k + call_model.VALIDATION_CALLS is timed on a
         calibration sample spanning its pieces' work and the rest predicted by the class's
         cost model (experiments/runners/call_model.py), whose error on further timed,
-        held-out calls the counts report."""
+        held-out calls the counts report. A class whose calls the model of their kind (any
+        shapes) puts past LONG_CALL_MS is predicted from that model instead, with
+        call_model.LONG_VALIDATION_CALLS of it timed and held out (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         features = ranks.features()
-        shapes = (point.batch, ranks.plan.shard_len, len(ranks.q_heads[0]), len(ranks.kv_heads[0]))
+        hq, hkv = len(ranks.q_heads[0]), len(ranks.kv_heads[0])
+        shapes = (point.batch, ranks.plan.shard_len, hq, hkv)
         common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
+        kind_of = (ranks.impl, point.dtype, point.head_dim, hq // hkv, point.warmup, point.iters)
         uses: list[tuple[int, int, tuple]] = []  # (phase, ring rank, call key)
         classes: dict[tuple, dict[tuple, tuple]] = {}  # class -> {key: (call args, features)}
+        kinds: dict[tuple, tuple] = {}  # class -> its kind
         for p, ph in enumerate(sched.phases):
             if ph.call is None:
                 continue
@@ -176,6 +207,7 @@ class CPSimulator:
                     continue
                 call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
                 cls = (*common, *call, *shape)
+                kinds[cls] = (*kind_of, *call)
                 key = (*cls, ranks.fingerprint(r, ph.step))
                 classes.setdefault(cls, {})[key] = (
                     (ph.call, r, ph.step, ph.group_start),
@@ -184,14 +216,21 @@ class CPSimulator:
                 uses.append((p, r, key))
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.values())), "timed": 0, "modelled": 0}
+        counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
+        heads = point.batch * hq
         for cls, members in classes.items():
-            timed, predicted, errors = self._class_stats(ranks, point, cls, members)
+            kind = kinds[cls]
+            timed, predicted, errors = self._across_shapes(ranks, point, cls, kind, members, heads)
+            counts["across_shapes"] += len(predicted)
+            if timed is None:
+                timed, predicted, errors = self._class_stats(ranks, point, cls, members)
             counts["timed"] += timed
             counts["modelled"] += len(predicted)
             held_out += errors
             stats.update(predicted)
             stats.update({key: self._timings[key] for key in members if key in self._timings})
+            self._remember(kind, members, heads)
         if held_out:
             pred, meas = zip(*held_out)
             counts["model"] = call_model.held_out_error(pred, meas).as_dict()
@@ -240,6 +279,56 @@ class CPSimulator:
         }
         return len(fresh), predicted, errors
 
+    def _remember(self, kind: tuple, members: dict[tuple, tuple], heads: int) -> None:
+        """Add the class's timed calls of at least call_model.KIND_FIT_MIN_MS to its kind's."""
+        table = self._kinds.setdefault(kind, {})
+        for key, (_, x) in members.items():
+            if self._timings.get(key, {}).get("median", 0.0) >= call_model.KIND_FIT_MIN_MS:
+                table[key] = call_model.work_features(x, heads)
+
+    def _kind_model(self, kind: tuple) -> np.ndarray | None:
+        """Coefficients of the kind's model across shapes, or None while fewer than
+        call_model.MIN_CALIBRATION long calls of it were timed."""
+        table = self._kinds.get(kind, {})
+        if len(table) < call_model.MIN_CALIBRATION:
+            return None
+        return self._fit(table)
+
+    def _across_shapes(
+        self, ranks: Ranks, point: Point, cls: tuple, kind: tuple, members: dict[tuple, tuple],
+        heads: int,
+    ) -> tuple[int | None, dict[tuple, dict], list[tuple[float, float]]]:  # fmt: skip
+        """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
+        a class whose untimed calls the model of its kind puts at LONG_CALL_MS or more at their
+        median: the first call_model.LONG_VALIDATION_CALLS of the class are timed (its median
+        one) and held out, the rest predicted (seconds a call at 2M tokens, where the class's
+        own calibration would time a dozen). (None, {}, []) where that model does not apply:
+        no model of the kind yet, or calls shorter than that."""
+        untimed = [key for key in members if key not in self._timings]
+        coef = self._kind_model(kind) if self.timed_calls and untimed else None
+        if coef is None:
+            return None, {}, []
+        x = {key: call_model.work_features(members[key][1], heads) for key in untimed}
+        guess = {key: float(x[key] @ coef) for key in untimed}
+        if np.median(list(guess.values())) < LONG_CALL_MS:
+            return None, {}, []
+        timed, errors = 0, []
+        if self._validated.get(cls, 0) < call_model.LONG_VALIDATION_CALLS:
+            key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
+            self._time(ranks, point, key, members[key][0])
+            self._validated[cls] = self._validated.get(cls, 0) + 1
+            errors.append((guess[key], self._timings[key]["median"]))
+            self._remember(kind, {key: members[key]}, heads)
+            coef, timed = self._kind_model(kind), 1
+        table = self._kinds[kind]
+        ratios = call_model.quantile_ratios([self._timings[key] for key in table], QUANTILES)
+        predicted = {
+            key: call_model.scaled_quantiles(float(x[key] @ coef), ratios)
+            for key in untimed
+            if key not in self._timings
+        }
+        return timed, predicted, errors
+
     def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
         """The tile model's coefficients of the median times of the calls in `known`."""
         keys = list(known)
@@ -251,13 +340,12 @@ class CPSimulator:
 
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
-        plan = self._plan(point, mask, impl)
+        plan, timed_plan = self._plans_of(point, index, impl)
         itemsize = ITEMSIZES[point.dtype]
         entry = ENTRY[point.framework]
         sched = simulate.schedule(
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
         )
-        timed_plan = self.ranks.timed_plan(point, mask, impl, plan)
         ranks = self.ranks(timed_plan, impl, point, index, self.runner)
         wall["plan"] = time.perf_counter() - start
         rtol = checks.tolerance(
