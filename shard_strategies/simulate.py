@@ -480,30 +480,45 @@ def global_rank(plan: CPPlan, ring_rank: int, ulysses_rank: int) -> int:
 
 def transfer_ms(sched: Schedule, link: LinkModel) -> np.ndarray:
     """(transfers, N) milliseconds each transfer takes as seen by each rank (a collective: its
-    slowest member's time; p2p: the message into that rank)."""
+    slowest member's time; p2p: the message into that rank). A row depends only on the
+    transfer's op, bytes, group and pairs, so transfers that repeat one reuse its row."""
     plan = sched.plan
     n = plan.world_size
-    ring_of = [plan.ring_rank(g) for g in range(n)]
-    uly_of = [plan.ulysses_rank(g) for g in range(n)]
+    ranks = [(g, plan.ring_rank(g), plan.ulysses_rank(g)) for g in range(n)]
+    ring_groups = [
+        tuple(global_rank(plan, j, u) for j in range(plan.ring_size))
+        for u in range(plan.ulysses_size)
+    ]
+    ulysses_groups = [
+        tuple(global_rank(plan, r, j) for j in range(plan.ulysses_size))
+        for r in range(plan.ring_size)
+    ]
+    members_of = {
+        "ring": [ring_groups[u] for _, _, u in ranks],
+        "ulysses": [ulysses_groups[r] for _, r, _ in ranks],
+    }
+    everyone = [tuple(range(n))] * n
+
+    def row(t: Transfer) -> list[float]:
+        """Each rank's time for transfer t."""
+        if t.op == P2P:
+            src_of = {dst: s for s, dst in t.pairs}
+            if t.group == "world":
+                return [
+                    link.p2p_ms(t.nbytes, src_of[g], g) if g in src_of else 0.0 for g in range(n)
+                ]
+            return [link.p2p_ms(t.nbytes, global_rank(plan, src_of[r], u), g) for g, r, u in ranks]
+        groups = members_of.get(t.group, everyone)
+        times = {m: link.collective_ms(t.op, t.nbytes, list(m)) for m in dict.fromkeys(groups)}
+        return [times[m] for m in groups]
+
+    rows: dict[tuple, list[float]] = {}
     out = np.zeros((len(sched.transfers), n))
     for k, t in enumerate(sched.transfers):
-        for g in range(n):
-            r, u = ring_of[g], uly_of[g]
-            if t.op == P2P and t.group == "world":
-                src = {dst: s for s, dst in t.pairs}.get(g)
-                out[k, g] = 0.0 if src is None else link.p2p_ms(t.nbytes, src, g)
-                continue
-            if t.op == P2P:
-                src = {dst: s for s, dst in t.pairs}[r]
-                out[k, g] = link.p2p_ms(t.nbytes, global_rank(plan, src, u), g)
-                continue
-            if t.group == "ring":
-                members = [global_rank(plan, j, u) for j in range(plan.ring_size)]
-            elif t.group == "ulysses":
-                members = [global_rank(plan, r, j) for j in range(plan.ulysses_size)]
-            else:
-                members = list(range(n))
-            out[k, g] = link.collective_ms(t.op, t.nbytes, members)
+        key = (t.op, t.group, t.nbytes, t.pairs)
+        if key not in rows:
+            rows[key] = row(t)
+        out[k] = rows[key]
     return out
 
 
@@ -535,13 +550,25 @@ class Prediction:
         return float(per_rank.max()) / mean if mean > 0 else 1.0
 
 
-def predict(sched: Schedule, compute_ms: np.ndarray, link: LinkModel) -> Prediction:
-    """Replay `sched` with compute_ms[phase, rank] (0 where a phase has no compute)."""
+def predict(
+    sched: Schedule,
+    compute_ms: np.ndarray,
+    link: LinkModel,
+    *,
+    transfers: np.ndarray | None = None,
+) -> Prediction:
+    """Replay `sched` with compute_ms[phase, rank] (0 where a phase has no compute).
+
+    transfers: transfer_ms(sched, link) computed beforehand, so that replaying one schedule with
+    several compute arrays computes it once (`link` is then not consulted).
+    """
     n, p = sched.plan.world_size, len(sched.phases)
     compute = np.asarray(compute_ms, np.float64)
     if compute.shape != (p, n):
         raise ValueError(f"compute_ms must have shape {(p, n)}, got {compute.shape}")
-    x = transfer_ms(sched, link)
+    x = transfer_ms(sched, link) if transfers is None else np.asarray(transfers, np.float64)
+    if x.shape != (len(sched.transfers), n):
+        raise ValueError(f"transfers must have shape {(len(sched.transfers), n)}, got {x.shape}")
     arrive = np.full(x.shape, np.nan)
 
     def run(events: tuple[Event, ...], clock: np.ndarray) -> np.ndarray:

@@ -362,7 +362,10 @@ class CPSimulator:
         compute, counts = self._time_calls(ranks, sched, point)
         wall["calls"] = time.perf_counter() - start
         link = simulate.LinkModel.from_spec(point.link)
-        preds = {q: simulate.predict(sched, compute[q], link) for q in QUANTILES}
+        transfers = simulate.transfer_ms(sched, link)  # the same for every quantile's replay
+        preds = {
+            q: simulate.predict(sched, compute[q], link, transfers=transfers) for q in QUANTILES
+        }
         t = {q: preds[q].total_ms for q in QUANTILES} | {"n": point.iters}
         med = preds["median"]
         comm = plan.comm_volume(itemsize=itemsize, batch=point.batch)
