@@ -163,13 +163,14 @@ def expand(
     workload: str = "attention",
 ) -> list[Point]:
     """All points of a grid for one framework, in a stable order: shape-major (heads, then
-    sequence length), so that every mode, mask and impl of one input shape run in a row and
-    their inputs are generated and copied to the device once."""
+    sequence length), so that every mask, mode and impl of one input shape run in a row and
+    their inputs are generated and copied to the device once; then mask-major, so a mask's
+    modes run in a row (a simulated CP problem builds its plans once for both)."""
     points = []
     axes = itertools.product(
-        grid.heads, grid.seqlens, grid.modes, grid.masks, grid.cps, grid.layouts, impls
+        grid.heads, grid.seqlens, grid.masks, grid.modes, grid.cps, grid.layouts, impls
     )
-    for (hq, hkv), seqlen, mode, mask, cp, layout, impl in axes:
+    for (hq, hkv), seqlen, mask, mode, cp, layout, impl in axes:
         is_cp = cp != "none"
         n = num_devices if is_cp else 1
         total = total_seqlen(seqlen, grid.scaling, n, cp)
