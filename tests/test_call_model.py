@@ -16,7 +16,8 @@ FULL, PARTIAL = 2, 1  # attn_masks tile kinds (EMPTY is 0)
 
 def test_features_count_the_full_and_partial_tiles_of_each_piece():
     """Stacked pieces of unequal lists: the counts match the tile kinds of each mask's block map
-    (the lists' source; a kernel makes ragged-edge FULL tiles partial at run time)."""
+    (the lists' source; a kernel makes ragged-edge FULL tiles partial at run time), and
+    map_features counts the same from the map alone."""
     masks = [
         make_mask("causal_document", 200, seed=3),
         make_mask("sliding_window", 200, window=40),
@@ -30,6 +31,8 @@ def test_features_count_the_full_and_partial_tiles_of_each_piece():
     for m, row in zip(masks, x):
         kinds = block_map(m, 32, 16)
         assert row.tolist() == [1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], m.name
+    from_maps = [call_model.map_features(m.block_map(32, 16)) for m in masks]
+    np.testing.assert_array_equal(np.array(from_maps), x)
     dense = call_model.piece_features(None, area.reshape(2, 2))
     assert dense.shape == (2, 2, 2) and dense[..., 1].ravel().tolist() == area.tolist()
 

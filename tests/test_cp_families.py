@@ -124,6 +124,41 @@ def test_distinct_mask_arrays_index_every_pieces_own_arrays():
             np.testing.assert_array_equal(seen, piece.dense())
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "usp"])
+def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy):
+    """The predictor's PlanPieces: each distinct piece's arrays, built alone, equal its slice of
+    jax_cp.distinct_mask_arrays' stack; features read from the tile maps equal those counted
+    from the stack's tile lists; equal digests only for equal arrays."""
+    import jax
+
+    from experiments.runners import call_model
+    from experiments.runners.cp_ranks_jax import PlanPieces
+    from shard_strategies import jax_cp
+
+    sizes = [37, 101, 59, 200, 91, 24, 500]
+    mask = make_mask("causal_document", sum(sizes), seqlens=sizes)
+    plan = jax_cp.executor_plan(
+        mask, 4, strategy, "zigzag", impl=impl, num_heads_q=4, num_heads_kv=2, head_dim=64,
+        dtype=np.float32,
+    )  # fmt: skip
+    stacked, index = jax_cp.distinct_mask_arrays(plan, impl, 64, np.float32)
+    pieces = PlanPieces(plan, impl, 64, np.float32)
+    np.testing.assert_array_equal(pieces.index, index)
+    for i in range(len(pieces.pieces)):
+        want = jax.tree.leaves(jax.tree.map(lambda a, i=i: a[i], stacked))
+        got = jax.tree.leaves(pieces.arrays(i))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    area = np.zeros(len(stacked.lo))
+    area[index.ravel()] = np.asarray(plan.piece_area).ravel()
+    kv = stacked.kv if pieces.tiles is not None else None
+    np.testing.assert_array_equal(pieces.features(), call_model.piece_features(kv, area)[index])
+    digests = [pieces.digest(i) for i in range(len(pieces.pieces))]
+    assert len(set(digests)) == len(digests)
+
+
 def _preset_problem(strategy: str, layout: str, devices: int = 4):
     """A GPU-preset point (forward, 8K tokens a device, causal_document) and its mask."""
     from experiments.runners import frameworks

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attn_masks.tiles import BLOCK_FULL as FULL
+from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
+
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 MIN_CALIBRATION = 3  # at least one timed call per feature of the tile model
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
@@ -41,6 +44,13 @@ def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
     tiles = count.sum(axis=-1).astype(np.float64)
     full_tiles = (full.astype(bool) & listed).sum(axis=(-2, -1)).astype(np.float64)
     return np.stack([ones, full_tiles, tiles - full_tiles], axis=-1)
+
+
+def map_features(kinds: np.ndarray) -> np.ndarray:
+    """(F,) piece_features of one piece from its tile map (attn_masks block_map: 0 empty,
+    1 partial, 2 full), the source of its tile lists, without building them."""
+    kinds = np.asarray(kinds)
+    return np.array([1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], np.float64)
 
 
 def work_features(features: np.ndarray, heads: int) -> np.ndarray:

@@ -19,33 +19,90 @@ from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
 
-PLAN_ARRAYS_BYTES = 4 << 30  # host bytes of plans' mask arrays kept for the next points
-_PLAN_ARRAYS: OrderedDict[int, tuple] = OrderedDict()  # id(plan) -> (plan, how, arrays)
+PLAN_PIECES_BYTES = 4 << 30  # host bytes of built piece arrays kept for the next points
+_PLAN_PIECES: OrderedDict[int, PlanPieces] = OrderedDict()  # by id(plan), least recent first
 
 
-def plan_arrays(plan, impl: str, head_dim: int, dtype) -> tuple:
-    """(stacked distinct pieces' MaskArrays, (R, T) piece index, {piece: digest} to fill) of
-    a plan (jax_cp.distinct_mask_arrays), kept within PLAN_ARRAYS_BYTES (least recently used
-    out first) for the next point of the same plan object: the CP predictor builds a
-    problem's plans once for both modes, and a 64-rank plan's arrays take about a second."""
-    import jax
+class PlanPieces:
+    """A plan's distinct mask pieces as the predictor's JAX ranks use them: the (R, T) index of
+    each ring rank's piece at each kept step, each piece's work features and digest read from
+    its slices and tile map, and its MaskArrays in the executor's stacked shapes built only
+    when a call runs it (at 2M tokens a piece's arrays take a third of a second and a point
+    runs a few of the 65)."""
 
-    from shard_strategies import jax_cp
+    def __init__(self, plan, impl: str, head_dim: int, dtype) -> None:
+        from shard_strategies import jax_cp
 
-    how = (impl, head_dim, np.dtype(dtype).name)
-    hit = _PLAN_ARRAYS.get(id(plan))
-    if hit is not None and hit[0] is plan and hit[1] == how:
-        _PLAN_ARRAYS.move_to_end(id(plan))
-        return hit[2]
-    arrays, index = jax_cp.distinct_mask_arrays(plan, impl, head_dim, dtype)
-    _PLAN_ARRAYS[id(plan)] = (plan, how, (arrays, index, {}))
+        self.plan, self.impl, self.head_dim, self.dtype = plan, impl, head_dim, dtype
+        self.pieces, index = jax_cp.distinct_pieces(plan)
+        self.index = np.array(index).reshape(plan.ring_size, plan.num_steps)
+        self.intervals = jax_cp.interval_count(plan)
+        self.tiles = jax_cp.piece_tiles(impl, head_dim, dtype)
+        self._arrays: dict[int, object] = {}
+        self._digests: dict[int, str] = {}
 
-    def size(entry: tuple) -> int:
-        return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(entry[2][0]))
+    @classmethod
+    def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
+        """The plan's PlanPieces, kept for the next point of the same plan object (the
+        predictor builds a problem's plans once for both modes) while the pieces' built
+        arrays take at most PLAN_PIECES_BYTES, least recently used out first."""
+        hit = _PLAN_PIECES.get(id(plan))
+        how = (impl, head_dim, np.dtype(dtype).name)
+        if hit is not None and hit.plan is plan and hit.how == how:
+            _PLAN_PIECES.move_to_end(id(plan))
+            return hit
+        _PLAN_PIECES[id(plan)] = cls(plan, impl, head_dim, dtype)
+        while len(_PLAN_PIECES) > 1 and sum(p.nbytes for p in _PLAN_PIECES.values()) > (
+            PLAN_PIECES_BYTES
+        ):
+            _PLAN_PIECES.popitem(last=False)
+        return _PLAN_PIECES[id(plan)]
 
-    while len(_PLAN_ARRAYS) > 1 and sum(map(size, _PLAN_ARRAYS.values())) > PLAN_ARRAYS_BYTES:
-        _PLAN_ARRAYS.popitem(last=False)
-    return _PLAN_ARRAYS[id(plan)][2]
+    @property
+    def how(self) -> tuple:
+        return self.impl, self.head_dim, np.dtype(self.dtype).name
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the arrays built so far."""
+        import jax
+
+        return sum(leaf.nbytes for a in self._arrays.values() for leaf in jax.tree.leaves(a))
+
+    def arrays(self, i: int):
+        """Host MaskArrays of distinct piece i in the executor's stacked shapes."""
+        from shard_strategies import jax_cp
+
+        if i not in self._arrays:
+            self._arrays[i] = jax_cp.stacked_piece_arrays(
+                self.pieces[i], self.impl, self.head_dim, self.dtype, self.intervals
+            )
+        return self._arrays[i]
+
+    def digest(self, i: int) -> str:
+        """Identity of the arrays of distinct piece i: a digest of its typed slices, tiles and
+        interval count, from which the arrays are built."""
+        if i not in self._digests:
+            piece = self.pieces[i]
+            h = hashlib.sha1(
+                repr((piece.seqlen_q, piece.seqlen_k, self.tiles, self.intervals)).encode()
+            )
+            for a in (piece.q_ranges, piece.k_ranges, piece.types):
+                h.update(np.ascontiguousarray(a).tobytes())
+            self._digests[i] = h.hexdigest()
+        return self._digests[i]
+
+    def features(self) -> np.ndarray:
+        """(R, T, F) work features of every (ring rank, kept step) piece: full and partial
+        tiles from its tile map (what its tile lists hold), or its area for an impl without
+        tile lists (call_model)."""
+        area = np.asarray(self.plan.piece_area, np.float64)
+        if self.tiles is None:
+            return call_model.piece_features(None, area)
+        distinct = np.array(
+            [call_model.map_features(p.block_map(*self.tiles)) for p in self.pieces]
+        )
+        return distinct[self.index]
 
 
 @cache
@@ -176,9 +233,7 @@ class JaxRanks(Ranks):
         d = plan.head_dim
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
-        # the distinct pieces' arrays, each (ring rank, kept step)'s index among them, and
-        # their digests (fingerprint), shared by the points of one plan
-        self.arrays, self.piece_index, self._digests = plan_arrays(plan, impl, d, self.dtype)
+        self.pieces = PlanPieces.of(plan, impl, d, self.dtype)  # shared by a plan's points
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -223,23 +278,21 @@ class JaxRanks(Ranks):
 
     def _host_piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the host."""
-        i = self.piece_index[r, t]
-        return self.jax.tree.map(lambda a: a[i], self.arrays)
+        return self.pieces.arrays(int(self.pieces.index[r, t]))
 
     def piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the device."""
         return self.jax.device_put(self._host_piece(r, t))
 
     def check_block(self) -> int:
-        return self.arrays.block_q
+        return self.pieces.tiles[0] if self.pieces.tiles else self._host_piece(0, 0).block_q
 
     def row_piece(self, r: int, t: int, rows: np.ndarray):
         """The piece of ring rank r at kept step t with only the shard's local `rows` seeing
         keys, in the shapes of the point's pieces (its interval count, full-width tile lists),
         so it runs the timed calls' compiled programs; on the device."""
         from attn_masks import from_slices
-        from jax_attn.mask_arrays import empty_mask_arrays, stack_mask_arrays
-        from shard_strategies.jax_cp import piece_arrays
+        from shard_strategies.jax_cp import stacked_piece_arrays
 
         piece = self.plan.pieces[r][t]
         n = piece.seqlen_q
@@ -249,30 +302,21 @@ class JaxRanks(Ranks):
         local = np.arange(n)
         kept = np.isin(local, rows)
         sub = taller.restrict(np.where(kept, local, n + local), np.arange(piece.seqlen_k))
-        arrays = piece_arrays(sub, self.impl, self.plan.head_dim, self.dtype)
-        widest = empty_mask_arrays(arrays, self.arrays.num_intervals)
-        padded = stack_mask_arrays([arrays, widest])
-        return self.jax.device_put(self.jax.tree.map(lambda a: a[0], padded))
+        arrays = stacked_piece_arrays(
+            sub, self.impl, self.plan.head_dim, self.dtype, self.pieces.intervals
+        )
+        return self.jax.device_put(arrays)
 
     def call_shape(self, r: int, t: int) -> tuple:
         """The key block's length (every step of every rank makes its call)."""
         return (len(self.plan.key_positions(r, t)),)
 
     def fingerprint(self, r: int, t: int) -> str:
-        """A digest of the arrays the kernel receives."""
-        i = int(self.piece_index[r, t])
-        if i not in self._digests:
-            h = hashlib.sha1()
-            for leaf in self.jax.tree.leaves(self._host_piece(r, t)):
-                h.update(np.ascontiguousarray(leaf).tobytes())
-            self._digests[i] = h.hexdigest()
-        return self._digests[i]
+        """A digest of the piece whose arrays the kernel receives."""
+        return self.pieces.digest(int(self.pieces.index[r, t]))
 
     def features(self) -> np.ndarray:
-        # per distinct piece (equal pieces: equal areas); the stack's last, empty one: 0
-        area = np.zeros(len(self.arrays.lo))
-        area[self.piece_index.ravel()] = np.asarray(self.plan.piece_area).ravel()
-        return call_model.piece_features(self.arrays.kv, area)[self.piece_index]
+        return self.pieces.features()
 
     def queries(self, name: str, r: int, u: int, rows: np.ndarray | None = None):
         """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it, zeros

@@ -29,10 +29,13 @@ from ._api import (
     build,
     cp_mesh,
     distinct_mask_arrays,
+    distinct_pieces,
     executor_plan,
     interval_count,
+    piece_tiles,
     ring_mask_arrays,
     shard_multiple,
+    stacked_piece_arrays,
 )
 from ._local import local_attention, piece_arrays, resolve_impl
 from ._ring import backward_start, backward_step, forward_step
@@ -46,12 +49,15 @@ __all__ = [
     "build",
     "cp_mesh",
     "distinct_mask_arrays",
+    "distinct_pieces",
     "executor_plan",
     "forward_step",
     "interval_count",
     "local_attention",
     "piece_arrays",
+    "piece_tiles",
     "resolve_impl",
     "ring_mask_arrays",
     "shard_multiple",
+    "stacked_piece_arrays",
 ]

@@ -220,7 +220,7 @@ def cp_mesh(devices: np.ndarray, plan: CPPlan) -> Mesh:
     return Mesh(np.asarray(devices).reshape(u, r), (ULYSSES, RING))
 
 
-def _distinct_pieces(plan: CPPlan) -> tuple[list, list[int]]:
+def distinct_pieces(plan: CPPlan) -> tuple[list, list[int]]:
     """(the plan's distinct pieces, each piece's index among them in rank-major order): pieces
     of equal typed slices are one (a Mask compares by identity). A 64-rank plan of a document
     mask has 4096 pieces, about 240 distinct (most are empty or whole blocks)."""
@@ -244,7 +244,7 @@ def interval_count(plan: CPPlan) -> int:
     rounded up, plans share a few counts and their compiled programs. The extra intervals are
     empty (lo == hi == 0).
     """
-    return _interval_count(_distinct_pieces(plan)[0])
+    return _interval_count(distinct_pieces(plan)[0])
 
 
 def _interval_count(pieces: list) -> int:
@@ -260,12 +260,29 @@ def distinct_mask_arrays(
     same for every mask of a length). A 64-rank plan of a document mask has 4096 pieces and
     about 240 distinct ones: whoever needs one piece at a time (the CP predictor) indexes these
     instead of materialising every (rank, step) copy."""
-    pieces, index = _distinct_pieces(plan)
+    pieces, index = distinct_pieces(plan)
     distinct = [piece_arrays(piece, impl, head_dim, dtype) for piece in pieces]
     # stacked with an empty widest mask, so every mask of a length has the same shapes
     widest = empty_mask_arrays(distinct[0], _interval_count(pieces))
     stacked = stack_mask_arrays([*distinct, widest])
     return stacked, np.array(index).reshape(plan.ring_size, plan.num_steps)
+
+
+def stacked_piece_arrays(
+    piece: Mask, impl: str, head_dim: int, dtype: Any, intervals: int
+) -> MaskArrays:
+    """One piece's host MaskArrays in the shapes of a stack of a plan's pieces (full-width tile
+    lists, `intervals` intervals per row: interval_count), built alone: the CP predictor runs
+    a few of a plan's pieces and needs no stack of all of them."""
+    arrays = piece_arrays(piece, impl, head_dim, dtype)
+    stacked = stack_mask_arrays([arrays, empty_mask_arrays(arrays, intervals)])
+    return jax.tree.map(lambda a: a[0], stacked)
+
+
+def piece_tiles(impl: str, head_dim: int, dtype: Any) -> tuple[int, int] | None:
+    """(block_q, block_k) of the tile lists `impl` walks, or None for an impl without them."""
+    arrays = piece_arrays(_probe_mask(), impl, head_dim, dtype)
+    return None if arrays.kv is None else (arrays.block_q, arrays.block_k)
 
 
 def ring_mask_arrays(plan: CPPlan, impl: str, head_dim: int, dtype: Any) -> MaskArrays:
