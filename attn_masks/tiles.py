@@ -192,10 +192,31 @@ def block_lists(tile_kinds: np.ndarray, block_q: int, block_k: int) -> BlockList
 
 
 def _compact(tile_kinds: np.ndarray) -> TileList:
+    """The tile lists of a block map's rows. A row whose non-empty tiles form one run (causal,
+    windows, documents: most rows of most masks) gets its list as that run's first tile plus
+    the slot, in a few whole-array passes; the other rows go through the general scatter."""
     nz = tile_kinds > 0
     count = nz.sum(axis=1).astype(np.int32)
     width = max(int(count.max(initial=0)), 1)
-    rows, cols = np.nonzero(nz)
+    m = tile_kinds.shape[1]
+    first = np.argmax(nz, axis=1).astype(np.int32)  # 0 for an empty row
+    last = (m - 1 - np.argmax(nz[:, ::-1], axis=1)).astype(np.int32)
+    slots = np.arange(width, dtype=np.int32)
+    index = first[:, None] + np.minimum(slots[None, :], np.maximum(count - 1, 0)[:, None])
+    full = np.take_along_axis(tile_kinds, index, axis=1) == BLOCK_FULL
+    full &= slots[None, :] < count[:, None]
+    runs = np.flatnonzero((count > 0) & (last - first + 1 != count))
+    if runs.size:
+        index[runs], full[runs] = _scatter_lists(tile_kinds[runs], count[runs], width)
+    return TileList(index, count, full)
+
+
+def _scatter_lists(
+    tile_kinds: np.ndarray, count: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(index, full) lists of `width` entries of rows with any non-empty tiles, by one scatter
+    of every non-empty tile into its slot (padded with each row's last tile, never full)."""
+    rows, cols = np.nonzero(tile_kinds > 0)
     starts = np.concatenate([[0], np.cumsum(count)[:-1]])
     slot = np.arange(rows.size) - np.repeat(starts, count)
     n = tile_kinds.shape[0]
@@ -205,7 +226,7 @@ def _compact(tile_kinds: np.ndarray) -> TileList:
     full[rows, slot] = tile_kinds[rows, cols] == BLOCK_FULL
     last = np.where(count > 0, index[np.arange(n), np.maximum(count - 1, 0)], 0)
     pad = np.arange(width)[None, :] >= count[:, None]
-    return TileList(np.where(pad, last[:, None], index), count, full)
+    return np.where(pad, last[:, None], index), full
 
 
 def pass_tiles(mask: SlicedMask, block_q: int, block_k: int, name: str) -> PassTiles:

@@ -295,3 +295,42 @@ def test_random_slices_are_reproducible_and_varied():
         lo, hi = random_slices(seed, 200, 170).row_intervals()
         seen |= set((hi > lo).sum(axis=1).tolist())
     assert {0, 1, 2} <= seen
+
+
+@pytest.mark.parametrize("style", ["random", "one_run", "empty", "dense_holes"])
+def test_tile_lists_match_a_row_by_row_reference(style):
+    """block_lists' lists of random block maps (rows of one run take the fast path, the others
+    the scatter) equal a row-by-row reference: each row's non-empty tiles in order, padded by
+    its last, full flags only on FULL tiles and never on padding, counts and dtypes."""
+    from attn_masks.tiles import BLOCK_FULL, block_lists
+
+    rng = np.random.default_rng(len(style))
+    for _ in range(40):
+        n, m = (int(x) for x in rng.integers(1, 30, 2))
+        if style == "random":
+            kinds = rng.integers(0, 3, (n, m))
+        elif style == "one_run":
+            kinds = np.zeros((n, m), int)
+            for i in range(n):
+                a = int(rng.integers(0, m + 1))
+                b = int(rng.integers(a, m + 1))
+                kinds[i, a:b] = rng.integers(1, 3, b - a)
+        elif style == "empty":
+            kinds = np.zeros((n, m), int)
+        else:
+            kinds = (rng.random((n, m)) < 0.9) * rng.integers(1, 3, (n, m))
+        kinds = kinds.astype(np.int8)
+        lists = block_lists(kinds, 16, 16)
+        for got, k in ((lists.kv, kinds), (lists.q, kinds.T)):
+            width = max(int((k > 0).sum(axis=1).max(initial=0)), 1)
+            assert got.index.shape == got.full.shape == (len(k), width)
+            assert got.index.dtype == np.int32 and got.count.dtype == np.int32
+            for row, tiles_row in enumerate(k):
+                cols = np.flatnonzero(tiles_row > 0)
+                want = np.full(width, cols[-1] if len(cols) else 0)
+                want[: len(cols)] = cols
+                flags = np.zeros(width, bool)
+                flags[: len(cols)] = tiles_row[cols] == BLOCK_FULL
+                assert got.count[row] == len(cols)
+                np.testing.assert_array_equal(got.index[row], want)
+                np.testing.assert_array_equal(got.full[row], flags)
