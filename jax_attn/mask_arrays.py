@@ -96,7 +96,10 @@ def _pad_last(x: np.ndarray, width: int, *, repeat_last: bool) -> np.ndarray:
 
 
 def _pad_index(index: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
-    """Pad tile lists to `width`, repeating each row's last valid entry."""
+    """Pad tile lists to `width`, repeating each row's last valid entry (lists already that
+    wide come back as they are: their entries past the count repeat it already)."""
+    if index.shape[-1] >= width:
+        return index.astype(np.int32, copy=False)
     out = _pad_last(index, width, repeat_last=True)
     last = np.take_along_axis(index, np.maximum(count - 1, 0)[..., None], axis=-1)
     pad = np.arange(width) >= count[..., None]
@@ -161,6 +164,35 @@ def empty_mask_arrays(like: MaskArrays, intervals: int) -> MaskArrays:
         seqlen_k=like.seqlen_k,
         block_q=like.block_q,
         block_k=like.block_k,
+    )
+
+
+def widen_mask_arrays(arrays: MaskArrays, intervals: int) -> MaskArrays:
+    """One host mask's arrays in the shapes a stack with empty_mask_arrays(arrays, intervals)
+    gives it (`intervals` intervals per row, full-width tile lists, a stack's static flags),
+    without the stack's copies of the whole arrays: its slice of such a stack."""
+    nq = -(-arrays.seqlen_q // arrays.block_q)
+    nk = -(-arrays.seqlen_k // arrays.block_k)
+
+    def widen(lists: TileList | None, width: int) -> TileList | None:
+        if lists is None:
+            return None
+        return TileList(
+            index=_pad_index(np.asarray(lists.index), np.asarray(lists.count), width),
+            count=np.asarray(lists.count),
+            full=_pad_last(np.asarray(lists.full), width, repeat_last=False),
+        )
+
+    k = max(arrays.num_intervals, intervals)
+    return MaskArrays(
+        lo=_pad_last(np.asarray(arrays.lo), k, repeat_last=False),
+        hi=_pad_last(np.asarray(arrays.hi), k, repeat_last=False),
+        kv=widen(arrays.kv, nk),
+        q=widen(arrays.q, nq),
+        seqlen_q=arrays.seqlen_q,
+        seqlen_k=arrays.seqlen_k,
+        block_q=arrays.block_q,
+        block_k=arrays.block_k,
     )
 
 

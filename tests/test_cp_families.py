@@ -146,8 +146,9 @@ def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy)
     pieces = PlanPieces(plan, impl, 64, np.float32)
     np.testing.assert_array_equal(pieces.index, index)
     for i in range(len(pieces.pieces)):
-        want = jax.tree.leaves(jax.tree.map(lambda a, i=i: a[i], stacked))
-        got = jax.tree.leaves(pieces.arrays(i))
+        want_tree = jax.tree.map(lambda a, i=i: a[i], stacked)
+        assert jax.tree.structure(pieces.arrays(i)) == jax.tree.structure(want_tree)
+        want, got = jax.tree.leaves(want_tree), jax.tree.leaves(pieces.arrays(i))
         assert len(got) == len(want)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

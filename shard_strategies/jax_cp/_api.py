@@ -17,7 +17,12 @@ from jax.sharding import PartitionSpec as P
 from attn_masks import Mask, from_slices
 from attn_masks.cache import MaskCache
 from attn_masks.shapes import check_attention_shapes
-from jax_attn.mask_arrays import MaskArrays, empty_mask_arrays, stack_mask_arrays
+from jax_attn.mask_arrays import (
+    MaskArrays,
+    empty_mask_arrays,
+    stack_mask_arrays,
+    widen_mask_arrays,
+)
 
 from ..exchange import Exchange, plan_exchanges
 from ..plan import CPPlan, make_plan
@@ -274,9 +279,7 @@ def stacked_piece_arrays(
     """One piece's host MaskArrays in the shapes of a stack of a plan's pieces (full-width tile
     lists, `intervals` intervals per row: interval_count), built alone: the CP predictor runs
     a few of a plan's pieces and needs no stack of all of them."""
-    arrays = piece_arrays(piece, impl, head_dim, dtype)
-    stacked = stack_mask_arrays([arrays, empty_mask_arrays(arrays, intervals)])
-    return jax.tree.map(lambda a: a[0], stacked)
+    return widen_mask_arrays(piece_arrays(piece, impl, head_dim, dtype), intervals)
 
 
 def piece_tiles(impl: str, head_dim: int, dtype: Any) -> tuple[int, int] | None:
