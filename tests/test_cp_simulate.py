@@ -404,12 +404,18 @@ def _jax_ranks(point, mask):
         ("ring", "causal", "fwd"),
     ],
 )
-def test_device_reference_is_the_host_reference(strategy, mask_name, mode):
-    """The JAX ranks' float64 row reference, computed on the device from its own draws (rows,
-    keys and intervals padded), gives the host reference's values (Ranks.reference_rows) for
-    rows of two ranks, in a spread of one Ulysses position's heads."""
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_device_reference_is_the_host_reference(strategy, mask_name, mode, chunk, monkeypatch):
+    """The JAX ranks' float64 row reference, computed on the device from its own draws (rows
+    and intervals padded, keys in chunks of REFERENCE_CHUNK, here also 24 so that several
+    chunks and a padded last one carry the online softmax), gives the host reference's values
+    (Ranks.reference_rows) for rows of two ranks, in a spread of one Ulysses position's
+    heads."""
+    from experiments.runners import cp_ranks_jax
     from experiments.runners.cp_ranks import Ranks
 
+    if chunk is not None:
+        monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", chunk)
     point = _point(strategy, 4, mode, sim.LinkModel(), mask=mask_name, layout="zigzag", seqlen=96)
     mask = named_mask(mask_name, point.seqlen_total)
     ranks = _jax_ranks(point, mask)
@@ -426,6 +432,26 @@ def test_device_reference_is_the_host_reference(strategy, mask_name, mode):
         assert got[name].shape == want[name].shape == (1, 10, 2, D)
         assert np.abs(want[name]).min() > 0  # every row sees keys: no value left unwritten
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_device_reference_compiles_once_for_any_number_of_keys(monkeypatch):
+    """Row sets that see different numbers of keys (more than a chunk) run the device
+    reference's two passes without compiling them again: one program per rows and heads,
+    whatever the keys."""
+    from experiments.runners import cp_ranks_jax
+
+    monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", 32)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
+    mask = named_mask("causal", point.seqlen_total)
+    ranks = _jax_ranks(point, mask)
+    passes = cp_ranks_jax._reference_passes()
+    heads = np.array([0, 1])
+    sizes = []
+    for last in (40, 55, 63):  # causal rows: the last row sees last + 1 keys
+        rows = np.arange(last - 5, last + 1)
+        ranks.reference_rows(mask, [rows], 0, heads, True, 0.3)
+        sizes.append((passes["out"]._cache_size(), passes["dq"]._cache_size()))
+    assert sizes[0] == sizes[1] == sizes[2], sizes
 
 
 def test_row_references_are_shared_between_a_problems_points(monkeypatch):

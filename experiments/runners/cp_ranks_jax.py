@@ -185,39 +185,61 @@ def _rows_f32():
     return jax.jit(rows_f32)
 
 
+REFERENCE_CHUNK = 1 << 16  # keys per pass of the float64 row reference (_reference_passes)
+
+
 @cache
-def _reference():
-    """jitted float64 attention rows, to trace under jax.enable_x64: (q, k, v, dout, lo, hi,
-    cols, kv_of, scale, grads) -> {"out"(, "dq")} (B, n, H, D) for the n query rows (q, dout
-    (B, n, H, D)) over the m keys `cols` (k, v (B, m, G, D); global positions, -1 for padding),
-    a row seeing the keys in its intervals [lo, hi) (n, I), query head j reading K/V column
-    kv_of[j]; dq only with grads (static). One head at a time, so the float64 scores of a
-    million keys fit beside the inputs."""
+def _reference_passes():
+    """jitted float64 attention rows over one chunk of keys at a time, to trace under
+    jax.enable_x64, so one program serves any number of keys: ("out": (state, q, k, v, lo,
+    hi, cols, kv_of, scale) -> state, the online softmax's (top, total, acc) per head
+    (H, B, n, 1 | D) after this chunk; "dq": (dq, q, k, v, dout, out, lse, lo, hi, cols,
+    kv_of, scale) -> dq plus this chunk's share). q, dout (B, n, H, D) are the n query rows,
+    k, v (B, c, G, D) the chunk's keys at global positions `cols` (-1: padding), a row seeing
+    the keys in its intervals [lo, hi) (n, I), query head j reading K/V column kv_of[j];
+    one head at a time, so the float64 scores of a chunk fit beside the inputs."""
     import jax
     import jax.numpy as jnp
 
-    def reference(q, k, v, dout, lo, hi, cols, kv_of, scale, grads):
-        seen = ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
+    def scores(q, k, j, kv_of, seen, scale):
+        qj = jnp.take(q, j, axis=2).astype(jnp.float64)
+        kj = jnp.take(k, kv_of[j], axis=2).astype(jnp.float64)
+        return jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf), kj
 
-        def head(j):
-            qj, doj = (jnp.take(x, j, axis=2).astype(jnp.float64) for x in (q, dout))
-            kj, vj = (jnp.take(x, kv_of[j], axis=2).astype(jnp.float64) for x in (k, v))
-            s = jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf)
-            top = s.max(axis=-1, keepdims=True)
-            p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
-            total = p.sum(axis=-1, keepdims=True)
-            p = p / jnp.where(total > 0, total, 1.0)
-            out = {"out": jnp.einsum("bnm,bmd->bnd", p, vj)}
-            if grads:
-                dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
-                dp = (dp - (doj * out["out"]).sum(axis=-1, keepdims=True)) * p
-                out["dq"] = jnp.einsum("bnm,bmd->bnd", dp, kj) * scale
-            return out
+    def visible(lo, hi, cols):
+        return ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
 
-        per_head = jax.lax.map(head, jnp.arange(q.shape[2]))
-        return {name: jnp.moveaxis(x, 0, 2) for name, x in per_head.items()}
+    def out_pass(state, q, k, v, lo, hi, cols, kv_of, scale):
+        seen = visible(lo, hi, cols)
 
-    return jax.jit(reference, static_argnames=("grads",))
+        def head(args):
+            j, top, total, acc = args
+            s, _ = scores(q, k, j, kv_of, seen, scale)
+            vj = jnp.take(v, kv_of[j], axis=2).astype(jnp.float64)
+            new_top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
+            shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+            p, alpha = jnp.exp(s - shift), jnp.exp(top - shift)
+            total = total * alpha + p.sum(axis=-1, keepdims=True)
+            return new_top, total, acc * alpha + jnp.einsum("bnm,bmd->bnd", p, vj)
+
+        return jax.lax.map(head, (jnp.arange(q.shape[2]), *state))
+
+    def dq_pass(dq, q, k, v, dout, out, lse, lo, hi, cols, kv_of, scale):
+        seen = visible(lo, hi, cols)
+
+        def head(args):
+            j, dq_j, out_j, lse_j = args
+            s, kj = scores(q, k, j, kv_of, seen, scale)
+            vj = jnp.take(v, kv_of[j], axis=2).astype(jnp.float64)
+            doj = jnp.take(dout, j, axis=2).astype(jnp.float64)
+            p = jnp.where(jnp.isfinite(lse_j), jnp.exp(s - lse_j), 0.0)
+            dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
+            ds = p * (dp - (doj * out_j).sum(axis=-1, keepdims=True))
+            return dq_j + jnp.einsum("bnm,bmd->bnd", ds, kj) * scale
+
+        return jax.lax.map(head, (jnp.arange(q.shape[2]), dq, out, lse))
+
+    return {"out": jax.jit(out_pass), "dq": jax.jit(dq_pass)}
 
 
 class JaxRanks(Ranks):
@@ -344,26 +366,57 @@ class JaxRanks(Ranks):
             gq // (self.plan.num_heads_q // self.plan.num_heads_kv), return_inverse=True
         )
         cols = checks.keys_seen(mask, rows)
-        n, m = draw_length(len(rows)), draw_length(len(cols))  # the padded draws' lengths
+        n = draw_length(len(rows))  # the padded draw's rows
         lo, hi = (x[rows] for x in mask.row_intervals())
         width = 1 << (lo.shape[1] - 1).bit_length()
         bounds = [np.zeros((n, width), np.int32) for _ in range(2)]
         for b, x in zip(bounds, (lo, hi)):
             b[: len(rows), : x.shape[1]] = x
-        seen = np.full(m, -1, np.int32)
-        seen[: len(cols)] = cols
+        chunk = min(REFERENCE_CHUNK, 1 << max(len(cols) - 1, 1).bit_length())
+        seqlen = self._shapes["k"][1]
 
         def draw(name, positions, heads):
             return self._draw(name, self.padded_positions(name, positions), heads, self.jnp.float32)
 
+        def chunks():
+            """(k, v, global positions) of each chunk of the keys the rows see (padded)."""
+            for start in range(0, len(cols), chunk):
+                part = np.full(chunk, seqlen, np.int64)
+                part[: len(cols[start : start + chunk])] = cols[start : start + chunk]
+                keys = (self._draw(x, part, kv, self.jnp.float32) for x in ("k", "v"))
+                yield (*keys, np.where(part < seqlen, part, -1).astype(np.int32))
+
         q = draw("q", rows, gq)
-        dout = draw("dout", rows, gq) if grads else q
-        k, v = (draw(name, cols, kv) for name in ("k", "v"))
-        with self.jax.enable_x64(True):
-            refs = _reference()(
-                q, k, v, dout, *bounds, seen, kv_of.astype(np.int32), np.float64(scale), grads
+        dout = draw("dout", rows, gq) if grads else None
+        passes, kv_of, scale = _reference_passes(), kv_of.astype(np.int32), np.float64(scale)
+        x64, jnp = self.jax.enable_x64, self.jnp
+        with x64(True):
+            shape = (len(gq), *q.shape[:2])
+            state = (
+                jnp.full((*shape, 1), -jnp.inf, jnp.float64),
+                jnp.zeros((*shape, 1), jnp.float64),
+                jnp.zeros((*shape, q.shape[-1]), jnp.float64),
             )
-            return {name: np.asarray(x)[:, : len(rows)] for name, x in refs.items()}
+        for k, v, at in chunks():  # drawn as the ranks' inputs are; the passes in float64
+            with x64(True):
+                state = passes["out"](state, q, k, v, *bounds, at, kv_of, scale)
+        with x64(True):
+            top, total, acc = state
+            seen = total > 0
+            total = jnp.where(seen, total, 1.0)
+            refs = {"out": acc / total}
+            top = jnp.where(jnp.isfinite(top), top, 0.0)
+            lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
+            dq = jnp.zeros_like(acc) if grads else None
+        if grads:
+            for k, v, at in chunks():
+                with x64(True):
+                    dq = passes["dq"](
+                        dq, q, k, v, dout, refs["out"], lse, *bounds, at, kv_of, scale
+                    )
+            refs["dq"] = dq
+        # per head (H, B, n, D) -> (B, rows, H, D)
+        return {name: np.moveaxis(np.asarray(x), 0, 2)[:, : len(rows)] for name, x in refs.items()}
 
     def normal(self, shape: tuple[int, ...], seed: int):
         return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
