@@ -562,7 +562,8 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     """Calls of a kind past LONG_CALL_MS, with times linear in its tiles x heads at any shape:
     a point with longer key blocks than any timed before (all-gather over 8 devices after 4)
     times one call of its class, held out, and predicts the rest from the kind's model; its
-    compute equals that of timing every call, the held-out error is 0."""
+    compute equals that of timing every call, the held-out error is 0; a later point of the same
+    class times nothing and states that check again."""
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
@@ -596,6 +597,11 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert calls["model"]["held_out_calls"] == 1 and calls["model"]["max_error_pct"] < 1e-6
     assert sim_model["compute_ms"] == pytest.approx(sim_every["compute_ms"], rel=1e-9)
     assert sim_every["calls"]["across_shapes"] == 0
+    # another layout of the same shapes: nothing timed, the class's held-out check stated again
+    other = _point("allgather", 8, "fwd", sim.LinkModel.ideal(), layout="balanced", seqlen=32)
+    again = model.run(other)["masks"][0]["simulation"]["calls"]
+    assert again["timed"] == 0 and again["across_shapes"] == again["distinct"] > 2
+    assert again["model"]["held_out_calls"] == 1 and again["model"]["max_error_pct"] < 1e-6
 
 
 def test_row_checks_emulate_whole_real_query_tiles():

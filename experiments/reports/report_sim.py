@@ -256,8 +256,14 @@ def model_error(records: list[dict]) -> list[str]:
     if not modelled:
         return ["Cost model: not used (every distinct call was timed).", ""]
     held = [c["model"] for c in calls if c.get("model")]
-    n = sum(h["held_out_calls"] for h in held)
     timed = sum(c.get("timed") or 0 for c in calls)
+    if not held:
+        return [
+            f"Cost model: {modelled} distinct calls predicted from their tiles, {timed} timed; "
+            "no held-out error in these records.",
+            "",
+        ]
+    n = sum(h["held_out_calls"] for h in held)
     worst = max(h["quantile_error_pct"] for h in held)
     quantile = held[0]["error_quantile"]
     top = max(h["max_error_pct"] for h in held)

@@ -210,6 +210,11 @@ class Ranks(ABC):
         """What sets the shapes of ring rank r's call at kept step t beyond the plan's (part of
         the call's class), or None where the executor makes no call there."""
 
+    def call_kind(self, r: int, t: int) -> tuple:
+        """What of call_shape(r, t) changes a call's cost per tile beyond its sizes (part of the
+        call's kind, whose cost model spans every size: cp_simulate)."""
+        return ()
+
     @abstractmethod
     def fingerprint(self, r: int, t: int) -> str:
         """Identity of the mask piece ring rank r's kernel receives at kept step t."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
 from types import SimpleNamespace
@@ -18,9 +17,6 @@ from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
-
-PLAN_PIECES_BYTES = 4 << 30  # host bytes of built piece arrays kept for the next points
-_PLAN_PIECES: OrderedDict[int, PlanPieces] = OrderedDict()  # by id(plan), least recent first
 
 
 class PlanPieces:
@@ -43,31 +39,13 @@ class PlanPieces:
 
     @classmethod
     def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
-        """The plan's PlanPieces, kept for the next point of the same plan object (the
-        predictor builds a problem's plans once for both modes) while the pieces' built
-        arrays take at most PLAN_PIECES_BYTES, least recently used out first."""
-        hit = _PLAN_PIECES.get(id(plan))
+        """The plan's PlanPieces, kept on the plan object for its next point (the predictor
+        keeps a problem's plans for its points in both modes and drops them with it)."""
         how = (impl, head_dim, np.dtype(dtype).name)
-        if hit is not None and hit.plan is plan and hit.how == how:
-            _PLAN_PIECES.move_to_end(id(plan))
-            return hit
-        _PLAN_PIECES[id(plan)] = cls(plan, impl, head_dim, dtype)
-        while len(_PLAN_PIECES) > 1 and sum(p.nbytes for p in _PLAN_PIECES.values()) > (
-            PLAN_PIECES_BYTES
-        ):
-            _PLAN_PIECES.popitem(last=False)
-        return _PLAN_PIECES[id(plan)]
-
-    @property
-    def how(self) -> tuple:
-        return self.impl, self.head_dim, np.dtype(self.dtype).name
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes of the arrays built so far."""
-        import jax
-
-        return sum(leaf.nbytes for a in self._arrays.values() for leaf in jax.tree.leaves(a))
+        kept = plan.__dict__.setdefault("_predictor_pieces", {})
+        if how not in kept:
+            kept[how] = cls(plan, impl, head_dim, dtype)
+        return kept[how]
 
     def arrays(self, i: int):
         """Host MaskArrays of distinct piece i in the executor's stacked shapes."""
@@ -330,8 +308,12 @@ class JaxRanks(Ranks):
         return self.jax.device_put(arrays)
 
     def call_shape(self, r: int, t: int) -> tuple:
-        """The key block's length (every step of every rank makes its call)."""
-        return (len(self.plan.key_positions(r, t)),)
+        """The key block's length (every step of every rank makes its call) and the pieces'
+        interval count (a partial tile tests each interval)."""
+        return (len(self.plan.key_positions(r, t)), self.pieces.intervals)
+
+    def call_kind(self, r: int, t: int) -> tuple:
+        return (self.pieces.intervals,)
 
     def fingerprint(self, r: int, t: int) -> str:
         """A digest of the piece whose arrays the kernel receives."""

@@ -107,6 +107,11 @@ class TorchRanks(Ranks):
         fresh = all(p is None for p in self.pieces[r][:t])
         return (_span(piece.rows), _span(piece.cols), fresh)
 
+    def call_kind(self, r: int, t: int) -> tuple:
+        """Whether the call starts the rank's merge (its cost differs from a merging one)."""
+        shape = self.call_shape(r, t)
+        return () if shape is None else (shape[2],)
+
     def fingerprint(self, r: int, t: int) -> str:
         """A digest of the piece's rows, columns and typed slices."""
         if (r, t) not in self._digests:

@@ -88,7 +88,7 @@ class CPSimulator:
         # per kind of call (any shapes): work features of its timed calls, and per class the
         # calls timed to check its prediction across shapes
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
-        self._validated: dict[tuple, int] = {}
+        self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
         # the current problem's masks and plans, which its points in both modes share
         self._problem: tuple | None = None
@@ -207,7 +207,7 @@ class CPSimulator:
                     continue
                 call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
                 cls = (*common, *call, *shape)
-                kinds[cls] = (*kind_of, *call)
+                kinds[cls] = (*kind_of, *call, *ranks.call_kind(r, ph.step))
                 key = (*cls, ranks.fingerprint(r, ph.step))
                 classes.setdefault(cls, {})[key] = (
                     (ph.call, r, ph.step, ph.group_start),
@@ -301,7 +301,8 @@ class CPSimulator:
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
         a class whose untimed calls the model of its kind puts at LONG_CALL_MS or more at their
         median: the first call_model.LONG_VALIDATION_CALLS of the class are timed (its median
-        one) and held out, the rest predicted (seconds a call at 2M tokens, where the class's
+        one) and held out, and every point the class serves states their error; the rest are
+        predicted (seconds a call at 2M tokens, where the class's
         own calibration would time a dozen). (None, {}, []) where that model does not apply:
         no model of the kind yet, or calls shorter than that."""
         untimed = [key for key in members if key not in self._timings]
@@ -312,12 +313,11 @@ class CPSimulator:
         guess = {key: float(x[key] @ coef) for key in untimed}
         if np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
-        timed, errors = 0, []
-        if self._validated.get(cls, 0) < call_model.LONG_VALIDATION_CALLS:
+        timed, checked = 0, self._validated.setdefault(cls, [])
+        if len(checked) < call_model.LONG_VALIDATION_CALLS:
             key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
             self._time(ranks, point, key, members[key][0])
-            self._validated[cls] = self._validated.get(cls, 0) + 1
-            errors.append((guess[key], self._timings[key]["median"]))
+            checked.append((guess[key], self._timings[key]["median"]))
             self._remember(kind, {key: members[key]}, heads)
             coef, timed = self._kind_model(kind), 1
         table = self._kinds[kind]
@@ -327,7 +327,7 @@ class CPSimulator:
             for key in untimed
             if key not in self._timings
         }
-        return timed, predicted, errors
+        return timed, predicted, list(checked)  # every point it serves states its check
 
     def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
         """The tile model's coefficients of the median times of the calls in `known`."""
