@@ -302,9 +302,9 @@ class CPSimulator:
         a class whose untimed calls the model of its kind puts at LONG_CALL_MS or more at their
         median: the first call_model.LONG_VALIDATION_CALLS of the class are timed (its median
         one) and held out, and every point the class serves states their error; the rest are
-        predicted (seconds a call at 2M tokens, where the class's
-        own calibration would time a dozen). (None, {}, []) where that model does not apply:
-        no model of the kind yet, or calls shorter than that."""
+        predicted (seconds a call at 2M tokens, where the class's own calibration would time a
+        dozen). (None, {}, []) where that model does not apply: no model of the kind yet, or
+        calls shorter than that."""
         untimed = [key for key in members if key not in self._timings]
         coef = self._kind_model(kind) if self.timed_calls and untimed else None
         if coef is None:
