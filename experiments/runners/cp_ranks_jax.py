@@ -36,6 +36,7 @@ class PlanPieces:
         self.tiles = jax_cp.piece_tiles(impl, head_dim, dtype)
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}
+        self._features: np.ndarray | None = None
 
     @classmethod
     def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
@@ -73,14 +74,16 @@ class PlanPieces:
     def features(self) -> np.ndarray:
         """(R, T, F) work features of every (ring rank, kept step) piece: full and partial
         tiles from its tile map (what its tile lists hold), or its area for an impl without
-        tile lists (call_model)."""
-        area = np.asarray(self.plan.piece_area, np.float64)
-        if self.tiles is None:
-            return call_model.piece_features(None, area)
-        distinct = np.array(
-            [call_model.map_features(p.block_map(*self.tiles)) for p in self.pieces]
-        )
-        return distinct[self.index]
+        tile lists (call_model); counted once for the plan's points in both modes."""
+        if self._features is None:
+            area = np.asarray(self.plan.piece_area, np.float64)
+            if self.tiles is None:
+                self._features = call_model.piece_features(None, area)
+            else:
+                maps = (p.block_map(*self.tiles) for p in self.pieces)
+                distinct = np.array([call_model.map_features(m) for m in maps])
+                self._features = distinct[self.index]
+        return self._features
 
 
 @cache
@@ -340,8 +343,9 @@ class JaxRanks(Ranks):
     ) -> dict[str, np.ndarray]:
         """Ranks.reference_rows computed on the device in float64: only the sampled rows' out
         and dq come back, not the keys they see (at 64 devices, millions of keys per head).
-        Rows, keys and intervals are padded to a few lengths, so a preset compiles it a few
-        times."""
+        Rows and intervals are padded to a few lengths and the keys walked in chunks
+        (_reference_passes), drawn again for the dq pass instead of held, so a preset compiles
+        it a few times and no pass holds more than a chunk of keys."""
         rows = np.concatenate(rows_of)
         gq = self.q_heads[u][heads]
         kv, kv_of = np.unique(
