@@ -127,7 +127,9 @@ def _add_dq_shared(
     keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
     consumers' reads of step n - 2 released it), a rendezvous, then each consumer's dq_columns
     slice issued before dK and read while dK's matmul runs (FlashAttention-3's dV, dQ, dK
-    order), and added by one TMA reduce-add."""
+    order), and added by one TMA reduce-add. When every consumer has a slice (D=128) its slice
+    is picked by index, not by a branch: ptxas serialises every wgmma of the kernel when dK's
+    stays in flight across the join of per-consumer branches."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
     pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
@@ -136,26 +138,29 @@ def _add_dq_shared(
     plgpu.barrier_arrive(ready.at[buf])
     plgpu.barrier_wait(ready.at[buf])
     columns = dq_columns(k_s.shape[-1])
-    for c, cols in enumerate(columns):
 
-        @pl.when(wg == c)
-        def _share(cols: slice = cols, c: int = c) -> None:
-            def run(acc: Any) -> jax.Array:
-                for j in range(CONSUMER_WARPGROUPS):
-                    ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
-                    plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
-                issue_dk()
-                return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dK still in flight
+    def share(cols: Any, stage: Any) -> None:
+        def run(acc: Any) -> jax.Array:
+            for j in range(CONSUMER_WARPGROUPS):
+                ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
+                plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
+            issue_dk()
+            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dK still in flight
 
-            part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
-            plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read the stage
-            stage = dq_s.at[c]
-            stage[...] = part
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage, dst.at[:, cols], reduction_op="add")
+        part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
+        plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read the stage
+        stage[...] = part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, dst.at[:, cols], reduction_op="add")
 
-    @pl.when(wg >= len(columns))
+    if len(columns) == CONSUMER_WARPGROUPS:
+        width = columns[0].stop
+        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg])
+        return
+    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0]))
+
+    @pl.when(wg > 0)
     def _no_share() -> None:
         issue_dk()
         plgpu.barrier_arrive(free.at[buf])
