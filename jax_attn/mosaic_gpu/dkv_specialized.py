@@ -126,10 +126,12 @@ def _add_dq_shared(
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
     keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
     consumers' reads of step n - 2 released it), a rendezvous, then each consumer's dq_columns
-    slice issued before dK and read while dK's matmul runs (FlashAttention-3's dV, dQ, dK
-    order), and added by one TMA reduce-add. When every consumer has a slice (D=128) its slice
-    is picked by index, not by a branch: ptxas serialises every wgmma of the kernel when dK's
-    stays in flight across the join of per-consumer branches."""
+    slice issued before dK (FlashAttention-3's dV, dQ, dK order) and added by one TMA
+    reduce-add. At D=64 consumer 0 computes it all and reads it while dK's matmul runs. At D=128
+    each consumer's slice is picked by index and read once dK is done too: measured on the H200
+    (mosaic_variants 39-*), a branch per consumer with dK in flight across their join made
+    ptxas serialise every wgmma of the kernel, and the index with dK in flight was 1.15-1.26x
+    slower than waiting for dK (fewer registers live under the store)."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
     pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
@@ -139,13 +141,13 @@ def _add_dq_shared(
     plgpu.barrier_wait(ready.at[buf])
     columns = dq_columns(k_s.shape[-1])
 
-    def share(cols: Any, stage: Any) -> None:
+    def share(cols: Any, stage: Any, wait_n: int) -> None:
         def run(acc: Any) -> jax.Array:
             for j in range(CONSUMER_WARPGROUPS):
                 ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
                 plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
             issue_dk()
-            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dK still in flight
+            return plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)  # 1: dK still in flight
 
         part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
         plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
@@ -156,9 +158,9 @@ def _add_dq_shared(
 
     if len(columns) == CONSUMER_WARPGROUPS:
         width = columns[0].stop
-        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg])
+        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg], wait_n=0)
         return
-    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0]))
+    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0], wait_n=1))
 
     @pl.when(wg > 0)
     def _no_share() -> None:
