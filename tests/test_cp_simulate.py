@@ -228,7 +228,6 @@ def _parts_add_up(runner, monkeypatch) -> None:
     ideal link the predicted time is steps x that time; the ranks' merged results passed the
     float64 check of the whole problem."""
     from experiments.runners import cp_simulate
-    from experiments.runners.cp_ranks import short_call_samples
 
     calls = []
 
@@ -247,8 +246,8 @@ def _parts_add_up(runner, monkeypatch) -> None:
     assert s["check_ranks"] == list(range(n))
     assert s["calls"]["total"] == 2 * steps * n
     assert 1 <= s["calls"]["distinct"] == s["calls"]["timed"]
-    # short calls: short_call_samples of each distinct call, `iters` of the baseline
-    assert sum(calls) == s["calls"]["distinct"] * short_call_samples(2.0, 2) + 2
+    # short calls: `iters` samples of each distinct call and of the baseline
+    assert sum(calls) == (s["calls"]["distinct"] + 1) * 2
     assert s["calls"]["distinct"] <= 2 * steps * n
     assert s["compute_ms"] == pytest.approx(2.0 * 2 * steps * n)
     assert result["metrics"]["time_ms"]["median"] == pytest.approx(2.0 * 2 * steps)
@@ -1413,31 +1412,22 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
     assert not bad.ok and "dk" in bad.message, bad.message
 
 
-@pytest.mark.parametrize("first_ms", [250.0, 30.0, 3.0, 0.2])
-def test_a_long_call_is_sampled_once_a_short_one_for_long_enough(first_ms):
+@pytest.mark.parametrize("first_ms,samples", [(250.0, 1), (3.0, 3)])
+def test_a_long_call_is_sampled_once(first_ms, samples):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
-    long; of a shorter one at least `iters`, and more until they add up to SAMPLE_MS (no more
-    than needed), capped at MAX_SAMPLES; each after one untimed run of the call."""
+    long, and `iters` of a shorter one, each after one untimed run of the call."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import LONG_CALL_MS, MAX_SAMPLES, SAMPLE_MS, Ranks
+    from experiments.runners.cp_ranks import LONG_CALL_MS, Ranks
 
-    iters = 3
+    assert first_ms >= LONG_CALL_MS or first_ms * 10 < LONG_CALL_MS
     made, asked = [], []
 
     def timer(call):
         made.append(call)
-        return lambda warmup, n: asked.append((warmup, n)) or [first_ms] * n
+        return lambda warmup, iters: asked.append((warmup, iters)) or [first_ms] * iters
 
-    times = Ranks.time(SimpleNamespace(timer=timer), ("call",), 2, iters)
+    times = Ranks.time(SimpleNamespace(timer=timer), ("call",), 2, 3)
+    assert times == [first_ms] * samples
     assert made == [("call",)]  # made ready (and run untimed) once
-    assert asked[0] == (2, 1) and all(w == 0 for w, _ in asked[1:])
-    assert times == [first_ms] * sum(n for _, n in asked)
-    if first_ms >= LONG_CALL_MS:
-        assert len(times) == 1
-        return
-    assert iters <= len(times) <= max(iters, MAX_SAMPLES)
-    if len(times) > iters:  # more than iters only to reach SAMPLE_MS, one sample at a time
-        assert sum(times[:-1]) < SAMPLE_MS
-        assert sum(times) >= SAMPLE_MS or len(times) == MAX_SAMPLES
-    assert (first_ms * iters < SAMPLE_MS) == (len(times) > iters)
+    assert sum(n for _, n in asked) == samples and asked[0] == (2, 1)

@@ -8,7 +8,6 @@ the record) is shared and lives in cp_simulate.py and cp_rank_checks.py.
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -21,8 +20,6 @@ from experiments.runners import checks, frameworks, inputs
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
 LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
-SAMPLE_MS = 20.0  # a shorter call is sampled until its samples add up to this much (Ranks.time)
-MAX_SAMPLES = 16  # ... but at most this many samples (or iters, where that is more)
 
 
 def draw_length(n: int) -> int:
@@ -45,16 +42,6 @@ def plan_settings(point: Point) -> dict:
         "num_heads_kv": point.heads_kv,
         "head_dim": point.head_dim,
     }
-
-
-def short_call_samples(first_ms: float, iters: int) -> int:
-    """Samples of a call whose first sample took first_ms: iters, or more where they add up to
-    less than SAMPLE_MS, up to MAX_SAMPLES. Two H200 runs of the same 8-GPU points predicted
-    the ring family's forward up to 50% apart (results/h200/cp_predict run 10), from classes of
-    calls of a few ms timed twice each, often right after seconds of host planning: a median
-    of more samples weighs one slow sample less."""
-    wanted = math.ceil(SAMPLE_MS / max(first_ms, 1e-3))
-    return max(iters, min(wanted, MAX_SAMPLES))
 
 
 class Ranks(ABC):
@@ -238,13 +225,13 @@ class Ranks(ABC):
 
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
-        first, then with the timing loop: one sample where that one takes at least LONG_CALL_MS
-        (its spread is small against its length, and at 64 devices an all-gather or Ulysses
-        call takes seconds), else short_call_samples(first, iters) samples."""
+        first, then with the timing loop: `iters` samples, or one where that one takes at least
+        LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
+        or Ulysses call takes seconds)."""
         sample = self.timer(call)
         times = sample(warmup, 1)
         if iters > 1 and times[0] < LONG_CALL_MS:
-            times += sample(0, short_call_samples(times[0], iters) - 1)
+            times += sample(0, iters - 1)
         return times
 
     @abstractmethod
