@@ -41,14 +41,17 @@ def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtyp
     return xs, [np.asarray(x.astype(jnp.float32), np.float64) for x in xs]
 
 
-def _check(mask, arrays, *, b, hq, hkv, d, dtype, config, seed=0, interpret=True) -> None:
-    """out and lse of the kernel vs the oracle, on every row (empty rows: 0 and -inf).
+def _check(
+    mask, arrays, *, b, hq, hkv, d, dtype, config, seed=0, interpret=True, scale=None
+) -> None:
+    """out and lse of the kernel vs the oracle, on every row (empty rows: 0 and -inf), at
+    `scale` (default d**-0.5).
 
     The interpreter fills output buffers with NaN, so a row the kernel never wrote fails the
     finiteness check.
     """
     (q, k, v), (q64, k64, v64) = _inputs(seed, b, mask.seqlen_q, mask.seqlen_k, hq, hkv, d, dtype)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     ref = reference_attention(q64, k64, v64, mask, scale=scale)
     out, lse = flash_attention_mosaic(
         q, k, v, arrays, scale=scale, return_lse=True, config=config, interpret=interpret
@@ -92,6 +95,15 @@ def test_masks_gqa_interpret(name: str) -> None:
     programs = mosaic_api._attention_jit._cache_size()
     _check(MASKS[name], SHARED[name], **kw)
     assert mosaic_api._attention_jit._cache_size() == programs
+
+
+@interpreted
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_scales_that_are_not_positive(scale: float) -> None:
+    """A negative or zero scale (the softmax scales the scores before their row max, where a
+    positive one takes the max of the raw scores), on masked and unmasked tiles."""
+    kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL, scale=scale)
+    _check(MASKS["causal_document"], SHARED["causal_document"], **kw)
 
 
 @interpreted
