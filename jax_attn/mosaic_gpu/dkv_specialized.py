@@ -11,7 +11,8 @@ Fused (fused_bwd), the CTA adds its 128 keys' share of each step's dQ once: both
 their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each computes
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
-dQ matmul goes between dV's and dK's, and dK's runs while the consumer stages and adds dQ.
+dQ matmul goes between dV's and dK's; at D=64 dK's runs while consumer 0 stages and adds dQ,
+at D=128 dQ is read once dK's is done too (_add_dq_shared says why).
 Head split (KernelConfig.dkv_head_split = s): s CTAs per (128 keys, kv head), each walking
 group / s of the GQA group's q heads into its own fp32 partial dK, dV (staged through an fp32
 SMEM tile), summed after the kernel; so a key tile that every row sees (share_question's
@@ -130,7 +131,7 @@ def _add_dq_shared(
     reduce-add. At D=64 consumer 0 computes it all and reads it while dK's matmul runs. At D=128
     each consumer's slice is picked by index and read once dK is done too: measured on the H200
     (mosaic_variants 39-*), a branch per consumer with dK in flight across their join made
-    ptxas serialise every wgmma of the kernel, and the index with dK in flight was 1.15-1.26x
+    ptxas serialise every wgmma of the kernel, and the index with dK in flight was 1.12-1.16x
     slower than waiting for dK (fewer registers live under the store)."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
