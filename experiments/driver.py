@@ -213,11 +213,17 @@ def _check_cpu_sizes(settings: Settings, grids: list[Grid], notes: list[str]) ->
 def _simulated_points(
     fw: str, grid: Grid, sizes: tuple[int, ...], settings: Settings, notes: list[str]
 ) -> list[Point]:
-    """A CP grid's points at each simulated device count, marked simulated with the link."""
-    out = []
-    for n in sizes:
-        points = _grid_points(fw, grid, n, settings, notes)
-        out += [dataclasses.replace(p, simulated=True, link=settings.link) for p in points]
+    """A CP grid's points at each simulated device count, marked simulated with the link: the
+    grid's first --seqlen at every device count, then the next, so a run cut short by its time
+    budget (and resumed later) has whole scaling curves first (8K tokens a GPU at 8-64 GPUs,
+    the published study's setting, before 32K at any)."""
+    out, own_notes = [], []
+    for seqlen in grid.seqlens:
+        one = grid.replace(seqlens=(seqlen,))
+        for n in sizes:
+            points = _grid_points(fw, one, n, settings, own_notes)
+            out += [dataclasses.replace(p, simulated=True, link=settings.link) for p in points]
+    notes += [n for n in dict.fromkeys(own_notes) if n not in notes]
     return out
 
 

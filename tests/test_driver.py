@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -963,3 +964,31 @@ def test_gpu_runs_keep_compiled_programs_in_the_repo_cache():
         assert jax_runner.use_compilation_cache(jax) == "/elsewhere"
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_simulated_points_cover_every_device_count_at_one_length_first():
+    """--simulate_devices lists the grid's first --seqlen at every device count (in the order
+    given) before any point of the next length, each (length, count) block in the grid's own
+    order, and the same points as expanding each device count alone."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from experiments import driver
+    from experiments.core import presets
+
+    (grid,) = presets.get_preset("cp_predict", on_gpu=True).cp
+    sizes = (16, 8, 64)
+    settings = SimpleNamespace(
+        seed=42, ulysses_size=None, ulysses_intra_node=True, workload="attention", link="l"
+    )
+    points = driver._simulated_points("jax", grid, sizes, settings, [])
+    assert len(grid.seqlens) > 1 and all(p.simulated and p.link == "l" for p in points)
+    blocks = list(dict.fromkeys((p.seqlen_per_device, p.num_devices) for p in points))
+    assert blocks == [(s, n) for s in grid.seqlens for n in sizes]
+    for s, n in blocks:
+        one = driver._grid_points("jax", grid.replace(seqlens=(s,)), n, settings, [])
+        block = [p for p in points if (p.seqlen_per_device, p.num_devices) == (s, n)]
+        assert [dataclasses.replace(p, simulated=False, link=one[0].link) for p in block] == one
+    alone = [p for n in sizes for p in driver._grid_points("jax", grid, n, settings, [])]
+    plain = [dataclasses.replace(p, simulated=False, link=alone[0].link) for p in points]
+    assert Counter(plain) == Counter(alone)
