@@ -166,9 +166,25 @@ WARP_SPECIALISED = {
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
     ),
+    # the consumers' ping-pong barrier, also on key tiles that no query sees (no step at all)
+    "ws_pingpong_gaps": (KernelConfig(bwd_warpgroups=2, bwd_pingpong=True), "gaps_sq_ne_sk"),
+    "ws_pingpong_overlap_split_d128": (
+        KernelConfig(
+            bwd_warpgroups=2,
+            dq_warpgroups=2,
+            bwd_pingpong=True,
+            bwd_overlap=True,
+            dkv_head_split=2,
+        ),
+        "share_question_gqa4",
+    ),  # fmt: skip
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
-HEAD_DIMS = {"ws_fused_d128": 128, "ws_head_split_4_d128": 128}
+HEAD_DIMS = {
+    "ws_fused_d128": 128,
+    "ws_head_split_4_d128": 128,
+    "ws_pingpong_overlap_split_d128": 128,
+}
 
 
 @pytest.mark.parametrize("name", sorted(WARP_SPECIALISED))
@@ -204,6 +220,16 @@ def test_head_split_refusals(interpret) -> None:
         KernelConfig(dkv_head_split=2)
     with pytest.raises(ValueError, match="fused_bwd=True"):
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_head_split=2)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(fused_bwd=True), dict(num_stages_bwd=1)], ids=str)
+def test_pingpong_refusals(changes: dict) -> None:
+    """bwd_pingpong names what it needs and what it got: the unfused warp-specialised dK/dV
+    kernel and a ring of two stages or more (one stage would deadlock the turns)."""
+    warpgroups = 1 if not changes else 2
+    with pytest.raises(ValueError, match="bwd_pingpong needs .* at least two stages") as e:
+        KernelConfig(bwd_warpgroups=warpgroups, bwd_pingpong=True, **changes)
+    assert f"bwd_warpgroups={warpgroups}" in str(e.value)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -296,6 +322,7 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2),
+        KernelConfig(bwd_warpgroups=2, bwd_pingpong=True),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -319,6 +319,7 @@ def _kernels(
             block_k=dkv_tile,
             fused=config.fused_bwd,
             head_split=split,
+            pingpong=config.bwd_pingpong,
             **common,
         ),
         Kernel(

@@ -39,6 +39,7 @@ class Kernel:
     tiles_fastest: bool = False  # launch order of the grid (KernelConfig.tiles_fastest)
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
+    pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
 
     @property
     def qk_scale(self) -> float:
@@ -89,14 +90,18 @@ def visible(
 
 
 def two_matmuls(
-    a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], first: Callable, *, early: bool
-) -> tuple:
+    a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], first: Callable, *, early: bool,
+    issued: Callable[[], None] | None = None,
+) -> tuple:  # fmt: skip
     """(first(a0 @ b0), a1 @ b1) from fresh fp32 accumulators, both wgmmas in flight together.
-    early: first runs as soon as a0 @ b0 is done, while a1 @ b1 still runs; else after both."""
+    early: first runs as soon as a0 @ b0 is done, while a1 @ b1 still runs; else after both.
+    issued, when given, runs once both are issued, before either is waited for."""
 
     def run(acc0: Any, acc1: Any) -> tuple[jax.Array, jax.Array]:
         plgpu.wgmma(acc0, a0, b0)
         plgpu.wgmma(acc1, a1, b1)
+        if issued is not None:
+            issued()
         if early:
             done = first(plgpu.wgmma_accumulator_load(acc0, wait_n=1))
             return done, acc1[...]
@@ -281,12 +286,14 @@ def dkv_step(
     kern: Kernel, k_s: Any, v_s: Any, slot: tuple, col0: jax.Array, masked: bool,
     dk_acc: Any, dv_acc: Any,
     around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
+    turn: Callable[[], None] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
     around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
-    (the fused kernel's dQ matmul) or run while dK's matmul is in flight."""
+    (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
+    runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
 
@@ -298,10 +305,12 @@ def dkv_step(
 
     p_t, dp_t = two_matmuls(
         k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
-        probabilities, early=kern.overlap,
+        probabilities, early=kern.overlap, issued=turn,
     )  # fmt: skip
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
     ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
+    if turn is not None:
+        turn()
     plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
     if around_dk is None:
         plgpu.wgmma(dk_acc, ds_t, q)

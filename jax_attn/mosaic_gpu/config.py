@@ -66,6 +66,11 @@ class KernelConfig:
     the default bands by each tile's own walk, which spreads a causal document's tiles over
     every band. Measured 5-9% faster on causal_document at 64:64, slower at 64:8 and on
     full_document (NOTES.md).
+    bwd_pingpong: the warp-specialised unfused dK/dV kernel's two consumers take turns on the
+    tensor cores through a 2-arrival barrier, as the forward's do (FlashAttention-3's
+    scheduling): one issues its S^T and dP^T matmuls while the other runs its softmax and
+    issues dV and dK, where without it their phases may coincide and leave the tensor cores
+    idle. Needs a ring of at least two stages.
     """
 
     block_q: int = 64
@@ -87,6 +92,7 @@ class KernelConfig:
     consumer_registers: int = 232
     dkv_head_split: int | None = 1
     deal_by_walk_start: bool = False
+    bwd_pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -139,6 +145,15 @@ class KernelConfig:
             raise ValueError(
                 "deal_by_walk_start orders the persistent forward's deal: it needs "
                 "persistent_fwd=True, got persistent_fwd=False"
+            )
+        if self.bwd_pingpong and (
+            self.bwd_warpgroups != CONSUMER_WARPGROUPS or self.fused_bwd or self.num_stages_bwd == 1
+        ):
+            raise ValueError(
+                "bwd_pingpong needs the warp-specialised unfused dK/dV kernel with a ring of at "
+                f"least two stages (bwd_warpgroups=2, fused_bwd=False, num_stages_bwd None or "
+                f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
+                f"num_stages_bwd={self.num_stages_bwd}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

@@ -13,6 +13,9 @@ dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) 
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
 dQ matmul goes between dV's and dK's; at D=64 dK's runs while consumer 0 stages and adds dQ,
 at D=128 dQ is read once dK's is done too (_add_dq_shared says why).
+Ping-pong (KernelConfig.bwd_pingpong): the consumers meet at a 2-arrival barrier once their S^T
+and dP^T are issued and again before dV is, consumer 1 starting half a step behind, so one's
+matmuls run while the other computes its softmax (the forward's and FlashAttention-3's order).
 Head split (KernelConfig.dkv_head_split = s): s CTAs per (128 keys, kv head), each walking
 group / s of the GQA group's q heads into its own fp32 partial dK, dV (staged through an fp32
 SMEM tile), summed after the kernel; so a key tile that every row sees (share_question's
@@ -60,6 +63,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     kv_bar, ready, free = refs[10:13]
     shared_dq = refs[13:] if kern.fused else None
     stage = refs[13] if kern.head_split > 1 else None  # (consumers, keys, D) fp32 partials
+    sched = refs[-1] if kern.pingpong else None  # the consumers' 2-arrival ping-pong barrier
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
     tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
@@ -79,6 +83,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_own, kv_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_own, kv_bar.at[wg])
 
+        def pingpong() -> None:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        turn = pingpong if kern.pingpong else None
+
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
             def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                 refs = tuple(x.at[slot] for x in ring)
@@ -87,10 +97,14 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                     start, head = walk.at(n)
                     dst = dq_ref.at[batch, pl.ds(start, bq), head]
                     around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
-                dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk)
+                dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn)
 
             plgpu.barrier_wait(kv_bar.at[wg])
+            if kern.pingpong:  # consumer 1 half a step behind: its matmuls meet 0's softmax
+                pl.when(wg == 1)(pingpong)
             consume(total, n_masked, stages, ready, free, step)
+            if kern.pingpong:  # consumer 0 makes up the turn it is ahead
+                pl.when(wg == 0)(pingpong)
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
@@ -194,6 +208,8 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         ]
     if kern.head_split > 1:  # each consumer's fp32 staging tile for its partial dK, dV
         scratch.append(plgpu.SMEM((CONSUMER_WARPGROUPS, bk, d), jnp.float32))
+    if kern.pingpong:  # the consumers' turns on the tensor cores
+        scratch.append(plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS))
     grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2] * kern.head_split, k.shape[0])
     name = "mosaic_flash_dkv_ws"
     return launch_dkv(
