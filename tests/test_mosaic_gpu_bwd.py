@@ -103,6 +103,12 @@ CASES = {
 WS_ONLY_CASES = {
     "causal_document_600": dict(mask=make_mask("causal_document", 600, seed=4), hq=2, hkv=1),
     "share_question_gqa4": dict(mask=make_mask("share_question", 320), hq=4, hkv=1),
+    # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
+    "empty_tiles": dict(
+        mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
+        hq=2,
+        hkv=1,
+    ),
 }
 
 
@@ -166,8 +172,11 @@ WARP_SPECIALISED = {
         KernelConfig(fused_bwd=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
     ),
-    # the consumers' ping-pong barrier, also on key tiles that no query sees (no step at all)
-    "ws_pingpong_gaps": (KernelConfig(bwd_warpgroups=2, bwd_pingpong=True), "gaps_sq_ne_sk"),
+    # the consumers' ping-pong barrier in both kernels, also in CTAs that walk no step
+    "ws_pingpong_empty_tiles": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True),
+        "empty_tiles",
+    ),
     "ws_pingpong_overlap_split_d128": (
         KernelConfig(
             bwd_warpgroups=2,
@@ -322,7 +331,7 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2),
-        KernelConfig(bwd_warpgroups=2, bwd_pingpong=True),
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_pingpong=True),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

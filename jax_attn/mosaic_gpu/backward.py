@@ -325,6 +325,7 @@ def _kernels(
         Kernel(
             block_q=dq_tile,
             block_k=_kernel_tile(config.block_k_dq, "block_k_dq", mbk),
+            pingpong=config.bwd_pingpong and config.dq_warpgroups == CONSUMER_WARPGROUPS,
             **common,
         ),
     )

@@ -320,12 +320,14 @@ def dkv_step(
 
 
 def dq_step(
-    kern: Kernel, rows: tuple, k: Any, v: Any, key0: jax.Array | None, masked: bool, dq_acc: Any
-) -> None:
+    kern: Kernel, rows: tuple, k: Any, v: Any, key0: jax.Array | None, masked: bool, dq_acc: Any,
+    turn: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """One (queries x keys) step of dQ: S and dP of the rows' (q, dO) against the slot's K, V,
     the mask on partial tiles from the rows' intervals, then dQ += dS K issued with dS as the
     register A operand. rows: (q, dO, lo, hi) SMEM refs and the broadcast LSE and delta; key0:
-    the first key of the step (read only when masked)."""
+    the first key of the step (read only when masked). turn, when given, runs once S and dP
+    are issued and again before dQ's matmul is: the consumers' ping-pong."""
     q, do, lo_s, hi_s, lse, delta = rows
     shape = lse.shape
 
@@ -337,9 +339,12 @@ def dq_step(
 
     p, dp = two_matmuls(
         q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape,
-        probabilities, early=kern.overlap,
+        probabilities, early=kern.overlap, issued=turn,
     )  # fmt: skip
-    plgpu.wgmma(dq_acc, (p * (dp - delta)).astype(k.dtype), k)
+    ds = (p * (dp - delta)).astype(k.dtype)
+    if turn is not None:
+        turn()
+    plgpu.wgmma(dq_acc, ds, k)
 
 
 def add_dq(ds_t: jax.Array, k_s: Any, ds_s: Any, dq_s: Any, dst: Any) -> None:

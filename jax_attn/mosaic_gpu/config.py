@@ -66,11 +66,12 @@ class KernelConfig:
     the default bands by each tile's own walk, which spreads a causal document's tiles over
     every band. Measured 5-9% faster on causal_document at 64:64, slower at 64:8 and on
     full_document (NOTES.md).
-    bwd_pingpong: the warp-specialised unfused dK/dV kernel's two consumers take turns on the
-    tensor cores through a 2-arrival barrier, as the forward's do (FlashAttention-3's
-    scheduling): one issues its S^T and dP^T matmuls while the other runs its softmax and
-    issues dV and dK, where without it their phases may coincide and leave the tensor cores
-    idle. Needs a ring of at least two stages.
+    bwd_pingpong: the two consumers of the warp-specialised unfused dK/dV kernel (and of the
+    dQ kernel with dq_warpgroups=2) take turns on the tensor cores through a 2-arrival
+    barrier, as the forward's do (FlashAttention-3's scheduling): one issues its S and dP
+    matmuls while the other runs its softmax and issues its last matmuls, where without it
+    their phases may coincide and leave the tensor cores idle. Needs a ring of at least two
+    stages.
     """
 
     block_q: int = 64

@@ -47,7 +47,7 @@ from .bwd_steps import (
     tile_smem,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
-from .ws_ring import consume, drain, produce
+from .ws_ring import consume, drain, produce, take_turns
 
 INPUTS = 11  # q, k, v, dO, LSE, delta, lo, hi and the three tile-list arrays
 DS_BUFFERS = 2  # the fused dQ's shared dS^T tiles: step n writes buffer n mod 2
@@ -83,28 +83,23 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_own, kv_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_own, kv_bar.at[wg])
 
-        def pingpong() -> None:
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
-
-        turn = pingpong if kern.pingpong else None
-
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
-            def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
-                refs = tuple(x.at[slot] for x in ring)
-                around_dk = None
-                if kern.fused:
-                    start, head = walk.at(n)
-                    dst = dq_ref.at[batch, pl.ds(start, bq), head]
-                    around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
-                dkv_step(kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn)
+            def steps(turn: Callable[[], None] | None) -> None:
+                def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
+                    refs = tuple(x.at[slot] for x in ring)
+                    around_dk = None
+                    if kern.fused:
+                        start, head = walk.at(n)
+                        dst = dq_ref.at[batch, pl.ds(start, bq), head]
+                        around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
+                    dkv_step(
+                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
+                    )
+
+                consume(total, n_masked, stages, ready, free, step)
 
             plgpu.barrier_wait(kv_bar.at[wg])
-            if kern.pingpong:  # consumer 1 half a step behind: its matmuls meet 0's softmax
-                pl.when(wg == 1)(pingpong)
-            consume(total, n_masked, stages, ready, free, step)
-            if kern.pingpong:  # consumer 0 makes up the turn it is ahead
-                pl.when(wg == 0)(pingpong)
+            take_turns(sched, wg, steps)
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)

@@ -6,11 +6,13 @@ larger one, walking that mask tile's key-tile list): consumer warpgroups 0 and 1
 each own 64 of its rows (their q, dO, LSE, delta, row intervals and dQ accumulator), and
 warpgroup 2 is the producer, TMA-loading the K and V tiles of every listed key tile into a ring
 of SMEM slots that both consumers read (ws_ring.py). So K and V are loaded once per 128 rows
-instead of once per 64, and no consumer issues a copy inside the walk.
+instead of once per 64, and no consumer issues a copy inside the walk. With
+KernelConfig.bwd_pingpong the consumers take turns on the tensor cores (ws_ring.take_turns).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,7 +32,7 @@ from .bwd_steps import (
     tile_start,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
-from .ws_ring import consume, produce
+from .ws_ring import consume, produce, take_turns
 
 ROW_COPIES = 6  # q, dO, LSE, delta, lo, hi of a consumer's rows: its row barrier's arrivals
 
@@ -39,7 +41,8 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     """refs: q, k, v, dO, LSE, delta, lo, hi, the three tile-list arrays, dQ, then the scratch."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref = refs[:8]
     index_ref, n_partial_ref, count_ref, dq_ref = refs[8:12]
-    q_s, do_s, lse_s, delta_s, lo_s, hi_s, k_s, v_s, row_bar, ready, free = refs[12:]
+    q_s, do_s, lse_s, delta_s, lo_s, hi_s, k_s, v_s, row_bar, ready, free = refs[12:23]
+    sched = refs[23] if kern.pingpong else None  # the consumers' 2-arrival ping-pong barrier
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
     part, head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
@@ -70,11 +73,15 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             delta = broadcast(row_vector(delta_own, kern, 1), shape, 1)
             row_refs = (q_own, do_own, lo_own, hi_own, lse, delta)
 
-            def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
-                key0 = tile_start(index_ref, tile, n, kern.mask_block_k, bk) if masked else None
-                dq_step(kern, row_refs, k_s.at[slot], v_s.at[slot], key0, masked, dq_acc)
+            def steps(turn: Callable[[], None] | None) -> None:
+                def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
+                    key0 = tile_start(index_ref, tile, n, kern.mask_block_k, bk) if masked else None
+                    k, v = k_s.at[slot], v_s.at[slot]
+                    dq_step(kern, row_refs, k, v, key0, masked, dq_acc, turn)
 
-            consume(total, n_masked, stages, ready, free, step)
+                consume(total, n_masked, stages, ready, free, step)
+
+            take_turns(sched, wg, steps)
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, plgpu.ACC((bq, q_s.shape[-1]), jnp.float32))
@@ -113,6 +120,8 @@ def dq_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> jax.
         plgpu.Barrier(num_arrivals=2, num_barriers=st),
         plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=st),
     ]
+    if kern.pingpong:  # the consumers' turns on the tensor cores
+        scratch.append(plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS))
     grid = (q.shape[1] // (CONSUMER_WARPGROUPS * bq), q.shape[2], q.shape[0])
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     name = "mosaic_flash_dq_ws"

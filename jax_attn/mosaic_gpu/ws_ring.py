@@ -51,6 +51,28 @@ def consume(
     pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
 
 
+def take_turns(
+    sched: Any | None, wg: jax.Array, walk: Callable[[Callable[[], None] | None], None]
+) -> None:
+    """walk(turn): with a 2-arrival barrier `sched`, turn() meets the other consumer there
+    (the consumers call it twice a step: once their first matmuls are issued, and before their
+    last ones), consumer 1 starting one turn behind and consumer 0 making that turn up at the
+    end, so one's matmuls run while the other computes (FlashAttention-3's ping-pong) and both
+    observe every phase; without it, walk(None). Needs two ring stages or more: with one, a
+    consumer waiting its turn would hold the slot the other needs."""
+    if sched is None:
+        walk(None)
+        return
+
+    def turn() -> None:
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    pl.when(wg == 1)(turn)
+    walk(turn)
+    pl.when(wg == 0)(turn)
+
+
 def produce(
     total: jax.Array, stages: int, free: Any, fetch: Callable[[jax.Array, jax.Array], None]
 ) -> None:
