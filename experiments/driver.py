@@ -217,14 +217,21 @@ def _simulated_points(
     grid's first --seqlen at every device count, then the next, so a run cut short by its time
     budget (and resumed later) has whole scaling curves first (8K tokens a GPU at 8-64 GPUs,
     the published study's setting, before 32K at any)."""
-    out, own_notes = [], []
-    for seqlen in grid.seqlens:
-        one = grid.replace(seqlens=(seqlen,))
-        for n in sizes:
-            points = _grid_points(fw, one, n, settings, own_notes)
-            out += [dataclasses.replace(p, simulated=True, link=settings.link) for p in points]
+    own_notes: list[str] = []
+    by_count = {
+        n: [
+            dataclasses.replace(p, simulated=True, link=settings.link)
+            for p in _grid_points(fw, grid, n, settings, own_notes)
+        ]
+        for n in sizes
+    }
     notes += [n for n in dict.fromkeys(own_notes) if n not in notes]
-    return out
+    return [p for s in grid.seqlens for n in sizes for p in by_count[n] if _grid_seqlen(p) == s]
+
+
+def _grid_seqlen(p: Point) -> int:
+    """The --seqlen value a CP point came from: tokens per device under weak scaling."""
+    return p.seqlen_total // p.num_devices if p.scaling == "weak" else p.seqlen_total
 
 
 def _check_simulation(settings: Settings, simulate: bool) -> None:

@@ -966,10 +966,12 @@ def test_gpu_runs_keep_compiled_programs_in_the_repo_cache():
         jax.config.update("jax_compilation_cache_dir", before)
 
 
-def test_simulated_points_cover_every_device_count_at_one_length_first():
+@pytest.mark.parametrize("impls", [None, ("all",)])
+def test_simulated_points_cover_every_device_count_at_one_length_first(impls):
     """--simulate_devices lists the grid's first --seqlen at every device count (in the order
     given) before any point of the next length, each (length, count) block in the grid's own
-    order, and the same points as expanding each device count alone."""
+    order, and the same points as expanding each device count alone (with impls 'all' too,
+    whose kept impls are chosen per device count over every length)."""
     from collections import Counter
     from types import SimpleNamespace
 
@@ -977,6 +979,7 @@ def test_simulated_points_cover_every_device_count_at_one_length_first():
     from experiments.core import presets
 
     (grid,) = presets.get_preset("cp_predict", on_gpu=True).cp
+    grid = grid if impls is None else grid.replace(impls=impls, masks=grid.masks[:2])
     sizes = (16, 8, 64)
     settings = SimpleNamespace(
         seed=42, ulysses_size=None, ulysses_intra_node=True, workload="attention", link="l"
@@ -985,10 +988,10 @@ def test_simulated_points_cover_every_device_count_at_one_length_first():
     assert len(grid.seqlens) > 1 and all(p.simulated and p.link == "l" for p in points)
     blocks = list(dict.fromkeys((p.seqlen_per_device, p.num_devices) for p in points))
     assert blocks == [(s, n) for s in grid.seqlens for n in sizes]
+    alone = [p for n in sizes for p in driver._grid_points("jax", grid, n, settings, [])]
     for s, n in blocks:
-        one = driver._grid_points("jax", grid.replace(seqlens=(s,)), n, settings, [])
+        one = [p for p in alone if (p.seqlen_per_device, p.num_devices) == (s, n)]
         block = [p for p in points if (p.seqlen_per_device, p.num_devices) == (s, n)]
         assert [dataclasses.replace(p, simulated=False, link=one[0].link) for p in block] == one
-    alone = [p for n in sizes for p in driver._grid_points("jax", grid, n, settings, [])]
     plain = [dataclasses.replace(p, simulated=False, link=alone[0].link) for p in points]
     assert Counter(plain) == Counter(alone)

@@ -102,8 +102,12 @@ def test_masks_gqa_interpret(name: str) -> None:
 def test_scales_that_are_not_positive(scale: float) -> None:
     """A negative or zero scale (the softmax scales the scores before their row max, where a
     positive one takes the max of the raw scores), on masked and unmasked tiles."""
+    kv = SHARED["causal"].kv
+    full, count = np.asarray(kv.full).astype(bool), np.asarray(kv.count)
+    kinds = full[np.arange(full.shape[-1]) < count[..., None]]
+    assert kinds.any() and not kinds.all(), "causal lists full and partial tiles"
     kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL, scale=scale)
-    _check(MASKS["causal_document"], SHARED["causal_document"], **kw)
+    _check(MASKS["causal"], SHARED["causal"], **kw)
 
 
 @interpreted

@@ -177,6 +177,10 @@ WARP_SPECIALISED = {
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True),
         "empty_tiles",
     ),
+    "ws_pingpong_3stages": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True, num_stages_bwd=3),
+        "causal_gqa_ragged_fp16",
+    ),
     "ws_pingpong_overlap_split_d128": (
         KernelConfig(
             bwd_warpgroups=2,
@@ -238,7 +242,8 @@ def test_pingpong_refusals(changes: dict) -> None:
     warpgroups = 1 if not changes else 2
     with pytest.raises(ValueError, match="bwd_pingpong needs .* at least two stages") as e:
         KernelConfig(bwd_warpgroups=warpgroups, bwd_pingpong=True, **changes)
-    assert f"bwd_warpgroups={warpgroups}" in str(e.value)
+    got = dict(bwd_warpgroups=warpgroups, fused_bwd=False, num_stages_bwd=None) | changes
+    assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
