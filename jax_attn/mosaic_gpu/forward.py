@@ -251,21 +251,16 @@ def _kernel(
                     return lax.rem(n if base is None else n + base, stages)
 
                 def softmax(s: jax.Array, carry: tuple, n: jax.Array, masked: bool) -> tuple:
-                    """Scores s of step n, scaled and masked, into (O rescaled, m, l, P in the
-                    input dtype)."""
+                    """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
+                    dtype)."""
                     acc, m_prev, l_prev = carry
-                    # c > 0: max(c s) = c max(s), so the max runs on the raw scores and c
-                    # enters each exponent through one FFMA, no multiply per score for the max
-                    raw = qk_scale > 0
-                    if not raw:
-                        s = s * qk_scale
+                    s = s * qk_scale
                     if masked:
                         s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
-                    row_max = s.max(axis=1)
-                    m_next = jnp.maximum(m_prev, row_max * qk_scale if raw else row_max)
+                    m_next = jnp.maximum(m_prev, s.max(axis=1))
                     m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
                     alpha = jnp.exp2(m_prev - m_use)
-                    p = jnp.exp2((s * qk_scale if raw else s) - _rows(m_use, s.shape))
+                    p = jnp.exp2(s - _rows(m_use, s.shape))
                     l_next = l_prev * alpha + p.sum(axis=1)
                     acc = acc * _rows(alpha, acc.shape)
                     p16 = p.astype(dtype)
