@@ -182,10 +182,12 @@ def _reference_passes():
     import jax
     import jax.numpy as jnp
 
-    def scores(q, k, j, kv_of, seen, scale):
+    def scores(q, k, v, j, kv_of, seen, scale):
+        """Query head j's masked, scaled float64 scores over the chunk, and its K and V."""
         qj = jnp.take(q, j, axis=2).astype(jnp.float64)
-        kj = jnp.take(k, kv_of[j], axis=2).astype(jnp.float64)
-        return jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf), kj
+        kj, vj = (jnp.take(x, kv_of[j], axis=2).astype(jnp.float64) for x in (k, v))
+        s = jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf)
+        return s, kj, vj
 
     def visible(lo, hi, cols):
         return ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
@@ -195,8 +197,7 @@ def _reference_passes():
 
         def head(args):
             j, top, total, acc = args
-            s, _ = scores(q, k, j, kv_of, seen, scale)
-            vj = jnp.take(v, kv_of[j], axis=2).astype(jnp.float64)
+            s, _, vj = scores(q, k, v, j, kv_of, seen, scale)
             new_top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
             shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
             p, alpha = jnp.exp(s - shift), jnp.exp(top - shift)
@@ -210,8 +211,7 @@ def _reference_passes():
 
         def head(args):
             j, dq_j, out_j, lse_j = args
-            s, kj = scores(q, k, j, kv_of, seen, scale)
-            vj = jnp.take(v, kv_of[j], axis=2).astype(jnp.float64)
+            s, kj, vj = scores(q, k, v, j, kv_of, seen, scale)
             doj = jnp.take(dout, j, axis=2).astype(jnp.float64)
             p = jnp.where(jnp.isfinite(lse_j), jnp.exp(s - lse_j), 0.0)
             dp = jnp.einsum("bnd,bmd->bnm", doj, vj)

@@ -23,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LN2, LOG2E
 from .config import CONSUMER_WARPGROUPS, PRODUCER, KernelConfig, grid_axes
+from .ws_ring import take_turn, take_turns
 
 HOPPER_SMS = 132  # H100/H200 SXM: persistent CTAs when lowering without a GPU attached
 INTERPRET_CTAS = 5  # persistent CTAs under the interpreter: several items each, unevenly
@@ -210,9 +211,7 @@ def _kernel(
             tile = geo.num_q_tiles - 1 - lax.axis_index("q")  # longest (last) q tiles first
             first = (tile, lax.axis_index("heads"), lax.axis_index("batch"))
 
-        def pingpong() -> None:
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        pingpong = functools.partial(take_turn, sched)
 
         @pl.when(wg < PRODUCER)
         def _consumer() -> None:
@@ -327,26 +326,28 @@ def _kernel(
                     _row_layout(jnp.zeros((bq,), jnp.float32)),
                 )
                 n_partial = n_partial_ref[tile]
-                if turns:
-                    pl.when(wg == 1)(pingpong)
-                if geo.overlap:
 
-                    def first_qk(acc_ref: Any) -> jax.Array:
-                        pl.when(count > 0)(lambda: issue_qk(acc_ref, ring(jnp.int32(0))))
-                        return acc_ref[...]
-
-                    s0 = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
-                    pl.when(count > 0)(lambda: plgpu.barrier_arrive(k_free.at[ring(jnp.int32(0))]))
-                    carry = (*carry, s0)
-                    walk = overlapped_step
-                else:
+                def steps(_: Any, carry: tuple = carry) -> tuple:
                     walk = step
-                carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
-                carry = lax.fori_loop(
-                    n_partial, count, functools.partial(walk, masked=False), carry
-                )
-                if turns:
-                    pl.when(wg == 0)(pingpong)
+                    if geo.overlap:
+
+                        def first_qk(acc_ref: Any) -> jax.Array:
+                            pl.when(count > 0)(lambda: issue_qk(acc_ref, ring(jnp.int32(0))))
+                            return acc_ref[...]
+
+                        s0 = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
+
+                        @pl.when(count > 0)
+                        def _release_first() -> None:
+                            plgpu.barrier_arrive(k_free.at[ring(jnp.int32(0))])
+
+                        carry, walk = (*carry, s0), overlapped_step
+                    carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
+                    return lax.fori_loop(
+                        n_partial, count, functools.partial(walk, masked=False), carry
+                    )
+
+                carry = take_turns(sched if turns else None, wg, steps)
                 acc, m, denom = carry[:3]
                 empty = denom == 0.0
                 denom = jnp.where(empty, 1.0, denom)
@@ -361,7 +362,6 @@ def _kernel(
 
             if geo.persistent:
                 load_item(_item(items_ref, _snake(geo, cta, 0)), 0)
-                pl.when(wg == 1)(pingpong)
 
                 def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
                     flat = _snake(geo, cta, local)
@@ -376,8 +376,11 @@ def _kernel(
                     run_item(item, b, base, turns=False)
                     return base + count_ref[item[0]]
 
-                lax.fori_loop(0, local_items, persistent_item, jnp.int32(0))
-                pl.when(wg == 0)(pingpong)
+                take_turns(
+                    sched,
+                    wg,
+                    lambda _: lax.fori_loop(0, local_items, persistent_item, jnp.int32(0)),
+                )
             else:
                 load_item(first, 0)
                 run_item(first, 0, None, turns=True)

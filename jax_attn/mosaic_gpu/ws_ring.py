@@ -9,14 +9,17 @@ after both released it, and at the end observes the release phases it has not wa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+T = TypeVar("T")
 
 
 def consume(
@@ -51,26 +54,29 @@ def consume(
     pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
 
 
+def take_turn(sched: Any) -> None:
+    """Meet the other consumer warpgroup at the 2-arrival barrier `sched` (one turn)."""
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+
 def take_turns(
-    sched: Any | None, wg: jax.Array, walk: Callable[[Callable[[], None] | None], None]
-) -> None:
-    """walk(turn): with a 2-arrival barrier `sched`, turn() meets the other consumer there
-    (the consumers call it twice a step: once their first matmuls are issued, and before their
-    last ones), consumer 1 starting one turn behind and consumer 0 making that turn up at the
-    end, so one's matmuls run while the other computes (FlashAttention-3's ping-pong) and both
-    observe every phase; without it, walk(None). Needs two ring stages or more: with one, a
-    consumer waiting its turn would hold the slot the other needs."""
+    sched: Any | None, wg: jax.Array, walk: Callable[[Callable[[], None] | None], T]
+) -> T:
+    """walk(turn)'s result: with a 2-arrival barrier `sched`, turn() meets the other consumer
+    there (the consumers call it twice a step: once their first matmuls are issued, and before
+    their last ones), consumer 1 starting one turn behind and consumer 0 making that turn up at
+    the end, so one's matmuls run while the other computes (FlashAttention-3's ping-pong) and
+    both observe every phase; without it, walk(None). A ring of operands the consumers share
+    needs two stages or more: with one, a consumer waiting its turn would hold the slot the
+    other needs."""
     if sched is None:
-        walk(None)
-        return
-
-    def turn() -> None:
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
-
+        return walk(None)
+    turn = functools.partial(take_turn, sched)
     pl.when(wg == 1)(turn)
-    walk(turn)
+    out = walk(turn)
     pl.when(wg == 0)(turn)
+    return out
 
 
 def produce(
