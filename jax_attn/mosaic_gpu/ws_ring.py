@@ -5,6 +5,7 @@ Slot n mod stages holds step n. `ready[slot]` completes when the slot's copies l
 consumer releases a slot on `free[slot]` (one arrival per consumer) once the matmuls of its step
 on it are done, which it waits at the start of its next step; the producer refills a slot only
 after both released it, and at the end observes the release phases it has not waited yet.
+The consumers' turns on the tensor cores (take_turns) serve the forward kernel too.
 """
 
 from __future__ import annotations
