@@ -13,7 +13,7 @@ from pathlib import Path
 
 from experiments.core.outcomes import SCALED
 from experiments.core.progress import wall_seconds
-from experiments.reports import plots, report_cp
+from experiments.reports import plots, published_cp, report_cp
 from experiments.reports.report_parts import (
     POINT_FIELDS,
     md_table,
@@ -316,6 +316,7 @@ def write_sim_report(
         *model_error(sims),
         *predictor_cost(sims),
         *tables(rows),
+        *published_cp.table(rows),
     ]
     comparison = compare(sims, read_results(list(compare_with))) if compare_with else []
     if compare_with:
