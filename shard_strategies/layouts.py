@@ -6,6 +6,7 @@ extends the mask to the padded length), so any sequence length works under any l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,10 +160,12 @@ def make_layout(
         )
     if ring_size < 1 or multiple < 1:
         raise ValueError(f"ring_size and multiple must be >= 1, got {ring_size}, {multiple}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    if ring_size == 1:  # one rank holds every position: any layout is the sequence in order
+        return dataclasses.replace(contiguous_layout(mask.seqlen_q, 1, multiple), name=layout)
     if layout == "contiguous":
         return contiguous_layout(mask.seqlen_q, ring_size, multiple)
     if layout == "zigzag":
         return zigzag_layout(mask, ring_size, multiple)
-    if layout == "balanced":
-        return balanced_layout(mask, ring_size, multiple, chunks_per_rank)
-    raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    return balanced_layout(mask, ring_size, multiple, chunks_per_rank)

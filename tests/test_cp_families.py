@@ -178,7 +178,7 @@ def _executor_plan(point, mask, **kw):
     return jax_cp.executor_plan(mask, impl="pallas", dtype=dtype, **plan_settings(point), **kw)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("strategy", ["ring", "usp"])
 def test_timed_plan_pads_document_shards_to_a_bucket(strategy):
     """The predictor times per-document zigzag shards at a bucketed length (at most 1/16 more,
     all padding): every rank holds the executor's real tokens in the same order, and every

@@ -80,6 +80,17 @@ def test_zigzag_pads_each_document():
     assert lay.is_padding().sum() == 2
 
 
+@pytest.mark.parametrize("layout", ss.LAYOUTS)
+def test_one_ring_rank_holds_the_sequence_in_order(layout):
+    """Pure Ulysses has one ring rank: every layout is the sequence in global order, with no
+    per-document padding (zigzag would pad each odd document on two ranks' worth of chunks)."""
+    mask = make_mask("causal_document", 10, seqlens=[3, 7])
+    plan = ss.make_plan(mask, 4, "ulysses", layout, num_heads_q=4, num_heads_kv=4)
+    assert plan.ring_size == 1 and plan.layout.name == layout
+    assert plan.layout.positions.tolist() == [list(range(12))]  # padded to U = 4 at the end
+    assert ss.make_layout(mask, 2, layout).padded_seqlen >= 10
+
+
 def test_zigzag_balances_causal_exactly():
     plan = ss.make_plan(make_mask("causal", 64), 4, "ring", "zigzag")
     assert plan.load_balance == pytest.approx(1.0)
