@@ -98,15 +98,19 @@ def test_masks_gqa_interpret(name: str) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("scale", [-0.125, 0.0])
-def test_scales_that_are_not_positive(scale: float) -> None:
-    """A negative or zero scale (the softmax scales the scores before their row max, where a
-    positive one takes the max of the raw scores), on masked and unmasked tiles."""
+@pytest.mark.parametrize("raw_score_max", [False, True])
+@pytest.mark.parametrize("scale", [-0.125, 0.0, 8.0])
+def test_scales_of_every_sign(scale: float, raw_score_max: bool) -> None:
+    """Negative, zero and a sharp positive scale, on masked and unmasked tiles, with the row
+    max of scaled scores and of raw ones (raw_score_max: the max scaled once per row, for a
+    scale > 0; a scale <= 0 keeps the scaled order). At scale 8 an unscaled max would leave
+    exponents past float32's range."""
     kv = SHARED["causal"].kv
     full, count = np.asarray(kv.full).astype(bool), np.asarray(kv.count)
     kinds = full[np.arange(full.shape[-1]) < count[..., None]]
     assert kinds.any() and not kinds.all(), "causal lists full and partial tiles"
-    kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL, scale=scale)
+    config = dataclasses.replace(SMALL, raw_score_max=raw_score_max)
+    kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=config, scale=scale)
     _check(MASKS["causal"], SHARED["causal"], **kw)
 
 
@@ -236,14 +240,15 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize(
-    "d, in_place_pv, overlap, persistent, deal",
-    [(64, False, False, False, False), (128, False, False, False, False),
-     (128, True, False, False, False), (64, True, True, False, False),
-     (128, True, True, False, False), (128, True, False, True, False),
-     (64, True, True, True, False), (128, True, False, True, True)],
+    "d, in_place_pv, overlap, persistent, deal, raw",
+    [(64, False, False, False, False, False), (128, False, False, False, False, False),
+     (128, True, False, False, False, False), (64, True, True, False, False, False),
+     (128, True, True, False, False, False), (128, True, False, True, False, False),
+     (64, True, True, True, False, False), (128, True, False, True, True, False),
+     (64, True, False, True, False, True), (128, True, True, False, False, True)],
 )  # fmt: skip
 def test_forward_and_backward_lower_for_hopper(
-    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool
+    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool, raw: bool
 ) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
@@ -255,6 +260,7 @@ def test_forward_and_backward_lower_for_hopper(
         fwd_overlap=overlap,
         persistent_fwd=persistent,
         deal_by_walk_start=deal,
+        raw_score_max=raw,
     )
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)

@@ -217,6 +217,7 @@ def _kernel(
         def _consumer() -> None:
             plgpu.set_max_registers(cfg.consumer_registers, action="increase")
             qk_scale = scale * LOG2E
+            raw_max = cfg.raw_score_max and qk_scale > 0
 
             def load_item(item: tuple, b: Any) -> None:
                 """TMA-load an item's Q rows and row bounds into buffer b."""
@@ -253,13 +254,15 @@ def _kernel(
                     """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
                     dtype)."""
                     acc, m_prev, l_prev = carry
-                    s = s * qk_scale
+                    if not raw_max:
+                        s = s * qk_scale
                     if masked:
                         s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
-                    m_next = jnp.maximum(m_prev, s.max(axis=1))
+                    row_max = s.max(axis=1)
+                    m_next = jnp.maximum(m_prev, row_max * qk_scale if raw_max else row_max)
                     m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
                     alpha = jnp.exp2(m_prev - m_use)
-                    p = jnp.exp2(s - _rows(m_use, s.shape))
+                    p = jnp.exp2((s * qk_scale if raw_max else s) - _rows(m_use, s.shape))
                     l_next = l_prev * alpha + p.sum(axis=1)
                     acc = acc * _rows(alpha, acc.shape)
                     p16 = p.astype(dtype)
