@@ -95,7 +95,8 @@ def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy
 
     monkeypatch.setattr(JaxRanks, "time", record)
     sched = simulate.schedule(plan, mode, itemsize=4, batch=point.batch, entry=simulate.EXCHANGE)
-    cp_simulate.CPSimulator(runner, JaxRanks)._time_calls(ranks, sched, point)
+    simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+    simulator._time_calls(ranks, sched, point, simulator._call_classes(ranks, sched, point))
     families = cp_families.plan_families(plan, mode, "reference", point.dtype, point.batch)
     step_fn = {"fwd_merge": "fwd", "bwd_accumulate": "bwd"}  # one jitted fn, two argument sets
     counted = {(step_fn.get(f.fn, f.fn), f.shard_len, f.key_len) for f in families}

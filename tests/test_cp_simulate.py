@@ -721,11 +721,73 @@ def test_row_checks_compile_no_kernel_program_of_their_own(monkeypatch, strategy
     ranks = JaxRanks(plan, impl, point, 0, runner)
     assert ranks.check_rows(0, mask.seqlen_q) is not None
     sched = sim.schedule(plan, point.mode, itemsize=4, batch=point.batch, entry=sim.EXCHANGE)
-    cp_simulate.CPSimulator(runner, JaxRanks)._time_calls(ranks, sched, point)
+    simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+    simulator._time_calls(ranks, sched, point, simulator._call_classes(ranks, sched, point))
     programs = {name: fn._cache_size() for name, fn in vars(ranks.steps).items()}
     check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
     assert check.ok and check.kind == "rows" and check.rows > 0, check.message
     assert {name: fn._cache_size() for name, fn in vars(ranks.steps).items()} == programs
+
+
+@pytest.mark.parametrize(
+    "strategy, impl, mode",
+    [("ring", "pallas", "fwd_bwd"), ("double_ring", "reference", "fwd_bwd"),
+     ("allgather", "reference", "fwd_bwd"), ("ulysses", "reference", "fwd")],
+)  # fmt: skip
+def test_precompiled_programs_serve_the_check_and_the_timing(
+    monkeypatch, caplog, strategy, impl, mode
+):
+    """The step programs compiled ahead, side by side, are the ones the check's emulation and
+    the timed calls run: with them neither compiles a step function anew (without them, at
+    other shapes, both do), and the check passes."""
+    import logging
+
+    import jax
+
+    from experiments.runners import checks, cp_ranks, cp_simulate, frameworks
+    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
+    runner = JaxRunner()
+
+    def step_compiles(seqlen: int, ahead: bool) -> tuple[list[str], list[str], int]:
+        """(step compilations ahead, after them, the point's classes of calls)"""
+        point = _point(strategy, 4, mode, sim.LinkModel(), seqlen=seqlen)
+        (mask,) = frameworks.make_masks(point)
+        plan = JaxRanks.executor_plan(point, mask, impl)
+        ranks = JaxRanks(plan, impl, point, 0, runner)
+        sched = sim.schedule(plan, point.mode, itemsize=4, batch=point.batch, entry=sim.EXCHANGE)
+        simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        classes = simulator._call_classes(ranks, sched, point)
+        caplog.clear()
+        if ahead:
+            simulator._precompile(ranks, classes)
+            assert simulator._compiled == set(classes.members)
+        before = len(caplog.records)
+        check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+        assert check.ok, check.message
+        simulator._time_calls(ranks, sched, point, classes)
+        messages = [r.getMessage() for r in caplog.records]
+        found = [
+            [m for m in part if "XLA compilation" in m and any(f"jit({n})" in m for n in steps)]
+            for part in (messages[:before], messages[before:])
+        ]
+        return found[0], found[1], len(classes.members)
+
+    jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
+    try:
+        with caplog.at_level(logging.WARNING):
+            _, without, _ = step_compiles(192, ahead=False)
+            ahead, later, classes = step_compiles(256, ahead=True)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert without, "the check and the timing compile their step programs when none is ready"
+    assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
 
 
 def test_simulated_points_on_one_cpu_device(monkeypatch):
@@ -1012,8 +1074,9 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         # where the ok point's seconds went: every part measured, within the point's own time,
         # the baseline (its first point of the mask) included, and said on its progress line
         wall = recs["ulysses", 2]["masks"][0]["simulation"]["wall_s"]
-        assert set(wall) == {"baseline", "plan", "emulate", "reference", "calls"}
-        assert all(secs > 0 for secs in wall.values()), wall
+        assert set(wall) == {"baseline", "plan", "compile", "emulate", "reference", "calls"}
+        assert all(secs > 0 for p, secs in wall.items() if p != "compile"), wall
+        assert wall["compile"] >= 0.0  # PyTorch compiles nothing ahead
         assert sum(wall.values()) <= recs["ulysses", 2]["elapsed_s"]
         printed = capsys.readouterr().out
         assert "ok predicted" in printed and f"[baseline {wall['baseline']:.1f} s, plan" in printed

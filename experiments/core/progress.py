@@ -17,7 +17,8 @@ def _hms(seconds: float) -> str:
 
 def wall_seconds(record: dict) -> dict[str, float]:
     """Where a predicted point's own seconds went ({part: s}, summed over its masks' wall_s:
-    baseline, plan, emulate, reference, calls; before, check for the last two); empty for any
+    baseline, plan, compile, emulate, reference, calls; older records lack compile, and
+    before that had check for emulate and reference); empty for any
     other record."""
     total: Counter[str] = Counter()
     for m in record.get("masks") or []:

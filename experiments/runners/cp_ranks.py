@@ -223,6 +223,11 @@ class Ranks(ABC):
     def features(self) -> np.ndarray:
         """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
 
+    @abstractmethod
+    def precompile(self, calls: list[tuple]) -> None:
+        """Make the programs of these calls (timer's call tuples) ready before the check and
+        the timing run them."""
+
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
         first, then with the timing loop: `iters` samples, or one where that one takes at least

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from types import SimpleNamespace
 
@@ -17,6 +19,8 @@ from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
+
+COMPILE_THREADS = min(8, os.cpu_count() or 1)  # step programs compiled side by side
 
 
 class PlanPieces:
@@ -444,35 +448,47 @@ class JaxRanks(Ranks):
         acc = self.jnp.promote_types(k.dtype, self.jnp.float32)
         return self.jnp.zeros(k.shape, acc), self.jnp.zeros(v.shape, acc)
 
-    def call(self, call: str, r: int, t: int, group_start: bool):
+    def call(self, call: str, r: int, t: int, group_start: bool, run: Callable | None = None):
         """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
 
         Backward steps get the step's own output and LSE as residuals: the kernels' work depends
-        on the mask tiles and shapes, not on these values.
+        on the mask tiles and shapes, not on these values. run(fn, *args) makes those inputs:
+        by default it runs the steps; jax.eval_shape gives their shapes alone (precompile).
         """
         from shard_strategies import simulate
 
+        run = run or (lambda fn, *args: fn(*args))
         s = self.steps
         q, (k, v) = self.timed_queries("q", r), self.timed_keys(r, t)
         a = self.piece(r, t)
         if call == simulate.ATTEND:
             if t == 0:
                 return s.fwd, (q, k, v, a, None, None)
-            return s.fwd, (q, k, v, a, *s.fwd(q, k, v, a, None, None))
+            return s.fwd, (q, k, v, a, *run(s.fwd, q, k, v, a, None, None))
         dout = self.timed_queries("dout", r)
         if call == simulate.ATTEND_BWD:
-            out, lse = s.fwd(q, k, v, a, None, None)
-            out = out.astype(q.dtype)
+            out, lse = run(s.fwd, q, k, v, a, None, None)
+            out = run(lambda x: x.astype(q.dtype), out)
             dlse = self._zero_lse(q)
             if t == 0:
                 return s.first_bwd, (q, k, v, a, out, lse, dout, dlse)
-            rowdot, dq = s.start(q, out, dout)
+            rowdot, dq = run(s.start, q, out, dout)
             dkv = None if group_start else self._zero_dkv(k, v)
             return s.bwd, (q, k, v, a, (out, lse, dout, dlse, rowdot), dq, dkv)
         if call == simulate.ATTEND_ONCE:
             return (s.once if self.mode == "fwd" else s.once_vjp), (q, k, v, a)
-        _, pullback = s.once_vjp(q, k, v, a)
+        _, pullback = run(s.once_vjp, q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
+
+    def precompile(self, calls: list[tuple]) -> None:
+        """Lower each call's program here (tracing is Python) and compile them side by side
+        (XLA compiles outside the GIL; about 2 s a step program on the H200), so the check and
+        the timing find them compiled. The steps that only make a call's inputs are traced for
+        their shapes, not run."""
+        calls = [self.call(*c, run=self.jax.eval_shape) for c in calls]
+        lowered = [fn.lower(*args) for fn, args in calls]
+        with ThreadPoolExecutor(max(1, min(len(lowered), COMPILE_THREADS))) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)

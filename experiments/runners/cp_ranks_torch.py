@@ -203,6 +203,10 @@ class TorchRanks(Ranks):
 
         return backward
 
+    def precompile(self, calls: list[tuple]) -> None:
+        """Nothing: the PyTorch step functions run eagerly (Triton kernels compile on first
+        use, which the untimed first run of each call covers)."""
+
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn = self.call(*call)
         fn()

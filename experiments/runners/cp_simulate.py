@@ -8,9 +8,10 @@ loop; calls of equal shapes and equal mask pieces share one timing. The executor
 then replayed with a link model (shard_strategies.simulate). Before any timing, ranks are
 emulated end to end and checked against float64 attention (cp_rank_checks.py); the whole mask
 on this one device is the efficiency baseline (an ordinary kernel point, checked and timed).
-Each mask's record says where the point's own seconds went (wall_s: baseline, plan, the
-check's emulation of the ranks and its float64 reference with the input draws it needs, timed
-calls), so a slow preset shows its cost without a profiler.
+Each mask's record says where the point's own seconds went (wall_s: baseline, plan, compiling
+the point's new step programs side by side before anything runs them, the check's emulation of
+the ranks and its float64 reference with the input draws it needs, timed calls), so a slow
+preset shows its cost without a profiler.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def _round(x: np.ndarray) -> list:
     return [float(f"{v:.{DIGITS}g}") for v in np.asarray(x, np.float64).ravel()]
 
 
+@dataclasses.dataclass
+class CallClasses:
+    """A point's calls: (phase, ring rank, call key) of each, and per class (kind and shapes)
+    its distinct calls {key: (call args, features)} and its kind (the cost model's scope)."""
+
+    uses: list[tuple[int, int, tuple]]
+    members: dict[tuple, dict[tuple, tuple]]
+    kinds: dict[tuple, tuple]
+
+
 class CPSimulator:
     """Runs simulated points for a framework's runner (its device, inputs and kernel points)
     with that framework's Ranks."""
@@ -84,6 +95,7 @@ class CPSimulator:
         self._baselines: dict[str, dict] = {}
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
+        self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
         # per kind of call (any shapes): work features of its timed calls, and per class the
         # calls timed to check its prediction across shapes
@@ -176,7 +188,45 @@ class CPSimulator:
             self._plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
         return self._plans[settings]
 
-    def _time_calls(self, ranks: Ranks, sched, point: Point) -> tuple[dict, dict]:
+    def _call_classes(self, ranks: Ranks, sched, point: Point) -> CallClasses:
+        """Every (phase, ring rank) call of the schedule, keyed, and grouped in classes (kind
+        and shapes; only the mask piece differs, so one compiled program a class)."""
+        plan = sched.plan
+        features = ranks.features()
+        hq, hkv = len(ranks.q_heads[0]), len(ranks.kv_heads[0])
+        shapes = (point.batch, ranks.plan.shard_len, hq, hkv)
+        common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
+        kind_of = (ranks.impl, point.dtype, point.head_dim, hq // hkv, point.warmup, point.iters)
+        out = CallClasses(uses=[], members={}, kinds={})
+        for p, ph in enumerate(sched.phases):
+            if ph.call is None:
+                continue
+            once = ph.call in (ATTEND_ONCE, ATTEND_ONCE_BWD)
+            for r in range(plan.ring_size):
+                shape = ranks.call_shape(r, ph.step)
+                if shape is None:  # the executor calls nothing there: no compute
+                    continue
+                call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
+                cls = (*common, *call, *shape)
+                out.kinds[cls] = (*kind_of, *call, *ranks.call_kind(r, ph.step))
+                key = (*cls, ranks.fingerprint(r, ph.step))
+                out.members.setdefault(cls, {})[key] = (
+                    (ph.call, r, ph.step, ph.group_start),
+                    features[r, ph.step],
+                )
+                out.uses.append((p, r, key))
+        return out
+
+    def _precompile(self, ranks: Ranks, classes: CallClasses) -> None:
+        """Compile one call of each class this process has not compiled yet, side by side
+        (Ranks.precompile), before the check and the timed calls run them one by one."""
+        fresh = [cls for cls in classes.members if cls not in self._compiled]
+        ranks.precompile([next(iter(classes.members[cls].values()))[0] for cls in fresh])
+        self._compiled.update(fresh)
+
+    def _time_calls(
+        self, ranks: Ranks, sched, point: Point, classes: CallClasses
+    ) -> tuple[dict, dict]:
         """({quantile: (P, N) compute ms}, counts): every (rank, step) call's time statistics.
 
         A distinct call (kind, shapes, mask arrays) is timed once, here or by an earlier point.
@@ -189,38 +239,13 @@ class CPSimulator:
         call_model.LONG_VALIDATION_CALLS of it timed and held out (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
-        features = ranks.features()
-        hq, hkv = len(ranks.q_heads[0]), len(ranks.kv_heads[0])
-        shapes = (point.batch, ranks.plan.shard_len, hq, hkv)
-        common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
-        kind_of = (ranks.impl, point.dtype, point.head_dim, hq // hkv, point.warmup, point.iters)
-        uses: list[tuple[int, int, tuple]] = []  # (phase, ring rank, call key)
-        classes: dict[tuple, dict[tuple, tuple]] = {}  # class -> {key: (call args, features)}
-        kinds: dict[tuple, tuple] = {}  # class -> its kind
-        for p, ph in enumerate(sched.phases):
-            if ph.call is None:
-                continue
-            once = ph.call in (ATTEND_ONCE, ATTEND_ONCE_BWD)
-            for r in range(plan.ring_size):
-                shape = ranks.call_shape(r, ph.step)
-                if shape is None:  # the executor calls nothing there: no compute
-                    continue
-                call = (ph.call, point.mode if once else "", ph.step == 0, ph.group_start)
-                cls = (*common, *call, *shape)
-                kinds[cls] = (*kind_of, *call, *ranks.call_kind(r, ph.step))
-                key = (*cls, ranks.fingerprint(r, ph.step))
-                classes.setdefault(cls, {})[key] = (
-                    (ph.call, r, ph.step, ph.group_start),
-                    features[r, ph.step],
-                )
-                uses.append((p, r, key))
         stats: dict[tuple, dict] = {}
-        counts = {"distinct": sum(map(len, classes.values())), "timed": 0, "modelled": 0}
+        counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
-        heads = point.batch * hq
-        for cls, members in classes.items():
-            kind = kinds[cls]
+        heads = point.batch * len(ranks.q_heads[0])
+        for cls, members in classes.members.items():
+            kind = classes.kinds[cls]
             timed, predicted, errors = self._across_shapes(ranks, point, cls, kind, members, heads)
             counts["across_shapes"] += len(predicted)
             if timed is None:
@@ -235,7 +260,7 @@ class CPSimulator:
             pred, meas = zip(*held_out)
             counts["model"] = call_model.held_out_error(pred, meas).as_dict()
         compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
-        for p, r, key in uses:
+        for p, r, key in classes.uses:
             for q in QUANTILES:
                 compute[q][p, ring_of == r] = stats[key][q]
         return compute, counts
@@ -347,7 +372,11 @@ class CPSimulator:
             plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
         )
         ranks = self.ranks(timed_plan, impl, point, index, self.runner)
+        classes = self._call_classes(ranks, sched, point)
         wall["plan"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._precompile(ranks, classes)
+        wall["compile"] = time.perf_counter() - start
         rtol = checks.tolerance(
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
         )
@@ -359,7 +388,7 @@ class CPSimulator:
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()
-        compute, counts = self._time_calls(ranks, sched, point)
+        compute, counts = self._time_calls(ranks, sched, point, classes)
         wall["calls"] = time.perf_counter() - start
         link = simulate.LinkModel.from_spec(point.link)
         transfers = simulate.transfer_ms(sched, link)  # the same for every quantile's replay
