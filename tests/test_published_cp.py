@@ -67,3 +67,18 @@ def test_every_published_figure_has_a_row_and_no_table_without_the_setting():
     assert sum(ln.startswith("| ") and "| default |" in ln for ln in lines) == expected
     assert published_cp.table([_row("ring", "zigzag", 8, dtype="fp32")]) == []
     assert published_cp.table([]) == []
+
+
+def test_plot_lines_at_the_middle_of_each_published_range():
+    lines = published_cp.reference_lines(_row("ring", "zigzag", 8))
+    assert lines == {
+        "published, H100: ulysses/allgather/usp ~580-607 (85-90%) at 8,16,32,64 GPUs": [
+            (n, 593.5) for n in (8, 16, 32, 64)
+        ],
+        "published, H100: ring ~427-460 at 8,16,32,64 GPUs": [(n, 443.5) for n in (8, 16, 32, 64)],
+    }
+    (doc,) = published_cp.reference_lines(_row("ring", "zigzag", 8, mask="full_document")).values()
+    assert doc == [(64, 30.0)]
+    assert published_cp.reference_lines(_row("ring", "zigzag", 8, mask="full")) == {}
+    assert published_cp.reference_lines(_row("ring", "zigzag", 8, mode="fwd_bwd")) == {}
+    assert published_cp.reference_lines(_row("ring", "zigzag", 8, tokens_per_gpu=32768)) == {}

@@ -68,6 +68,20 @@ def _ours(row: dict | None) -> str:
     return f"{row['tflops_per_gpu']:.3g}" + (f" ({eff:.0f}%)" if eff is not None else "")
 
 
+def reference_lines(row: dict) -> dict[str, list[tuple[float, float]]]:
+    """Dashed lines for a scaling plot of row's (mask, mode, setting): each matching published
+    figure at the middle of its range over its device counts; none for another setting."""
+    if not _comparable(row):
+        return {}
+    return {
+        f"published, H100: {'/'.join(f.strategies)} {f.text()}": [
+            (n, sum(f.tflops) / 2) for n in f.gpus
+        ]
+        for f in PUBLISHED
+        if row["mask"] in f.masks and row["mode"] == f.mode
+    }
+
+
 def table(rows: list[dict]) -> list[str]:
     """Markdown: per published figure and matching (mask, strategy), the published range and
     our prediction at 8, 16, 32 and 64 GPUs in the paper's layout; empty when no simulated

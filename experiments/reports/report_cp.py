@@ -94,6 +94,7 @@ STATUS_LABEL = {"oom": "OOM", "unsupported": "unsup.", "wrong": "WRONG", "error"
 MARKERS = {**plots.MARKERS, "no_single": ("no single-device rate", "o", "tab:olive")}
 NO_BASELINE = "†"  # marks an efficiency n/a because no single-device run is in the results
 FAILED_BASELINE = "‡"  # ... because the single-device run recorded no rate (OOM, ...)
+REFERENCE_STYLES = ("--", ":", "-.")  # line styles of a plot's reference lines, in order
 STRIP_LANE_INCHES = 0.3  # height of a series' lane in a plot's strip of points without a number
 # Point fields that run.py takes as one flag each (--mode is a list flag; a table has one mode).
 SCALAR_FLAGS = (
@@ -706,7 +707,8 @@ def line_figure(
     baseline cannot pass for a slow point.
 
     rows: dicts with series, x, status and y (a number only for ok points; an ok row with y None
-    shows as 'no_single'). reference: dashed black lines by name; hline: a dashed level;
+    shows as 'no_single'). reference: black lines by name (dashed, dotted, dash-dotted in
+    turn); hline: a dashed level;
     markers: status -> (label, marker, color) of the points without a number.
     """
     names = sorted({r["series"] for r in rows}, key=series_order)
@@ -720,10 +722,10 @@ def line_figure(
     ys = [r["y"] for r in rows if r["y"] is not None]
     ys += [y for pts in (reference or {}).values() for _, y in pts]
     top = max([*ys, hline or 0.0] or [1.0]) or 1.0
-    for name, pts in (reference or {}).items():
-        pts = sorted(pts)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], "k--", marker=".")
-        handles.append(Line2D([], [], color="black", linestyle="--", label=name))
+    for i, (name, pts) in enumerate((reference or {}).items()):
+        pts, style = sorted(pts), REFERENCE_STYLES[i % len(REFERENCE_STYLES)]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], color="black", ls=style, marker=".")
+        handles.append(Line2D([], [], color="black", linestyle=style, label=name))
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
     for status in sorted(used):

@@ -178,8 +178,8 @@ def tables(rows: list[dict]) -> list[str]:
 
 def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     """Per (mode, shape, impl, tokens/GPU, link, mask): predicted per-GPU TFLOP/s vs GPUs, one
-    line per strategy/layout, the whole mask on one GPU dashed; points without a number are
-    labelled markers."""
+    line per strategy/layout, the whole mask on one GPU and the published study's figures of
+    the same setting dashed; points without a number are labelled markers."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(*_group(r), r["mask"])].append(r)
@@ -187,6 +187,9 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     for (mode, shape, impl, tokens, link, mask), members in sorted(groups.items()):
         single = {(r["num_gpus"], r["single_gpu_tflops"]) for r in members}
         ref = sorted((n, t) for n, t in single if t)
+        lines = ({"one GPU, whole mask": ref} if ref else {}) | published_cp.reference_lines(
+            members[0]
+        )
         name = f"predicted_{mode}_{mask}_{tokens}_{shape}_{impl}_{link}"
         paths.append(
             report_cp.tflops_vs_gpus(
@@ -196,7 +199,7 @@ def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
                 f"tokens/GPU\n{shape}, impl {impl}",
                 xlabel="GPUs (simulated)",
                 ylabel="predicted per-GPU TFLOP/s",
-                reference={"one GPU, whole mask": ref} if ref else None,
+                reference=lines or None,
             )
         )
     return paths
