@@ -88,7 +88,6 @@ def test_one_ring_rank_holds_the_sequence_in_order(layout):
     plan = ss.make_plan(mask, 4, "ulysses", layout, num_heads_q=4, num_heads_kv=4)
     assert plan.ring_size == 1 and plan.layout.name == layout
     assert plan.layout.positions.tolist() == [list(range(12))]  # padded to U = 4 at the end
-    assert ss.make_layout(mask, 2, layout).padded_seqlen >= 10
 
 
 def test_zigzag_balances_causal_exactly():

@@ -779,13 +779,14 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         ]
         return found[0], found[1], len(classes.members)
 
+    logged = jax.config.jax_log_compiles
     jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
     try:
         with caplog.at_level(logging.WARNING):
             _, without, _ = step_compiles(192, ahead=False)
             ahead, later, classes = step_compiles(256, ahead=True)
     finally:
-        jax.config.update("jax_log_compiles", False)
+        jax.config.update("jax_log_compiles", logged)
     assert without, "the check and the timing compile their step programs when none is ready"
     assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
 

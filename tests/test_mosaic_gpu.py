@@ -112,6 +112,7 @@ def test_scales_of_every_sign(scale: float, raw_score_max: bool) -> None:
     config = dataclasses.replace(SMALL, raw_score_max=raw_score_max)
     kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=config, scale=scale)
     _check(MASKS["causal"], SHARED["causal"], **kw)
+    _check(MASKS["causal_document"], SHARED["causal_document"], **kw)  # rows empty in a tile
 
 
 @interpreted

@@ -10,8 +10,8 @@ this project's kernel, so the efficiency against one GPU is the comparable numbe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from experiments.reports import report_cp
 from experiments.reports.report_parts import md_table
 
 SOURCE = (
@@ -58,16 +58,6 @@ def _comparable(row: dict) -> bool:
     return row["tokens_per_gpu"] == TOKENS_PER_GPU and all(row[k] == v for k, v in SHAPE.items())
 
 
-def _ours(row: dict | None) -> str:
-    """Our predicted per-GPU TFLOP/s and efficiency, the status label, or 'not run'."""
-    if row is None:
-        return "not run"
-    if row["status"] != "ok":
-        return report_cp.label(row)
-    eff = row["efficiency_pct"]
-    return f"{row['tflops_per_gpu']:.3g}" + (f" ({eff:.0f}%)" if eff is not None else "")
-
-
 def reference_lines(row: dict) -> dict[str, list[tuple[float, float]]]:
     """Dashed lines for a scaling plot of row's (mask, mode, setting): each matching published
     figure at the middle of its range over its device counts; none for another setting."""
@@ -82,35 +72,48 @@ def reference_lines(row: dict) -> dict[str, list[tuple[float, float]]]:
     }
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], cell: Callable[[dict], str]) -> list[str]:
     """Markdown: per published figure and matching (mask, strategy), the published range and
-    our prediction at 8, 16, 32 and 64 GPUs in the paper's layout; empty when no simulated
-    point has the published setting."""
+    our prediction at 8, 16, 32 and 64 GPUs in the paper's layout (`cell` of its row, 'not
+    run' without one), per framework, impl and link model; empty when no simulated point has
+    the published setting."""
     rows = [r for r in rows if _comparable(r)]
     if not rows:
         return []
+    setting = ("framework", "impl", "link")
     by_key = {
-        (r["mask"], r["mode"], r["strategy"], r["layout"], r["num_gpus"], r["impl"]): r
+        (
+            *(r[k] for k in setting),
+            r["mask"],
+            r["mode"],
+            r["strategy"],
+            r["layout"],
+            r["num_gpus"],
+        ): r
         for r in rows
     }
     lines = [
         "### Beside the published study",
         "",
         f"Published: {SOURCE}. Ours: predicted per-GPU TFLOP/s on this machine's GPU with "
-        "this project's kernel (efficiency against the whole mask on one GPU in brackets), in "
-        "the paper's layout (zigzag; Ulysses contiguous); the efficiencies are the comparable "
+        "this project's kernel (efficiency in brackets, as in the tables above), in the "
+        "paper's layout (zigzag; Ulysses contiguous); the efficiencies are the comparable "
         "numbers across the two GPUs and kernels.",
         "",
     ]
     body = []
-    for impl in sorted({r["impl"] for r in rows}):
+    for fw, impl, link in sorted({tuple(r[k] for k in setting) for r in rows}):
         for fig in PUBLISHED:
             for mask in fig.masks:
                 for strategy in fig.strategies:
                     layout = PAPER_LAYOUT[strategy]
-                    ours = [
-                        _ours(by_key.get((mask, fig.mode, strategy, layout, n, impl))) for n in GPUS
+                    at = [
+                        by_key.get((fw, impl, link, mask, fig.mode, strategy, layout, n))
+                        for n in GPUS
                     ]
-                    body.append([mask, fig.mode, f"{strategy}/{layout}", impl, fig.text(), *ours])
-    header = ["mask", "mode", "strategy/layout", "impl", "published (H100)"]
+                    ours = ["not run" if r is None else cell(r) for r in at]
+                    body.append(
+                        [mask, fig.mode, f"{strategy}/{layout}", fw, impl, link, fig.text(), *ours]
+                    )
+    header = ["mask", "mode", "strategy/layout", "framework", "impl", "link", "published (H100)"]
     return [*lines, *md_table([*header, *(f"ours, {n} GPUs" for n in GPUS)], body), ""]

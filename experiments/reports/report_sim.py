@@ -281,7 +281,8 @@ def model_error(records: list[dict]) -> list[str]:
 
 def predictor_cost(records: list[dict]) -> list[str]:
     """One line on where the predictor's own seconds went, summed over the records that say
-    (baseline, plan, the rank check's emulation and float64 reference, timed calls)."""
+    (baseline, plan, step programs compiled ahead, the rank check's emulation and float64
+    reference, timed calls)."""
     walls = [w for w in map(wall_seconds, records) if w]
     if not walls:
         return []
@@ -319,7 +320,7 @@ def write_sim_report(
         *model_error(sims),
         *predictor_cost(sims),
         *tables(rows),
-        *published_cp.table(rows),
+        *published_cp.table(rows, _cell),
     ]
     comparison = compare(sims, read_results(list(compare_with))) if compare_with else []
     if compare_with:

@@ -20,7 +20,16 @@ from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
 
-COMPILE_THREADS = min(8, os.cpu_count() or 1)  # step programs compiled side by side
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's limit where the OS says it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS
+        return os.cpu_count() or 1
+
+
+COMPILE_THREADS = min(8, _usable_cpus())  # step programs compiled side by side
 
 
 class PlanPieces:
@@ -485,10 +494,17 @@ class JaxRanks(Ranks):
         (XLA compiles outside the GIL; about 2 s a step program on the H200), so the check and
         the timing find them compiled. The steps that only make a call's inputs are traced for
         their shapes, not run."""
-        calls = [self.call(*c, run=self.jax.eval_shape) for c in calls]
-        lowered = [fn.lower(*args) for fn, args in calls]
+        jax, kept = self.jax, dict(self._timing_inputs)
+        lowered = {}  # classes of calls may share a program: lowered and compiled once
+        for c in calls:
+            fn, args = self.call(*c, run=jax.eval_shape)
+            leaves, tree = jax.tree.flatten(args)
+            key = (id(fn), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+            if key not in lowered:
+                lowered[key] = fn.lower(*args)
+        self._timing_inputs = kept  # the timing draws its inputs after the check, as before
         with ThreadPoolExecutor(max(1, min(len(lowered), COMPILE_THREADS))) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+            list(pool.map(lambda low: low.compile(), lowered.values()))
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)
