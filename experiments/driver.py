@@ -268,13 +268,15 @@ def _is_writer(settings: Settings) -> bool:
     return jax is None or jax.process_index() == 0
 
 
-def _lazy_runner(make):
-    """A runner_for(point) that builds one runner on first use (imports happen then)."""
+def _lazy_runner(make, points: list[Point]):
+    """A runner_for(point) that builds one runner on first use (imports happen then) and tells
+    it the points it will be given (the CP predictor compiles a problem's programs at once)."""
     cache: list = []
 
     def runner_for(point: Point):
         if not cache:
             cache.append(make())
+            cache[0].expect(points)
         return cache[0]
 
     return runner_for
@@ -354,7 +356,7 @@ def _run_torch(
     if here:
         sweep.run_points(
             here,
-            _lazy_runner(lambda: _torch_runner(settings)),
+            _lazy_runner(lambda: _torch_runner(settings), here),
             store=store,
             progress=progress,
             provenance=prov,
@@ -517,9 +519,10 @@ def _sweep(settings: Settings, run_plan: Plan, writer: bool, say) -> None:
     say(f"{total} points, {total - len(todo)} already in {store.path}, {len(todo)} to run.")
     prov = provenance.collect(settings.flag_values)
     progress = Progress(total, total - len(todo)) if writer else None
+    jax_points = [p for p in todo if p.framework == "jax"]
     sweep.run_points(
-        [p for p in todo if p.framework == "jax"],
-        _lazy_runner(lambda: _jax_runner(settings)),
+        jax_points,
+        _lazy_runner(lambda: _jax_runner(settings), jax_points),
         store=store if writer else None,
         progress=progress,
         provenance=prov,

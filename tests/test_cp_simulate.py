@@ -766,7 +766,7 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         classes = simulator._call_classes(ranks, sched, point)
         caplog.clear()
         if ahead:
-            simulator._precompile(ranks, classes)
+            simulator._precompile([cp_simulate.Prepared(plan, sched, ranks, classes)])
             assert simulator._compiled == set(classes.members)
         before = len(caplog.records)
         check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
@@ -789,6 +789,53 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         jax.config.update("jax_log_compiles", logged)
     assert without, "the check and the timing compile their step programs when none is ready"
     assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
+
+
+def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypatch, caplog):
+    """With the points to come expected, a problem's first point compiles the step programs of
+    the problem's other points (strategies, layouts) with its own, so they compile none; every
+    point still passes its check. Without it (at other shapes) the second point compiles its
+    own."""
+    import logging
+
+    import jax
+
+    from experiments.runners import checks, cp_ranks, cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
+
+    def compiles_after_the_first(seqlen: int, expect: bool) -> list[str]:
+        points = [
+            _point(cp, 4, "fwd", sim.LinkModel(), layout=layout, seqlen=seqlen)
+            for cp, layout in (("ring", "zigzag"), ("allgather", "balanced"), ("ring", "balanced"))
+        ]
+        runner = JaxRunner()
+        if expect:
+            runner.expect(points)
+        results = [runner.run(points[0])]
+        caplog.clear()
+        results += [runner.run(p) for p in points[1:]]
+        assert all(r["check"]["ok"] for r in results)
+        return [
+            m
+            for m in (r.getMessage() for r in caplog.records)
+            if "XLA compilation" in m and any(f"jit({n})" in m for n in steps)
+        ]
+
+    logged = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
+    try:
+        with caplog.at_level(logging.WARNING):
+            alone = compiles_after_the_first(192, expect=False)
+            ahead = compiles_after_the_first(256, expect=True)
+    finally:
+        jax.config.update("jax_log_compiles", logged)
+    assert alone, "without the points to come, each point compiles its own step programs"
+    assert not ahead, ahead
 
 
 def test_simulated_points_on_one_cpu_device(monkeypatch):

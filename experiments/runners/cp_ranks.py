@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import numpy as np
 
@@ -224,9 +224,10 @@ class Ranks(ABC):
         """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
 
     @abstractmethod
-    def precompile(self, calls: list[tuple]) -> None:
-        """Make the programs of these calls (timer's call tuples) ready before the check and
-        the timing run them."""
+    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
+        """{program: an object whose compile() makes it ready} for these calls (timer's call
+        tuples), one a program, none already in `skip`: what the simulator compiles side by
+        side before the check and the timing run them."""
 
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Container
 from functools import cache
 from types import SimpleNamespace
 
@@ -19,17 +17,6 @@ from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (a container's limit where the OS says it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call on this OS
-        return os.cpu_count() or 1
-
-
-COMPILE_THREADS = min(8, _usable_cpus())  # step programs compiled side by side
 
 
 class PlanPieces:
@@ -489,22 +476,20 @@ class JaxRanks(Ranks):
         _, pullback = run(s.once_vjp, q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
 
-    def precompile(self, calls: list[tuple]) -> None:
-        """Lower each call's program here (tracing is Python) and compile them side by side
-        (XLA compiles outside the GIL; about 2 s a step program on the H200), so the check and
-        the timing find them compiled. The steps that only make a call's inputs are traced for
-        their shapes, not run."""
+    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
+        """{program: jax Lowered} of these calls (the steps that only make a call's inputs
+        traced for their shapes, not run), one a program: calls of one step function with
+        equal argument structure and shapes share it, and programs in `skip` are left out."""
         jax, kept = self.jax, dict(self._timing_inputs)
-        lowered = {}  # classes of calls may share a program: lowered and compiled once
+        lowered = {}
         for c in calls:
             fn, args = self.call(*c, run=jax.eval_shape)
             leaves, tree = jax.tree.flatten(args)
             key = (id(fn), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
-            if key not in lowered:
+            if key not in lowered and key not in skip:
                 lowered[key] = fn.lower(*args)
         self._timing_inputs = kept  # the timing draws its inputs after the check, as before
-        with ThreadPoolExecutor(max(1, min(len(lowered), COMPILE_THREADS))) as pool:
-            list(pool.map(lambda low: low.compile(), lowered.values()))
+        return lowered
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import numpy as np
 
@@ -203,9 +203,10 @@ class TorchRanks(Ranks):
 
         return backward
 
-    def precompile(self, calls: list[tuple]) -> None:
-        """Nothing: the PyTorch step functions run eagerly (Triton kernels compile on first
-        use, which the untimed first run of each call covers)."""
+    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
+        """None: the PyTorch step functions run eagerly (Triton kernels compile on first use,
+        which the untimed first run of each call covers)."""
+        return {}
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn = self.call(*call)

@@ -17,7 +17,10 @@ preset shows its cost without a profiler.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +68,17 @@ def _round(x: np.ndarray) -> list:
     return [float(f"{v:.{DIGITS}g}") for v in np.asarray(x, np.float64).ravel()]
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's limit where the OS says it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS
+        return os.cpu_count() or 1
+
+
+COMPILE_THREADS = min(8, _usable_cpus())  # step programs compiled side by side
+
+
 @dataclasses.dataclass
 class CallClasses:
     """A point's calls: (phase, ring rank, call key) of each, and per class (kind and shapes)
@@ -73,6 +87,16 @@ class CallClasses:
     uses: list[tuple[int, int, tuple]]
     members: dict[tuple, dict[tuple, tuple]]
     kinds: dict[tuple, tuple]
+
+
+class Prepared(NamedTuple):
+    """A point's mask made ready to run: the executor's plan, its schedule, the ranks (on the
+    timed plan) and their classes of calls."""
+
+    plan: object
+    sched: object
+    ranks: Ranks
+    classes: CallClasses
 
 
 class CPSimulator:
@@ -96,6 +120,9 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
+        self._expected: list[Point] = []  # the points still to come (expect)
+        self._looked_ahead: set[tuple] = set()  # (problem, mask index) compiled for its points
+        self._ready: dict[tuple, Prepared] = {}  # (point key, mask index) -> made ahead
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
         # per kind of call (any shapes): work features of its timed calls, and per class the
         # calls timed to check its prediction across shapes
@@ -106,6 +133,11 @@ class CPSimulator:
         self._problem: tuple | None = None
         self._masks: list = []
         self._plans: dict[tuple, tuple] = {}
+
+    def expect(self, points: list[Point]) -> None:
+        """The points this simulator will be given, in order: a problem's first point then
+        compiles the new step programs of every point of that problem side by side."""
+        self._expected = [p for p in points if p.simulated]
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -164,15 +196,21 @@ class CPSimulator:
         )
         return result
 
-    def _problem_masks(self, point: Point) -> list:
-        """The point's masks, drawn once per problem (mask, length, draws), so the points of
-        every strategy, layout and mode of one problem share their plans (_plans)."""
-        problem = (
+    @staticmethod
+    def _problem_of(point: Point) -> tuple:
+        """What a point's masks are drawn from: mask, length, draws."""
+        return (
             point.mask, point.seqlen_total, point.num_masks, point.seed, point.window,
             point.reference_compat,
         )  # fmt: skip
+
+    def _problem_masks(self, point: Point) -> list:
+        """The point's masks, drawn once per problem (mask, length, draws), so the points of
+        every strategy, layout and mode of one problem share their plans (_plans)."""
+        problem = self._problem_of(point)
         if problem != self._problem:
             self._problem, self._masks, self._plans = problem, frameworks.make_masks(point), {}
+            self._ready = {}
         return self._masks
 
     def _plans_of(self, point: Point, index: int, impl: str) -> tuple:
@@ -217,12 +255,54 @@ class CPSimulator:
                 out.uses.append((p, r, key))
         return out
 
-    def _precompile(self, ranks: Ranks, classes: CallClasses) -> None:
-        """Compile one call of each class this process has not compiled yet, side by side
-        (Ranks.precompile), before the check and the timed calls run them one by one."""
-        fresh = [cls for cls in classes.members if cls not in self._compiled]
-        ranks.precompile([next(iter(classes.members[cls].values()))[0] for cls in fresh])
-        self._compiled.update(fresh)
+    def _prepare(self, point: Point, index: int, impl: str) -> Prepared:
+        """The point's plan for mask `index`, its schedule, ranks and classes of calls."""
+        from shard_strategies import simulate
+
+        plan, timed_plan = self._plans_of(point, index, impl)
+        sched = simulate.schedule(
+            plan,
+            point.mode,
+            itemsize=ITEMSIZES[point.dtype],
+            batch=point.batch,
+            entry=ENTRY[point.framework],
+        )
+        ranks = self.ranks(timed_plan, impl, point, index, self.runner)
+        return Prepared(plan, sched, ranks, self._call_classes(ranks, sched, point))
+
+    def _peers_prepared(self, point: Point, index: int) -> list[Prepared]:
+        """At a problem's first point: the expected points of the same problem prepared (and
+        kept for their turn), so their step programs compile with this point's; else none."""
+        problem = (self._problem_of(point), index)
+        if problem in self._looked_ahead:
+            return []
+        self._looked_ahead.add(problem)
+        peers = []
+        for q in self._expected:
+            if q.key == point.key or self._problem_of(q) != problem[0]:
+                continue
+            try:
+                ready = self._prepare(q, index, self.ranks.resolve_impl(q, self.runner))
+            except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
+                continue
+            self._ready[q.key, index] = ready
+            peers.append(ready)
+        return peers
+
+    def _precompile(self, prepared: list[Prepared]) -> None:
+        """Compile one call of each class of these points' calls that this process has not
+        compiled yet, before the check and the timed calls run them one by one: each lowered
+        in turn (Ranks.lower_calls; classes that share a program once), then compiled side by
+        side in a pool of threads (XLA compiles outside the GIL)."""
+        lowered: dict = {}
+        for ready in prepared:
+            members = ready.classes.members
+            fresh = [cls for cls in members if cls not in self._compiled]
+            calls = [next(iter(members[cls].values()))[0] for cls in fresh]
+            lowered.update(ready.ranks.lower_calls(calls, skip=lowered))
+            self._compiled.update(fresh)
+        with ThreadPoolExecutor(max(1, min(len(lowered), COMPILE_THREADS))) as pool:
+            list(pool.map(lambda low: low.compile(), lowered.values()))
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
@@ -365,17 +445,12 @@ class CPSimulator:
 
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
-        plan, timed_plan = self._plans_of(point, index, impl)
+        ready = self._ready.pop((point.key, index), None) or self._prepare(point, index, impl)
+        plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
-        entry = ENTRY[point.framework]
-        sched = simulate.schedule(
-            plan, point.mode, itemsize=itemsize, batch=point.batch, entry=entry
-        )
-        ranks = self.ranks(timed_plan, impl, point, index, self.runner)
-        classes = self._call_classes(ranks, sched, point)
         wall["plan"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._precompile(ranks, classes)
+        self._precompile([ready, *self._peers_prepared(point, index)])
         wall["compile"] = time.perf_counter() - start
         rtol = checks.tolerance(
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override

@@ -235,6 +235,10 @@ class JaxRunner:
             point, mask, index, times, peak, source, check.as_dict(), extra, dispatch
         )
 
+    def expect(self, points: list[Point]) -> None:
+        """The points this runner will be given, in order (the CP predictor looks ahead)."""
+        self.simulator.expect(points)
+
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
         if point.simulated:

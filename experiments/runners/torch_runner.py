@@ -249,6 +249,10 @@ class TorchRunner:
             point, mask, index, slowest, peak_max, source, check, extra, dispatch
         )
 
+    def expect(self, points: list[Point]) -> None:
+        """The points this runner will be given, in order (the CP predictor looks ahead)."""
+        self.simulator.expect(points)
+
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
         if point.simulated:
