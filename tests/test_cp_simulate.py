@@ -766,7 +766,7 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         classes = simulator._call_classes(ranks, sched, point)
         caplog.clear()
         if ahead:
-            simulator._precompile([cp_simulate.Prepared(plan, sched, ranks, classes)])
+            simulator._precompile(cp_simulate.Prepared(plan, sched, ranks, classes), [])
             assert simulator._compiled == set(classes.members)
         before = len(caplog.records)
         check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
@@ -817,9 +817,10 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
         if expect:
             runner.expect(points)
         results = [runner.run(points[0])]
+        assert len(runner.simulator._ready) == (len(points) - 1 if expect else 0)
         caplog.clear()
         results += [runner.run(p) for p in points[1:]]
-        assert all(r["check"]["ok"] for r in results)
+        assert all(r["check"]["ok"] for r in results) and not runner.simulator._ready
         return [
             m
             for m in (r.getMessage() for r in caplog.records)
@@ -836,6 +837,35 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
         jax.config.update("jax_log_compiles", logged)
     assert alone, "without the points to come, each point compiles its own step programs"
     assert not ahead, ahead
+
+
+def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
+    """A problem's first point compiles its peers' programs, but a peer whose programs cannot
+    be made fails at its own turn, into its own record: the first point is ok."""
+    from experiments.runners import checks, cp_ranks, cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    real = JaxRanks.lower_calls
+
+    def no_allgather(self, calls, skip=()):
+        if self.plan.strategy == "allgather":
+            raise RuntimeError("cannot lower this one")
+        return real(self, calls, skip)
+
+    monkeypatch.setattr(JaxRanks, "lower_calls", no_allgather)
+    points = [
+        _point(cp, 4, "fwd", sim.LinkModel(), layout="zigzag", seqlen=160)
+        for cp in ("ring", "allgather")
+    ]
+    runner = JaxRunner()
+    runner.expect(points)
+    assert runner.run(points[0])["check"]["ok"]
+    with pytest.raises(RuntimeError, match="cannot lower this one"):
+        runner.run(points[1])
 
 
 def test_simulated_points_on_one_cpu_device(monkeypatch):

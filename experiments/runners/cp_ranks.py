@@ -58,6 +58,8 @@ class Ranks(ABC):
     shapes and mask piece, not on the values, so only the checks need the real ones.
     """
 
+    COMPILES_AHEAD = False  # whether lower_calls gives programs to compile before they run
+
     def __init__(self, plan, impl: str, point: Point, index: int) -> None:
         self.plan, self.impl, self.mode = plan, impl, point.mode
         self.batch = point.batch
@@ -223,11 +225,12 @@ class Ranks(ABC):
     def features(self) -> np.ndarray:
         """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
 
-    @abstractmethod
-    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
-        """{program: an object whose compile() makes it ready} for these calls (timer's call
-        tuples), one a program, none already in `skip`: what the simulator compiles side by
-        side before the check and the timing run them."""
+    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> tuple[list, dict]:
+        """(each call's program, {program: an object whose compile() makes it ready} of those
+        not in `skip`) for these calls (timer's call tuples): what the simulator compiles side
+        by side before the check and the timing run them. By default none: the framework
+        compiles on first use (COMPILES_AHEAD says which ranks do compile ahead)."""
+        return [None] * len(calls), {}
 
     def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed

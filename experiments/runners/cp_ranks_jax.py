@@ -224,6 +224,7 @@ def _reference_passes():
 
 
 class JaxRanks(Ranks):
+    COMPILES_AHEAD = True
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
 
     def __init__(self, plan, impl: str, point: Point, index: int, runner) -> None:
@@ -476,20 +477,21 @@ class JaxRanks(Ranks):
         _, pullback = run(s.once_vjp, q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
 
-    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
-        """{program: jax Lowered} of these calls (the steps that only make a call's inputs
-        traced for their shapes, not run), one a program: calls of one step function with
-        equal argument structure and shapes share it, and programs in `skip` are left out."""
+    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> tuple[list, dict]:
+        """(each call's program, {program: jax Lowered} of those not in `skip`): the steps that
+        only make a call's inputs are traced for their shapes, not run; calls of one step
+        function with equal argument structure and shapes share a program."""
         jax, kept = self.jax, dict(self._timing_inputs)
-        lowered = {}
+        programs, lowered = [], {}
         for c in calls:
             fn, args = self.call(*c, run=jax.eval_shape)
             leaves, tree = jax.tree.flatten(args)
             key = (id(fn), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
             if key not in lowered and key not in skip:
                 lowered[key] = fn.lower(*args)
+            programs.append(key)
         self._timing_inputs = kept  # the timing draws its inputs after the check, as before
-        return lowered
+        return programs, lowered
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
 import numpy as np
 
@@ -202,11 +202,6 @@ class TorchRanks(Ranks):
             cp.add_grads(g, d, piece, cp.backward_step(q, kv, piece, c, self.scale, self.impl))
 
         return backward
-
-    def lower_calls(self, calls: list[tuple], skip: Container = ()) -> dict:
-        """None: the PyTorch step functions run eagerly (Triton kernels compile on first use,
-        which the untimed first run of each call covers)."""
-        return {}
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn = self.call(*call)

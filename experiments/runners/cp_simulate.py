@@ -120,8 +120,9 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
-        self._expected: list[Point] = []  # the points still to come (expect)
-        self._looked_ahead: set[tuple] = set()  # (problem, mask index) compiled for its points
+        self._expected: list[Point] = []  # the points of the run, in order (expect)
+        self._position: dict[str, int] = {}  # a point's index in _expected
+        self._looked_ahead: set[int] = set()  # mask indices of this problem looked ahead for
         self._ready: dict[tuple, Prepared] = {}  # (point key, mask index) -> made ahead
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
         # per kind of call (any shapes): work features of its timed calls, and per class the
@@ -136,8 +137,10 @@ class CPSimulator:
 
     def expect(self, points: list[Point]) -> None:
         """The points this simulator will be given, in order: a problem's first point then
-        compiles the new step programs of every point of that problem side by side."""
+        compiles the new step programs of the points right after it of the same problem (its
+        other strategies, layouts and modes) side by side with its own."""
         self._expected = [p for p in points if p.simulated]
+        self._position = {p.key: i for i, p in enumerate(self._expected)}
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -210,7 +213,7 @@ class CPSimulator:
         problem = self._problem_of(point)
         if problem != self._problem:
             self._problem, self._masks, self._plans = problem, frameworks.make_masks(point), {}
-            self._ready = {}
+            self._ready, self._looked_ahead = {}, set()
         return self._masks
 
     def _plans_of(self, point: Point, index: int, impl: str) -> tuple:
@@ -271,16 +274,18 @@ class CPSimulator:
         return Prepared(plan, sched, ranks, self._call_classes(ranks, sched, point))
 
     def _peers_prepared(self, point: Point, index: int) -> list[Prepared]:
-        """At a problem's first point: the expected points of the same problem prepared (and
-        kept for their turn), so their step programs compile with this point's; else none."""
-        problem = (self._problem_of(point), index)
-        if problem in self._looked_ahead:
+        """At a problem's first point: the expected points right after it of the same problem
+        prepared (and kept for their turn), so their step programs compile with this point's;
+        else none, as for ranks that compile nothing ahead. A peer that cannot be prepared
+        is left to fail at its turn, into its own record."""
+        if not self.ranks.COMPILES_AHEAD or index in self._looked_ahead:
             return []
-        self._looked_ahead.add(problem)
-        peers = []
-        for q in self._expected:
-            if q.key == point.key or self._problem_of(q) != problem[0]:
-                continue
+        self._looked_ahead.add(index)
+        problem, peers = self._problem_of(point), []
+        start = self._position.get(point.key)
+        for q in self._expected[start + 1 :] if start is not None else ():
+            if self._problem_of(q) != problem:
+                break
             try:
                 ready = self._prepare(q, index, self.ranks.resolve_impl(q, self.runner))
             except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
@@ -289,20 +294,35 @@ class CPSimulator:
             peers.append(ready)
         return peers
 
-    def _precompile(self, prepared: list[Prepared]) -> None:
-        """Compile one call of each class of these points' calls that this process has not
-        compiled yet, before the check and the timed calls run them one by one: each lowered
-        in turn (Ranks.lower_calls; classes that share a program once), then compiled side by
-        side in a pool of threads (XLA compiles outside the GIL)."""
+    def _precompile(self, ready: Prepared, peers: list[Prepared]) -> None:
+        """Compile one call of each class of this point's and its peers' calls that this
+        process has not compiled yet, before the check and the timed calls run them one by one:
+        each lowered in turn (Ranks.lower_calls; classes that share a program once), then
+        compiled side by side in a pool of threads (XLA compiles outside the GIL). This
+        point's own failures raise; a peer's leave its classes to compile at its turn."""
         lowered: dict = {}
-        for ready in prepared:
-            members = ready.classes.members
+        owners: list[tuple[Prepared, list[tuple], list]] = []  # (point, classes, programs)
+        for i, prep in enumerate([ready, *peers]):
+            members = prep.classes.members
             fresh = [cls for cls in members if cls not in self._compiled]
             calls = [next(iter(members[cls].values()))[0] for cls in fresh]
-            lowered.update(ready.ranks.lower_calls(calls, skip=lowered))
-            self._compiled.update(fresh)
-        with ThreadPoolExecutor(max(1, min(len(lowered), COMPILE_THREADS))) as pool:
-            list(pool.map(lambda low: low.compile(), lowered.values()))
+            try:
+                programs, new = prep.ranks.lower_calls(calls, skip=lowered)
+            except Exception:  # noqa: BLE001 - a peer's error is its own, at its turn
+                if i == 0:
+                    raise
+                continue
+            lowered.update(new)
+            owners.append((prep, fresh, programs))
+        if not lowered:
+            return
+        with ThreadPoolExecutor(min(len(lowered), COMPILE_THREADS)) as pool:
+            done = {key: pool.submit(low.compile) for key, low in lowered.items()}
+        failed = {key for key, job in done.items() if job.exception() is not None}
+        for prep, fresh, programs in owners:
+            if prep is ready and failed & set(programs):
+                raise done[next(k for k in programs if k in failed)].exception()
+            self._compiled.update(c for c, k in zip(fresh, programs) if k not in failed)
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
@@ -445,12 +465,15 @@ class CPSimulator:
 
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
-        ready = self._ready.pop((point.key, index), None) or self._prepare(point, index, impl)
+        ready = self._ready.pop((point.key, index), None)
+        if ready is None:
+            ready = self._prepare(point, index, impl)
+        peers = self._peers_prepared(point, index)  # their plans: this point's plan seconds
         plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
         wall["plan"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._precompile([ready, *self._peers_prepared(point, index)])
+        self._precompile(ready, peers)
         wall["compile"] = time.perf_counter() - start
         rtol = checks.tolerance(
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
