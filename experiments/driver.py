@@ -289,6 +289,7 @@ def _jax_runner(settings: Settings):
         rtol_override=settings.check_rtol,
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
+        sim_compile_threads=settings.sim_compile_threads,
     )
 
 
@@ -299,6 +300,7 @@ def _torch_runner(settings: Settings):
         rtol_override=settings.check_rtol,
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
+        sim_compile_threads=settings.sim_compile_threads,
     )
 
 

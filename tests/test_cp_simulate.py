@@ -808,16 +808,17 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
     steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
 
-    def compiles_after_the_first(seqlen: int, expect: bool) -> list[str]:
+    def compiles_after_the_first(seqlen: int, expect: bool, threads: int = 2) -> list[str]:
         points = [
             _point(cp, 4, "fwd", sim.LinkModel(), layout=layout, seqlen=seqlen)
             for cp, layout in (("ring", "zigzag"), ("allgather", "balanced"), ("ring", "balanced"))
         ]
-        runner = JaxRunner()
+        runner = JaxRunner(sim_compile_threads=threads)
         if expect:
             runner.expect(points)
         results = [runner.run(points[0])]
-        assert len(runner.simulator._ready) == (len(points) - 1 if expect else 0)
+        ahead = expect and threads > 0
+        assert len(runner.simulator._ready) == (len(points) - 1 if ahead else 0)
         caplog.clear()
         results += [runner.run(p) for p in points[1:]]
         assert all(r["check"]["ok"] for r in results) and not runner.simulator._ready
@@ -833,9 +834,11 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
         with caplog.at_level(logging.WARNING):
             alone = compiles_after_the_first(192, expect=False)
             ahead = compiles_after_the_first(256, expect=True)
+            off = compiles_after_the_first(320, expect=True, threads=0)  # --sim_compile_threads=0
     finally:
         jax.config.update("jax_log_compiles", logged)
     assert alone, "without the points to come, each point compiles its own step programs"
+    assert off, "with no compile threads, each point compiles its own step programs"
     assert not ahead, ahead
 
 
@@ -1204,6 +1207,7 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
         ("--gpus_per_node=0", "bad --gpus_per_node=0: expected an integer from 1"),
         ("--sim_timed_calls=-1", "--sim_timed_calls=-1: -1 is not a non-negative integer"),
         ("--sim_timed_calls=2", "bad --sim_timed_calls=2: expected 0 (time every call) or at"),
+        ("--sim_compile_threads=-1", "--sim_compile_threads=-1: -1 is not a non-negative"),
     ]:
         with pytest.raises(Exception, match=re.escape(expected)):
             run.run_cli([bad, f"--out_dir={tmp_path}"])

@@ -133,6 +133,7 @@ def _check_max_seqlen(value: str | None) -> bool:
 
 def _define_simulation_flags() -> None:
     """The flags of --simulate_devices: the simulated sizes and the link model."""
+    from experiments.runners.cp_simulate import COMPILE_THREADS
     from shard_strategies.simulate import LinkModel
 
     h200 = LinkModel()
@@ -184,6 +185,14 @@ def _define_simulation_flags() -> None:
         lower_bound=0,
     )
     flags.register_validator("sim_timed_calls", _check_timed_calls)
+    flags.DEFINE_integer(
+        "sim_compile_threads",
+        COMPILE_THREADS,
+        "Threads that compile a simulated point's new step programs (and at a problem's first "
+        "point those of the points after it of the same problem) side by side before they "
+        "run; 0 compiles each on first use instead. Default: 8, or fewer usable CPUs.",
+        lower_bound=0,
+    )
     flags.register_validator("simulate_devices", _check_simulate_devices)
     flags.register_validator("gpus_per_node", _check_gpus_per_node)
     flags.register_validator("sim_baseline_max_seqlen", _check_max_seqlen)
@@ -372,6 +381,7 @@ class Settings:
     link: str = ""
     sim_baseline_max_seqlen: int | None = None
     sim_timed_calls: int = 0
+    sim_compile_threads: int = 1  # the flag's default is cp_simulate.COMPILE_THREADS
     allow_slow: bool = False
 
 
@@ -458,6 +468,7 @@ def settings() -> Settings:
             else parse_seqlen(FLAGS.sim_baseline_max_seqlen)
         ),
         sim_timed_calls=FLAGS.sim_timed_calls,
+        sim_compile_threads=FLAGS.sim_compile_threads,
         allow_slow=FLAGS.allow_slow,
     )
 

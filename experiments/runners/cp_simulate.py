@@ -76,7 +76,7 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-COMPILE_THREADS = min(8, _usable_cpus())  # step programs compiled side by side
+COMPILE_THREADS = min(8, _usable_cpus())  # default of --sim_compile_threads
 
 
 @dataclasses.dataclass
@@ -110,8 +110,11 @@ class CPSimulator:
         *,
         baseline_max_seqlen: int | None = None,
         timed_calls: int = 0,
+        compile_threads: int = COMPILE_THREADS,
     ) -> None:
         self.runner, self.ranks = runner, ranks
+        # threads compiling step programs ahead (_precompile); 0: each compiles on first use
+        self.compile_threads = compile_threads
         if baseline_max_seqlen is None:
             baseline_max_seqlen = BASELINE_MAX_SEQLEN["gpu" if runner.on_gpu else "cpu"]
         self.baseline_max_seqlen = baseline_max_seqlen
@@ -278,7 +281,8 @@ class CPSimulator:
         prepared (and kept for their turn), so their step programs compile with this point's;
         else none, as for ranks that compile nothing ahead. A peer that cannot be prepared
         is left to fail at its turn, into its own record."""
-        if not self.ranks.COMPILES_AHEAD or index in self._looked_ahead:
+        ahead = self.ranks.COMPILES_AHEAD and self.compile_threads > 0
+        if not ahead or index in self._looked_ahead:
             return []
         self._looked_ahead.add(index)
         problem, peers = self._problem_of(point), []
@@ -300,6 +304,8 @@ class CPSimulator:
         each lowered in turn (Ranks.lower_calls; classes that share a program once), then
         compiled side by side in a pool of threads (XLA compiles outside the GIL). This
         point's own failures raise; a peer's leave its classes to compile at its turn."""
+        if not self.compile_threads:
+            return
         lowered: dict = {}
         owners: list[tuple[Prepared, list[tuple], list]] = []  # (point, classes, programs)
         for i, prep in enumerate([ready, *peers]):
@@ -316,7 +322,7 @@ class CPSimulator:
             owners.append((prep, fresh, programs))
         if not lowered:
             return
-        with ThreadPoolExecutor(min(len(lowered), COMPILE_THREADS)) as pool:
+        with ThreadPoolExecutor(min(len(lowered), self.compile_threads)) as pool:
             done = {key: pool.submit(low.compile) for key, low in lowered.items()}
         failed = {key for key, job in done.items() if job.exception() is not None}
         for prep, fresh, programs in owners:

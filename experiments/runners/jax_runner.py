@@ -11,7 +11,7 @@ from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 from experiments.runners.cp_ranks_jax import JaxRanks
-from experiments.runners.cp_simulate import CPSimulator
+from experiments.runners.cp_simulate import COMPILE_THREADS, CPSimulator
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:
@@ -101,6 +101,7 @@ class JaxRunner:
         rtol_override: float | None = None,
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
+        sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import jax
 
@@ -119,6 +120,7 @@ class JaxRunner:
             JaxRanks,
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
+            compile_threads=sim_compile_threads,
         )
 
     def mesh(self, point: Point):

@@ -17,7 +17,7 @@ from experiments.core.outcomes import OK, WRONG, PointFailure, classify, short_t
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 from experiments.runners.cp_ranks_torch import TorchRanks
-from experiments.runners.cp_simulate import CPSimulator
+from experiments.runners.cp_simulate import COMPILE_THREADS, CPSimulator
 
 
 class TorchRunner:
@@ -31,6 +31,7 @@ class TorchRunner:
         rtol_override: float | None = None,
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
+        sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import torch
 
@@ -46,6 +47,7 @@ class TorchRunner:
             TorchRanks,
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
+            compile_threads=sim_compile_threads,
         )
 
     # ------------------------------------------------------------------ collective helpers
