@@ -5,6 +5,7 @@ Flags left unset take the preset's value; an explicitly given flag replaces it i
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -17,6 +18,18 @@ from shard_strategies import LAYOUTS
 FLAGS = flags.FLAGS
 
 _SEQLEN = re.compile(r"^(\d+)([kKmM]?)$")
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's limit where the OS says it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS
+        return os.cpu_count() or 1
+
+
+# --sim_compile_threads' default: threads compiling the CP predictor's step programs ahead
+COMPILE_THREADS = min(8, _usable_cpus())
 
 
 def parse_seqlen(text: str) -> int:
@@ -133,7 +146,6 @@ def _check_max_seqlen(value: str | None) -> bool:
 
 def _define_simulation_flags() -> None:
     """The flags of --simulate_devices: the simulated sizes and the link model."""
-    from experiments.runners.cp_simulate import COMPILE_THREADS
     from shard_strategies.simulate import LinkModel
 
     h200 = LinkModel()
@@ -381,7 +393,7 @@ class Settings:
     link: str = ""
     sim_baseline_max_seqlen: int | None = None
     sim_timed_calls: int = 0
-    sim_compile_threads: int = 1  # the flag's default is cp_simulate.COMPILE_THREADS
+    sim_compile_threads: int = COMPILE_THREADS
     allow_slow: bool = False
 
 

@@ -17,13 +17,13 @@ preset shows its cost without a profiler.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
+from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import SCALED, UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
@@ -66,17 +66,6 @@ def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
 def _round(x: np.ndarray) -> list:
     """Values at DIGITS significant digits, for compact records."""
     return [float(f"{v:.{DIGITS}g}") for v in np.asarray(x, np.float64).ravel()]
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (a container's limit where the OS says it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call on this OS
-        return os.cpu_count() or 1
-
-
-COMPILE_THREADS = min(8, _usable_cpus())  # default of --sim_compile_threads
 
 
 @dataclasses.dataclass

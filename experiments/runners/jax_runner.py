@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 from experiments.runners.cp_ranks_jax import JaxRanks
-from experiments.runners.cp_simulate import COMPILE_THREADS, CPSimulator
+from experiments.runners.cp_simulate import CPSimulator
 
 
 def _slowest_process(times: list[float], peak: float | None) -> tuple[list[float], float | None]:

@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import OK, WRONG, PointFailure, classify, short_traceback
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
 from experiments.runners.cp_ranks_torch import TorchRanks
-from experiments.runners.cp_simulate import COMPILE_THREADS, CPSimulator
+from experiments.runners.cp_simulate import CPSimulator
 
 
 class TorchRunner:
