@@ -699,6 +699,15 @@ def test_row_checks_emulate_whole_query_tiles(
         assert not check.ok and "rank" in check.message
 
 
+def _row_checks_and_constant_timing(monkeypatch) -> None:
+    """Row checks on two query tiles at any size, and every timed call 1 ms without running."""
+    from experiments.runners import checks, cp_ranks, cp_simulate
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+
+
 @pytest.mark.parametrize(
     "strategy, impl", [("ring", "reference"), ("allgather", "reference"), ("ring", "pallas")]
 )
@@ -706,14 +715,12 @@ def test_row_checks_compile_no_kernel_program_of_their_own(monkeypatch, strategy
     """A row check restricted to its check rows runs the programs its point's timed calls
     compile (the same shapes and step functions): after the timed calls it compiles no step
     function anew, and it passes."""
-    from experiments.runners import checks, cp_ranks, cp_simulate, frameworks
+    from experiments.runners import cp_simulate, frameworks
     from experiments.runners.cp_rank_checks import check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
 
-    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    _row_checks_and_constant_timing(monkeypatch)
     point = _point(strategy, 4, "fwd_bwd", sim.LinkModel(), seqlen=512)
     (mask,) = frameworks.make_masks(point)
     runner = JaxRunner()
@@ -744,14 +751,12 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
 
     import jax
 
-    from experiments.runners import checks, cp_ranks, cp_simulate, frameworks
+    from experiments.runners import cp_simulate, frameworks
     from experiments.runners.cp_rank_checks import check_ranks
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
 
-    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    _row_checks_and_constant_timing(monkeypatch)
     steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
     runner = JaxRunner()
 
@@ -800,12 +805,9 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
 
     import jax
 
-    from experiments.runners import checks, cp_ranks, cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
-    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    _row_checks_and_constant_timing(monkeypatch)
     steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
 
     def compiles_after_the_first(seqlen: int, expect: bool, threads: int = 2) -> list[str]:
@@ -845,13 +847,10 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
 def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
     """A problem's first point compiles its peers' programs, but a peer whose programs cannot
     be made fails at its own turn, into its own record: the first point is ok."""
-    from experiments.runners import checks, cp_ranks, cp_simulate
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
 
-    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
-    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", lambda *a, iters, **kw: [1.0] * iters)
+    _row_checks_and_constant_timing(monkeypatch)
     real = JaxRanks.lower_calls
 
     def no_allgather(self, calls, skip=()):

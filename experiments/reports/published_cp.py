@@ -59,8 +59,9 @@ def _comparable(row: dict) -> bool:
 
 
 def reference_lines(row: dict) -> dict[str, list[tuple[float, float]]]:
-    """Dashed lines for a scaling plot of row's (mask, mode, setting): each matching published
-    figure at the middle of its range over its device counts; none for another setting."""
+    """Reference lines for a scaling plot of row's (mask, mode, setting): each matching
+    published figure at the middle of its range over its device counts; none for another
+    setting."""
     if not _comparable(row):
         return {}
     return {

@@ -179,7 +179,8 @@ def tables(rows: list[dict]) -> list[str]:
 def scaling_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     """Per (mode, shape, impl, tokens/GPU, link, mask): predicted per-GPU TFLOP/s vs GPUs, one
     line per strategy/layout, the whole mask on one GPU and the published study's figures of
-    the same setting dashed; points without a number are labelled markers."""
+    the same setting as black reference lines; points without a number are labelled
+    markers."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(*_group(r), r["mask"])].append(r)

@@ -224,8 +224,9 @@ def _reference_passes():
 
 
 class JaxRanks(Ranks):
-    COMPILES_AHEAD = True
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
+
+    COMPILES_AHEAD = True
 
     def __init__(self, plan, impl: str, point: Point, index: int, runner) -> None:
         import jax
