@@ -86,6 +86,16 @@ def test_held_out_error_is_relative_to_the_measured_time():
     record = err.as_dict()
     assert record["error_quantile"] == call_model.ERROR_QUANTILE == 90
     assert record["quantile_error_pct"] == pytest.approx(np.percentile([10, 0, 10, 0], 90))
+    assert record["held_out_ms"] == [[1.1, 1.0], [2.0, 2.0], [2.7, 3.0], [4.0, 4.0]]
+
+
+def test_class_rate_is_measured_over_modelled_time():
+    coef = np.array([1.0, 2.0, 0.5])
+    x = np.array([[1.0, 10.0, 4.0], [1.0, 30.0, 0.0]])  # modelled 23 and 61 ms
+    assert call_model.class_rate(x, [23.0 * 1.3, 61.0 * 1.3], coef) == pytest.approx(1.3)
+    assert call_model.class_rate(x, [23.0, 61.0 * 2], coef) == pytest.approx((23 + 122) / 84)
+    with pytest.raises(ValueError, match=r"gives these calls no time \(0.0 ms\)"):
+        call_model.class_rate(x, [1.0, 1.0], np.zeros(3))
 
 
 def test_other_quantiles_follow_the_median_in_order():

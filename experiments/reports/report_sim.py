@@ -11,6 +11,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from experiments.core.outcomes import SCALED
 from experiments.core.progress import wall_seconds
 from experiments.reports import plots, published_cp, report_cp
@@ -271,11 +273,22 @@ def model_error(records: list[dict]) -> list[str]:
     worst = max(h["quantile_error_pct"] for h in held)
     quantile = held[0]["error_quantile"]
     top = max(h["max_error_pct"] for h in held)
+    pooled = {tuple(pair) for h in held for pair in h.get("held_out_ms") or []}
+    if pooled:
+        pred, meas = np.array(sorted(pooled)).T
+        rel = 100.0 * np.abs(pred - meas) / np.maximum(meas, 1e-12)
+        pooled_line = (
+            f" Pooled, the {len(rel)} distinct held-out calls (each once, however many points "
+            f"state it): {np.percentile(rel, quantile):.1f}% at the {quantile}th percentile, "
+            f"{np.mean(pred > meas) * 100:.0f}% of them predicted slower than measured."
+        )
+    else:
+        pooled_line = ""
     return [
         f"Cost model: {modelled} distinct calls predicted from their tiles (counted in every "
         f"point that makes them), {timed} timed for it or alone; on {n} timed calls held out of "
         f"the fits its error is at most {worst:.1f}% at the {quantile}th "
-        f"percentile of a point (largest single error {top:.1f}%).",
+        f"percentile of a point (largest single error {top:.1f}%).{pooled_line}",
         "",
     ]
 

@@ -8,11 +8,14 @@ modelled on the piece's visible area instead. A small calibration sample that sp
 work is timed, the coefficients are fitted non-negative, and a held-out sample of further timed
 calls measures the model's error, which every simulated record carries.
 
-Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) runs
-at one rate per tile and head once its calls are long enough to fill the device, so calls of
-a long class (seconds each at 2M tokens) are predicted from the kind's model over
+Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) keeps
+the relative cost of its full and partial tiles once its calls are long enough to fill the
+device, but not its absolute rate, which still moves with the block lengths (on the H200 a
+ring kind's 32K-token forward+backward calls ran 24% off the rate of its 8K-token calls). So
+the calls of a long class (seconds each at 2M tokens) are predicted from the kind's model over
 [1, full tiles x heads, partial tiles x heads], fitted on its timed calls of at least
-KIND_FIT_MIN_MS, with LONG_VALIDATION_CALLS of the class timed as its held-out check.
+KIND_FIT_MIN_MS, times the class's own rate (class_rate) from LONG_RATE_CALLS timed calls of
+it, with LONG_VALIDATION_CALLS more of it timed as its held-out check.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 MIN_CALIBRATION = 3  # at least one timed call per feature of the tile model
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
-LONG_VALIDATION_CALLS = 1  # timed calls of a class predicted across shapes, held out
+LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across shapes
+LONG_VALIDATION_CALLS = 1  # further timed calls of such a class, held out
+SIGNIFICANT = 4  # significant digits of the held-out times a record lists
 
 
 def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
@@ -110,13 +115,24 @@ def calibration_picks(x: np.ndarray, k: int) -> np.ndarray:
     return np.array(picks)
 
 
+def class_rate(x: np.ndarray, measured: np.ndarray, coef: np.ndarray) -> float:
+    """A class's own rate against its kind's model: its timed calls' measured time over the
+    time the model (`coef`) gives their work features `x`, summed (the longest weigh most)."""
+    modelled = float(np.sum(np.asarray(x, np.float64) @ coef))
+    if modelled <= 0:
+        raise ValueError(f"the kind's model gives these calls no time ({modelled} ms)")
+    return float(np.sum(measured)) / modelled
+
+
 @dataclass(frozen=True)
 class ModelError:
-    """Relative errors of a fitted model on held-out timed calls, in percent."""
+    """Relative errors of a fitted model on held-out timed calls, in percent, and the calls'
+    (predicted, measured) median ms, so a report can pool the calls of many points."""
 
     calls: int
     quantile_pct: float
     max_pct: float
+    pairs: tuple[tuple[float, float], ...] = ()
 
     def as_dict(self) -> dict:
         return {
@@ -124,6 +140,7 @@ class ModelError:
             "error_quantile": ERROR_QUANTILE,
             "quantile_error_pct": round(self.quantile_pct, 3),
             "max_error_pct": round(self.max_pct, 3),
+            "held_out_ms": [[float(f"{v:.{SIGNIFICANT}g}") for v in pair] for pair in self.pairs],
         }
 
 
@@ -146,4 +163,5 @@ def held_out_error(predicted: np.ndarray, measured: np.ndarray) -> ModelError:
     """The model's error on calls it was not fitted on: |predicted - measured| / measured."""
     predicted, measured = np.asarray(predicted, np.float64), np.asarray(measured, np.float64)
     rel = 100.0 * np.abs(predicted - measured) / np.maximum(measured, 1e-12)
-    return ModelError(len(rel), float(np.percentile(rel, ERROR_QUANTILE)), float(rel.max()))
+    pairs = tuple(zip(predicted.tolist(), measured.tolist()))
+    return ModelError(len(rel), float(np.percentile(rel, ERROR_QUANTILE)), float(rel.max()), pairs)

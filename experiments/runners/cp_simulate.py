@@ -117,9 +117,10 @@ class CPSimulator:
         self._looked_ahead: set[int] = set()  # mask indices of this problem looked ahead for
         self._ready: dict[tuple, Prepared] = {}  # (point key, mask index) -> made ahead
         self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
-        # per kind of call (any shapes): work features of its timed calls, and per class the
-        # calls timed to check its prediction across shapes
+        # per kind of call (any shapes): work features of its timed calls; per class predicted
+        # across shapes: the calls timed for its rate and those held out to check it
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
+        self._rated: dict[tuple, dict[tuple, np.ndarray]] = {}  # its calls setting its rate
         self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
         # the current problem's masks and plans, which its points in both modes share
@@ -330,8 +331,8 @@ class CPSimulator:
         calibration sample spanning its pieces' work and the rest predicted by the class's
         cost model (experiments/runners/call_model.py), whose error on further timed,
         held-out calls the counts report. A class whose calls the model of their kind (any
-        shapes) puts past LONG_CALL_MS is predicted from that model instead, with
-        call_model.LONG_VALIDATION_CALLS of it timed and held out (_across_shapes)."""
+        shapes) puts past LONG_CALL_MS is predicted from that model at the class's own rate
+        instead, from a call or two of it timed (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         stats: dict[tuple, dict] = {}
@@ -420,11 +421,13 @@ class CPSimulator:
     ) -> tuple[int | None, dict[tuple, dict], list[tuple[float, float]]]:  # fmt: skip
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
         a class whose untimed calls the model of its kind puts at LONG_CALL_MS or more at their
-        median: the first call_model.LONG_VALIDATION_CALLS of the class are timed (its median
-        one) and held out, and every point the class serves states their error; the rest are
-        predicted (seconds a call at 2M tokens, where the class's own calibration would time a
-        dozen). (None, {}, []) where that model does not apply: no model of the kind yet, or
-        calls shorter than that."""
+        median: each is predicted as the kind's model times the class's own rate at its shapes
+        (call_model.class_rate), set by timing call_model.LONG_RATE_CALLS of the class (its
+        median one first); then call_model.LONG_VALIDATION_CALLS more, drawn at random, are
+        predicted at that rate and timed as the held-out check every point the class serves
+        states, and join the rate. Seconds a call at 2M tokens, where the class's own
+        calibration would time a dozen. (None, {}, []) where that model does not apply: no model
+        of the kind yet, or calls shorter than that."""
         untimed = [key for key in members if key not in self._timings]
         coef = self._kind_model(kind) if self.timed_calls and untimed else None
         if coef is None:
@@ -433,21 +436,31 @@ class CPSimulator:
         guess = {key: float(x[key] @ coef) for key in untimed}
         if np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
-        timed, checked = 0, self._validated.setdefault(cls, [])
-        if len(checked) < call_model.LONG_VALIDATION_CALLS:
+        rated = self._rated.setdefault(cls, {})  # the class's calls timed for its rate
+        checked = self._validated.setdefault(cls, [])
+        timed = 0
+        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
             key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
             self._time(ranks, point, key, members[key][0])
-            checked.append((guess[key], self._timings[key]["median"]))
-            self._remember(kind, {key: members[key]}, heads)
-            coef, timed = self._kind_model(kind), 1
-        table = self._kinds[kind]
-        ratios = call_model.quantile_ratios([self._timings[key] for key in table], QUANTILES)
-        predicted = {
-            key: call_model.scaled_quantiles(float(x[key] @ coef), ratios)
-            for key in untimed
-            if key not in self._timings
-        }
+            rated[key], timed = x[key], timed + 1
+            untimed.remove(key)
+        rng = np.random.default_rng(point.seed + len(self._timings))
+        while len(checked) < call_model.LONG_VALIDATION_CALLS and untimed:
+            key = untimed.pop(int(rng.integers(len(untimed))))
+            rate = self._class_rate(rated, coef)
+            self._time(ranks, point, key, members[key][0])
+            checked.append((rate * guess[key], self._timings[key]["median"]))
+            rated[key], timed = x[key], timed + 1
+        rate = self._class_rate(rated, coef)
+        ratios = call_model.quantile_ratios([self._timings[key] for key in rated], QUANTILES)
+        predicted = {key: call_model.scaled_quantiles(rate * guess[key], ratios) for key in untimed}
         return timed, predicted, list(checked)  # every point it serves states its check
+
+    def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
+        """call_model.class_rate of a class's calls timed for it (work features by key)."""
+        keys = list(rated)
+        measured = [self._timings[key]["median"] for key in keys]
+        return call_model.class_rate(np.array([rated[key] for key in keys]), measured, coef)
 
     def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
         """The tile model's coefficients of the median times of the calls in `known`."""
