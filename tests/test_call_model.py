@@ -119,3 +119,19 @@ def test_calls_sampled_once_give_no_spread():
     ratios = call_model.quantile_ratios([once, once, twice], names)
     assert ratios["min"] == pytest.approx(0.9) and ratios["max"] == pytest.approx(1.2)
     assert call_model.quantile_ratios([once], names)["max"] == 1.0
+
+
+def test_map_stats_count_rows_columns_and_their_longest():
+    rng = np.random.default_rng(3)
+    kinds = rng.choice([0, 0, 1, 2], size=(9, 13))
+    kinds[4] = 0  # a row without tiles
+    kinds[:, 7] = 0  # a column without tiles
+    stats = call_model.map_stats(kinds)
+    rows = [sum(1 for v in row if v) for row in kinds.tolist()]
+    cols = [sum(1 for row in kinds.tolist() if row[j]) for j in range(13)]
+    assert stats["q_tiles"] == 9 and stats["k_tiles"] == 13
+    assert stats["rows"] == sum(1 for n in rows if n) == 8 and stats["row_max"] == max(rows)
+    assert stats["cols"] == sum(1 for n in cols if n) == 12 and stats["col_max"] == max(cols)
+    assert [stats["full"], stats["partial"]] == call_model.map_features(kinds)[1:].tolist()
+    empty = call_model.map_stats(np.zeros((3, 4), np.int8))
+    assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0

@@ -554,6 +554,20 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert model["distinct"] == every["distinct"]
     assert model["modelled"] > 0 and model["timed"] + model["modelled"] == model["distinct"]
     assert model["model"]["held_out_calls"] >= 4 and model["model"]["max_error_pct"] < 1e-6
+    # every call timed is logged once with the piece's tile counts it was timed on
+    for k, calls in ((0, every), (3, model)):
+        log = sims[k]["timed_calls"]
+        assert len(log) == calls["timed"], k
+        roles = [c["role"] for c in log]
+        modelled = {"calibration", "held_out"}
+        assert set(roles) == {"all"} if k == 0 else modelled <= set(roles) <= modelled | {"all"}
+        for c in log:
+            tiles = c["full"] + c["partial"]
+            assert c["median"] == pytest.approx(0.5 + 0.01 * tiles + 0.02 * c["partial"]), c
+            assert c["rows"] <= c["q_tiles"] and c["cols"] <= c["k_tiles"]
+            assert c["row_max"] * c["rows"] >= tiles and c["col_max"] * c["cols"] >= tiles
+            assert c["q"] == 32 and c["k"] > 0 and c["area"] <= c["q"] * c["k"]
+    assert roles.count("held_out") == model["model"]["held_out_calls"]
     assert sims[3]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
     assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
@@ -602,11 +616,16 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     ((predicted, measured),) = held["held_out_ms"]
     assert predicted == pytest.approx(measured, rel=1e-3) and measured > LONG_CALL_MS
     assert sim_model["compute_ms"] == pytest.approx(sim_every["compute_ms"], rel=1e-9)
+    assert sorted(c["role"] for c in sim_model["timed_calls"]) == ["rate", "rate_held_out"]
+    (checked,) = (c for c in sim_model["timed_calls"] if c["role"] == "rate_held_out")
+    assert checked["median"] == pytest.approx(measured, rel=1e-3)
+    assert len({c["class"] for c in sim_model["timed_calls"]}) == 1
     assert sim_every["calls"]["across_shapes"] == 0
     # another layout of the same shapes: nothing timed, the class's held-out check stated again
     other = _point("allgather", 8, "fwd", sim.LinkModel.ideal(), layout="balanced", seqlen=32)
     again = model.run(other)["masks"][0]["simulation"]["calls"]
     assert again["timed"] == 0 and again["across_shapes"] == again["distinct"] > 2
+    assert model.run(other)["masks"][0]["simulation"]["timed_calls"] == []
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
 
 

@@ -58,6 +58,26 @@ def map_features(kinds: np.ndarray) -> np.ndarray:
     return np.array([1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], np.float64)
 
 
+def map_stats(kinds: np.ndarray) -> dict[str, int]:
+    """How a piece's work is laid out, from its tile map, beyond the model's tile counts: its
+    size in tiles, the query-tile rows and key-tile columns holding any tile and the most tiles
+    in one row and in one column (a kernel that gives a row or a column to one CTA waits on its
+    longest). Recorded with every timed call, so richer models can be fitted from a run."""
+    kinds = np.asarray(kinds)
+    visited = kinds != 0
+    per_row, per_col = visited.sum(axis=1), visited.sum(axis=0)
+    return {
+        "q_tiles": int(kinds.shape[0]),
+        "k_tiles": int(kinds.shape[1]),
+        "full": int((kinds == FULL).sum()),
+        "partial": int((kinds == PARTIAL).sum()),
+        "rows": int((per_row > 0).sum()),
+        "row_max": int(per_row.max(initial=0)),
+        "cols": int((per_col > 0).sum()),
+        "col_max": int(per_col.max(initial=0)),
+    }
+
+
 def work_features(features: np.ndarray, heads: int) -> np.ndarray:
     """piece_features of calls that each run `heads` (batch x query heads) attention heads,
     with the work columns scaled by them: features of one kind of call at any shapes."""

@@ -225,6 +225,15 @@ class Ranks(ABC):
     def features(self) -> np.ndarray:
         """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
 
+    def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
+        """call_model.map_stats of ring rank r's piece at kept step t, where the framework's
+        kernels take tile maps (None here: a piece's work is its area)."""
+        return None
+
+    def call_tokens(self, r: int, t: int) -> tuple[int, int]:
+        """(query, key) tokens of ring rank r's timed call at kept step t."""
+        return len(self.plan.layout.positions[r]), len(self.plan.key_positions(r, t))
+
     def lower_calls(self, calls: list[tuple], skip: Container = ()) -> tuple[list, dict]:
         """(each call's program, {program: an object whose compile() makes it ready} of those
         not in `skip`) for these calls (timer's call tuples): what the simulator compiles side

@@ -37,6 +37,7 @@ class PlanPieces:
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}
         self._features: np.ndarray | None = None
+        self._stats: list[dict[str, int]] = []  # map_stats per distinct piece, with features
 
     @classmethod
     def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
@@ -80,10 +81,16 @@ class PlanPieces:
             if self.tiles is None:
                 self._features = call_model.piece_features(None, area)
             else:
-                maps = (p.block_map(*self.tiles) for p in self.pieces)
+                maps = [p.block_map(*self.tiles) for p in self.pieces]
                 distinct = np.array([call_model.map_features(m) for m in maps])
                 self._features = distinct[self.index]
+                self._stats = [call_model.map_stats(m) for m in maps]
         return self._features
+
+    def stats(self, r: int, t: int) -> dict[str, int] | None:
+        """call_model.map_stats of ring rank r's piece at kept step t (None without tiles)."""
+        self.features()
+        return self._stats[int(self.index[r, t])] if self._stats else None
 
 
 @cache
@@ -326,6 +333,9 @@ class JaxRanks(Ranks):
 
     def features(self) -> np.ndarray:
         return self.pieces.features()
+
+    def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
+        return self.pieces.stats(r, t)
 
     def queries(self, name: str, r: int, u: int, rows: np.ndarray | None = None):
         """q or dout of rank (r, u): its ring shard's tokens (or those local rows of it, zeros

@@ -17,6 +17,7 @@ preset shows its cost without a profiler.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -61,6 +62,11 @@ def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
         link="",
         grid=f"{point.grid}_single_device",
     )
+
+
+def _digest(x: tuple) -> str:
+    """A short, stable name of a class or kind of calls, to group a run's timed calls by."""
+    return hashlib.sha1(repr(x).encode()).hexdigest()[:12]
 
 
 def _round(x: np.ndarray) -> list:
@@ -122,6 +128,8 @@ class CPSimulator:
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
         self._rated: dict[tuple, dict[tuple, np.ndarray]] = {}  # its calls setting its rate
         self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
+        self._timed_log: list[dict] = []  # the current mask's calls timed (_time)
+        self._class_kinds: dict[tuple, tuple] = {}  # the current mask's kind of each class
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
         # the current problem's masks and plans, which its points in both modes share
         self._problem: tuple | None = None
@@ -322,8 +330,9 @@ class CPSimulator:
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
-    ) -> tuple[dict, dict]:
-        """({quantile: (P, N) compute ms}, counts): every (rank, step) call's time statistics.
+    ) -> tuple[dict, dict, list[dict]]:
+        """({quantile: (P, N) compute ms}, counts, the calls timed now as _time logs them):
+        every (rank, step) call's time statistics.
 
         A distinct call (kind, shapes, mask arrays) is timed once, here or by an earlier point.
         With --sim_timed_calls=k > 0, a class of calls (kind and shapes; only the mask piece
@@ -335,6 +344,7 @@ class CPSimulator:
         instead, from a call or two of it timed (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
+        self._timed_log, self._class_kinds = [], classes.kinds
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
@@ -359,12 +369,33 @@ class CPSimulator:
         for p, r, key in classes.uses:
             for q in QUANTILES:
                 compute[q][p, ring_of == r] = stats[key][q]
-        return compute, counts
+        return compute, counts, self._timed_log
 
-    def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple) -> None:
-        """Time one distinct call (run once untimed first) into self._timings."""
+    def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> None:
+        """Time one distinct call (run once untimed first) into self._timings, and log it
+        (self._timed_log, the record's timed_calls) with what it was timed for (`role`)."""
         times = ranks.time(call, point.warmup, point.iters)
-        self._timings[key] = timing.time_stats(times)
+        stats = self._timings[key] = timing.time_stats(times)
+        name, r, t, group_start = call
+        q, k = ranks.call_tokens(r, t)
+        self._timed_log.append(
+            {
+                "role": role,
+                "class": _digest(key[:-1]),
+                "kind": _digest(self._class_kinds[key[:-1]]),
+                "call": name,
+                "step": int(t),
+                "group_start": bool(group_start),
+                "q": q,
+                "k": k,
+                "heads_q": len(ranks.q_heads[0]),
+                "heads_kv": len(ranks.kv_heads[0]),
+                "area": float(ranks.plan.piece_area[r, t]),
+                **(ranks.piece_stats(r, t) or {}),
+                **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
+                "n": int(stats["n"]),
+            }
+        )
 
     def _class_stats(
         self, ranks: Ranks, point: Point, cls: tuple, members: dict[tuple, tuple]
@@ -376,7 +407,7 @@ class CPSimulator:
         k = self.timed_calls
         if k == 0 or len(untimed) <= k + call_model.VALIDATION_CALLS:
             for key in untimed:
-                self._time(ranks, point, key, members[key][0])
+                self._time(ranks, point, key, members[key][0], "all")
             return len(untimed), {}, []
         x = np.array([members[key][1] for key in keys])
         calibrate = [keys[i] for i in call_model.calibration_picks(x, k)]
@@ -385,7 +416,8 @@ class CPSimulator:
         held = [rest[i] for i in rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)]
         fresh = [key for key in calibrate if key not in self._timings] + held
         for key in fresh:
-            self._time(ranks, point, key, members[key][0])
+            role = "held_out" if key in held else "calibration"
+            self._time(ranks, point, key, members[key][0], role)
         known = self._fitted.setdefault(cls, {})
         known.update({key: members[key][1] for key in calibrate})
         coef = self._fit(known)
@@ -441,14 +473,14 @@ class CPSimulator:
         timed = 0
         while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
             key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
-            self._time(ranks, point, key, members[key][0])
+            self._time(ranks, point, key, members[key][0], "rate")
             rated[key], timed = x[key], timed + 1
             untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
         while len(checked) < call_model.LONG_VALIDATION_CALLS and untimed:
             key = untimed.pop(int(rng.integers(len(untimed))))
             rate = self._class_rate(rated, coef)
-            self._time(ranks, point, key, members[key][0])
+            self._time(ranks, point, key, members[key][0], "rate_held_out")
             checked.append((rate * guess[key], self._timings[key]["median"]))
             rated[key], timed = x[key], timed + 1
         rate = self._class_rate(rated, coef)
@@ -494,7 +526,7 @@ class CPSimulator:
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()
-        compute, counts = self._time_calls(ranks, sched, point, classes)
+        compute, counts, timed_now = self._time_calls(ranks, sched, point, classes)
         wall["calls"] = time.perf_counter() - start
         link = simulate.LinkModel.from_spec(point.link)
         transfers = simulate.transfer_ms(sched, link)  # the same for every quantile's replay
@@ -507,6 +539,7 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
+        sim["timed_calls"] = timed_now
         sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
