@@ -388,7 +388,7 @@ class CPSimulator:
                 "group_start": bool(group_start),
                 "q": q,
                 "k": k,
-                "heads_q": len(ranks.q_heads[0]),
+                "heads": point.batch * len(ranks.q_heads[0]),  # what the model scales work by
                 "heads_kv": len(ranks.kv_heads[0]),
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(ranks.piece_stats(r, t) or {}),

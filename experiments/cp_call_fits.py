@@ -1,0 +1,156 @@
+"""Score the CP predictor's per-call cost model on a run's timed calls, on the host.
+
+    python experiments/cp_call_fits.py --results=results/h200/cp_predict/run-12-preset.jsonl
+
+Every simulated record lists the calls its point timed (simulation.timed_calls: what each was
+timed for, its class and kind, tokens, heads, its piece's tiles and their layout, median ms),
+so candidate models can be tried on a GPU run's calls without a device. For each feature set:
+- within a class (one kind at one shape; the pieces differ), each call predicted from the
+  class's other calls (leave one out), as the class's calibration predicts its untimed calls;
+- across shapes, each class's calls predicted from its kind's calls at other shapes, at the
+  kind's rate and at the class's own rate set by its median call (as the predictor does for
+  long calls, experiments/runners/call_model.py), the error over the class's other calls.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from absl import app, flags
+
+from experiments.reports.report_parts import md_table, read_results
+from experiments.runners import call_model
+
+# Candidate work features beyond the constant: the predictor's tile counts, and those with the
+# piece's layout (a kernel giving a row or a column to one CTA waits on the longest).
+FEATURE_SETS = {
+    "tiles": ("full", "partial"),
+    "tiles+layout": ("full", "partial", "rows", "row_max", "cols", "col_max"),
+}
+QUANTILE = call_model.ERROR_QUANTILE
+
+
+def timed_calls(records: list[dict]) -> list[dict]:
+    """The timed calls of every simulated mask of the records that list them."""
+    calls = []
+    for rec in records:
+        for mask in rec.get("masks") or []:
+            calls += (mask.get("simulation") or {}).get("timed_calls") or []
+    return calls
+
+
+def design(calls: list[dict], names: tuple[str, ...], per_head: bool = False) -> np.ndarray:
+    """(n, 1 + len(names)) features of the calls: a constant, then the named counts (times
+    the call's heads where per_head: one kind's calls at any shapes, call_model.work_features)."""
+    x = np.array([[1.0, *(float(c[n]) for n in names)] for c in calls])
+    if per_head:
+        x[:, 1:] *= np.array([c["heads"] for c in calls], np.float64)[:, None]
+    return x
+
+
+def _errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    return 100.0 * np.abs(predicted - measured) / np.maximum(measured, 1e-12)
+
+
+def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray:
+    """Relative errors (%) of each call of a class predicted from the class's others (leave
+    one out), over every class with at least two calls more than the features."""
+    errors = []
+    for members in _group(calls, "class").values():
+        if len(members) < len(names) + 3:
+            continue
+        x, y = design(members, names), _medians(members)
+        for i in range(len(members)):
+            rest = np.arange(len(members)) != i
+            coef = call_model.fit(x[rest], y[rest])
+            errors.append(_errors(x[i] @ coef, y[i]))
+    return np.array(errors)
+
+
+def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Relative errors (%) of each class's calls predicted from its kind's calls of other
+    classes (at least call_model.MIN_CALIBRATION of KIND_FIT_MIN_MS or more): at the kind's
+    rate (every call of the class), and at the class's own rate set by its median call (the
+    class's other calls)."""
+    out: dict[str, list] = {"kind rate": [], "class rate": []}
+    for members in _group(calls, "kind").values():
+        classes = _group(members, "class")
+        for cls, own in classes.items():
+            others = [c for k, v in classes.items() if k != cls for c in v]
+            others = [c for c in others if c["median"] >= call_model.KIND_FIT_MIN_MS]
+            if len(others) < call_model.MIN_CALIBRATION:
+                continue
+            coef = call_model.fit(design(others, names, True), _medians(others))
+            guess, y = design(own, names, True) @ coef, _medians(own)
+            if (guess <= 0).any():
+                continue
+            out["kind rate"] += list(_errors(guess, y))
+            if len(own) > 1:
+                ref = int(np.argsort(guess)[len(own) // 2])
+                rest = np.arange(len(own)) != ref
+                out["class rate"] += list(_errors(guess[rest] * y[ref] / guess[ref], y[rest]))
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def _group(calls: list[dict], field: str) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for c in calls:
+        groups[c[field]].append(c)
+    return groups
+
+
+def _medians(calls: list[dict]) -> np.ndarray:
+    return np.array([c["median"] for c in calls], np.float64)
+
+
+def _cell(errors: np.ndarray) -> str:
+    if not len(errors):
+        return "no calls"
+    return f"{np.percentile(errors, QUANTILE):.1f}% / {errors.max():.1f}% ({len(errors)})"
+
+
+def score(calls: list[dict]) -> list[dict]:
+    """Per feature set: the within-class and across-shapes errors (p90 / max (calls))."""
+    rows = []
+    for label, names in FEATURE_SETS.items():
+        have = [c for c in calls if all(n in c for n in names)]
+        across = across_shape_errors(have, names)
+        rows.append(
+            {
+                "features": label,
+                "calls": len(have),
+                "within a class": _cell(within_class_errors(have, names)),
+                **{f"across shapes, {k}": _cell(v) for k, v in across.items()},
+            }
+        )
+    return rows
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when it runs (tests import this module beside run.py,
+    whose flags share absl's registry)."""
+    flags.DEFINE_list("results", None, "Results files of simulated (--simulate_devices) runs.")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not FLAGS.results:
+        raise app.UsageError("--results: give the results files of a simulated run")
+    calls = timed_calls(read_results(FLAGS.results))
+    if not calls:
+        raise app.UsageError(
+            f"--results={','.join(FLAGS.results)}: no timed calls listed (records from before "
+            "simulation.timed_calls, or no simulated points)"
+        )
+    print(f"{len(calls)} timed calls; relative error, {QUANTILE}th percentile / largest (calls)")
+    rows = score(calls)
+    print("\n".join(md_table(list(rows[0]), [list(r.values()) for r in rows])))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

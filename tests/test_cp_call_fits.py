@@ -1,0 +1,93 @@
+"""Scoring the CP predictor's cost model on a run's timed calls (experiments/cp_call_fits.py),
+on calls whose times follow known laws."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import cp_call_fits
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _calls(rng, n, law, *, cls="c", kind="k", heads=8) -> list[dict]:
+    """n timed calls of one class with random piece layouts, timed by law(call)."""
+    calls = []
+    for _ in range(n):
+        full, partial = (int(v) for v in rng.integers(1, 200, 2))
+        c = {
+            "class": cls,
+            "kind": kind,
+            "heads": heads,
+            "full": full,
+            "partial": partial,
+            "rows": int(rng.integers(1, 64)),
+            "row_max": int(rng.integers(1, 64)),
+            "cols": int(rng.integers(1, 64)),
+            "col_max": int(rng.integers(1, 64)),
+        }
+        c["median"] = law(c)
+        calls.append(c)
+    return calls
+
+
+def test_leave_one_out_within_a_class_sees_what_the_tile_counts_miss():
+    """Times that also grow with a piece's longest row: the layout features predict every left
+    out call exactly, the tile counts alone do not."""
+    rng = np.random.default_rng(0)
+    law = lambda c: 1.0 + 0.02 * c["full"] + 0.05 * c["partial"] + 0.3 * c["row_max"]  # noqa: E731
+    calls = _calls(rng, 30, law) + _calls(rng, 3, law, cls="too few to leave one out")
+    tiles = cp_call_fits.within_class_errors(calls, cp_call_fits.FEATURE_SETS["tiles"])
+    layout = cp_call_fits.within_class_errors(calls, cp_call_fits.FEATURE_SETS["tiles+layout"])
+    assert len(tiles) == 30 and len(layout) == 30
+    assert layout.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
+
+
+def test_across_shapes_a_class_rate_recovers_what_the_kinds_rate_misses():
+    """Two classes of one kind at different head counts, the second 25% slower a tile: each
+    predicted from the other at the kind's rate is off by 25% (or 20%), at its own rate (set
+    by its median call) exact; a kind with one class gives no across-shape error."""
+    rng = np.random.default_rng(1)
+
+    def law(rate, heads):
+        return lambda c: rate * (10.0 + heads * (0.2 * c["full"] + 0.5 * c["partial"]))
+
+    calls = (
+        _calls(rng, 6, law(1.0, 8), cls="a", heads=8)
+        + _calls(rng, 5, law(1.25, 4), cls="b", heads=4)
+        + _calls(rng, 9, law(1.0, 8), cls="alone", kind="other")
+    )
+    errors = cp_call_fits.across_shape_errors(calls, cp_call_fits.FEATURE_SETS["tiles"])
+    kind = np.sort(errors["kind rate"])
+    assert len(kind) == 11 and kind[:5] == pytest.approx([20.0] * 5)
+    assert kind[5:] == pytest.approx([25.0] * 6)
+    assert len(errors["class rate"]) == 9 and errors["class rate"].max() < 1e-6
+
+
+def _record(key: str, simulation: dict) -> dict:
+    """A results line of a simulated point with this simulation detail."""
+    return {"key": key, "status": "ok", "point": {}, "masks": [{"simulation": simulation}]}
+
+
+def test_the_command_scores_a_results_file(tmp_path):
+    rng = np.random.default_rng(2)
+    law = lambda c: 6.0 + 0.1 * c["full"] + 0.3 * c["partial"]  # noqa: E731
+    calls = _calls(rng, 8, law, cls="a") + _calls(rng, 8, law, cls="b", heads=4)
+    results = tmp_path / "results.jsonl"
+    lines = [_record(f"p{i}", {"timed_calls": calls[i::2]}) for i in (0, 1)]
+    results.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    cmd = [sys.executable, "experiments/cp_call_fits.py", f"--results={results}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "16 timed calls" in out
+    assert "| features | calls | within a class | across shapes, kind rate |" in out
+    assert "| tiles | 16 |" in out and "| tiles+layout | 16 |" in out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps(_record("p", {})) + "\n")
+    bad = subprocess.run([*cmd[:2], f"--results={empty}"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "no timed calls listed" in bad.stderr
