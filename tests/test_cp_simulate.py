@@ -1021,6 +1021,17 @@ def test_torch_ranks_are_the_torch_executors_work(monkeypatch):
             ranks = TorchRanks(plan, "naive", point, 0, runner)
             calls = sum(p is not None for row in ranks.pieces for p in row)
             assert s["calls"]["total"] == 2 * calls * plan.ulysses_size
+            # its timed calls are logged at a trimmed piece's rows and columns (or the whole
+            # shard's, the local core's)
+            spans = {
+                (p.rows.stop - p.rows.start, p.cols.stop - p.cols.start)
+                for row in ranks.pieces
+                for p in row
+                if p is not None
+            } | {(plan.shard_len, plan.shard_len)}
+            logged = s["timed_calls"]
+            assert logged and {(c["q"], c["k"]) for c in logged} <= spans
+            assert all("full" not in c and c["area"] > 0 for c in logged)  # no tile maps
             for g in range(plan.world_size):
                 r, u = plan.ring_rank(g), plan.ulysses_rank(g)
                 pos = plan.layout.positions[r]

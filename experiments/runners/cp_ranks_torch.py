@@ -107,6 +107,11 @@ class TorchRanks(Ranks):
         fresh = all(p is None for p in self.pieces[r][:t])
         return (_span(piece.rows), _span(piece.cols), fresh)
 
+    def call_tokens(self, r: int, t: int) -> tuple[int, int]:
+        """(rows, columns) the call computes: its piece trimmed (call_shape)."""
+        rows, cols, _ = self.call_shape(r, t)
+        return rows, cols
+
     def call_kind(self, r: int, t: int) -> tuple:
         """Whether the call starts the rank's merge (its cost differs from a merging one)."""
         shape = self.call_shape(r, t)
