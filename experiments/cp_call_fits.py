@@ -1,15 +1,18 @@
 """Score the CP predictor's per-call cost model on a run's timed calls, on the host.
 
-    python experiments/cp_call_fits.py --results=results/h200/cp_predict/run-12-preset.jsonl
+    python experiments/cp_call_fits.py --results=OUT_DIR/results.jsonl
 
-Every simulated record lists the calls its point timed (simulation.timed_calls: what each was
+Every simulated record lists the calls timed for it (simulation.timed_calls: what each was
 timed for, its class and kind, tokens, heads, its piece's tiles and their layout, median ms),
-so candidate models can be tried on a GPU run's calls without a device. For each feature set:
+so candidate models can be tried on a GPU run's calls without a device. A call timed again by
+a later process (a resumed run) counts once. For each feature set:
 - within a class (one kind at one shape; the pieces differ), each call predicted from the
   class's other calls (leave one out), as the class's calibration predicts its untimed calls;
-- across shapes, each class's calls predicted from its kind's calls at other shapes, at the
-  kind's rate and at the class's own rate set by its median call (as the predictor does for
-  long calls, experiments/runners/call_model.py), the error over the class's other calls.
+  every set is scored on the same classes (those with enough calls for the largest set);
+- across shapes, each class of long calls (LONG_CALL_MS or more by its kind's model) predicted
+  from its kind's calls at every other shape the run timed (the predictor has only those timed
+  before it), at the kind's rate and at the class's own rate set by its median call
+  (experiments/runners/call_model.py), the error over the class's other calls.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from absl import app, flags
 
 from experiments.reports.report_parts import md_table, read_results
 from experiments.runners import call_model
+from experiments.runners.cp_ranks import LONG_CALL_MS
 
 # Candidate work features beyond the constant: the predictor's tile counts, and those with the
 # piece's layout (a kernel giving a row or a column to one CTA waits on the longest).
@@ -28,24 +32,34 @@ FEATURE_SETS = {
     "tiles": ("full", "partial"),
     "tiles+layout": ("full", "partial", "rows", "row_max", "cols", "col_max"),
 }
+# Features that add up over heads (scaled by a call's heads across shapes); the longest row and
+# column do not: heads run side by side.
+PER_HEAD = {"full", "partial", "rows", "cols"}
 QUANTILE = call_model.ERROR_QUANTILE
+MIN_CLASS = max(map(len, FEATURE_SETS.values())) + 3  # calls a class needs to leave one out
 
 
 def timed_calls(records: list[dict]) -> list[dict]:
-    """The timed calls of every simulated mask of the records that list them."""
-    calls = []
+    """The timed calls of every simulated mask of the records that list them, each distinct
+    call once (its latest timing)."""
+    calls = {}
     for rec in records:
         for mask in rec.get("masks") or []:
-            calls += (mask.get("simulation") or {}).get("timed_calls") or []
-    return calls
+            for call in (mask.get("simulation") or {}).get("timed_calls") or []:
+                calls[call.get("id", len(calls))] = call
+    return list(calls.values())
 
 
 def design(calls: list[dict], names: tuple[str, ...], per_head: bool = False) -> np.ndarray:
-    """(n, 1 + len(names)) features of the calls: a constant, then the named counts (times
-    the call's heads where per_head: one kind's calls at any shapes, call_model.work_features)."""
+    """(n, 1 + len(names)) features of the calls: a constant, then the named counts (those in
+    PER_HEAD times the call's heads where per_head: one kind's calls at any shapes, as
+    call_model.work_features)."""
     x = np.array([[1.0, *(float(c[n]) for n in names)] for c in calls])
     if per_head:
-        x[:, 1:] *= np.array([c["heads"] for c in calls], np.float64)[:, None]
+        heads = np.array([c["heads"] for c in calls], np.float64)
+        for j, name in enumerate(names, start=1):
+            if name in PER_HEAD:
+                x[:, j] *= heads
     return x
 
 
@@ -55,10 +69,10 @@ def _errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
 
 def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray:
     """Relative errors (%) of each call of a class predicted from the class's others (leave
-    one out), over every class with at least two calls more than the features."""
+    one out), over every class of at least MIN_CLASS calls."""
     errors = []
     for members in _group(calls, "class").values():
-        if len(members) < len(names) + 3:
+        if len(members) < MIN_CLASS:
             continue
         x, y = design(members, names), _medians(members)
         for i in range(len(members)):
@@ -69,10 +83,10 @@ def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray
 
 
 def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Relative errors (%) of each class's calls predicted from its kind's calls of other
-    classes (at least call_model.MIN_CALIBRATION of KIND_FIT_MIN_MS or more): at the kind's
-    rate (every call of the class), and at the class's own rate set by its median call (the
-    class's other calls)."""
+    """Relative errors (%) of each class of long calls (median LONG_CALL_MS or more by the
+    model) predicted from its kind's calls of other classes (at least
+    call_model.MIN_CALIBRATION of KIND_FIT_MIN_MS or more): at the kind's rate (every call of
+    the class), and at the class's own rate set by its median call (the class's other calls)."""
     out: dict[str, list] = {"kind rate": [], "class rate": []}
     for members in _group(calls, "kind").values():
         classes = _group(members, "class")
@@ -83,7 +97,7 @@ def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, 
                 continue
             coef = call_model.fit(design(others, names, True), _medians(others))
             guess, y = design(own, names, True) @ coef, _medians(own)
-            if (guess <= 0).any():
+            if (guess <= 0).any() or np.median(guess) < LONG_CALL_MS:
                 continue
             out["kind rate"] += list(_errors(guess, y))
             if len(own) > 1:
@@ -111,15 +125,16 @@ def _cell(errors: np.ndarray) -> str:
 
 
 def score(calls: list[dict]) -> list[dict]:
-    """Per feature set: the within-class and across-shapes errors (p90 / max (calls))."""
+    """Per feature set: the within-class and across-shapes errors (p90 / max (calls scored)),
+    on the calls that have every feature of every set (PyTorch's have no tile layout)."""
+    fields = {n for names in FEATURE_SETS.values() for n in names}
+    have = [c for c in calls if fields <= c.keys()]
     rows = []
     for label, names in FEATURE_SETS.items():
-        have = [c for c in calls if all(n in c for n in names)]
         across = across_shape_errors(have, names)
         rows.append(
             {
                 "features": label,
-                "calls": len(have),
                 "within a class": _cell(within_class_errors(have, names)),
                 **{f"across shapes, {k}": _cell(v) for k, v in across.items()},
             }
@@ -146,7 +161,11 @@ def main(argv: list[str]) -> None:
             f"--results={','.join(FLAGS.results)}: no timed calls listed (records from before "
             "simulation.timed_calls, or no simulated points)"
         )
-    print(f"{len(calls)} timed calls; relative error, {QUANTILE}th percentile / largest (calls)")
+    scored = sum(1 for c in calls if "full" in c)
+    print(
+        f"{len(calls)} distinct timed calls ({scored} with tile layouts); relative error, "
+        f"{QUANTILE}th percentile / largest (calls scored)"
+    )
     rows = score(calls)
     print("\n".join(md_table(list(rows[0]), [list(r.values()) for r in rows])))
 

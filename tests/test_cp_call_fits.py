@@ -22,6 +22,7 @@ def _calls(rng, n, law, *, cls="c", kind="k", heads=8) -> list[dict]:
     for _ in range(n):
         full, partial = (int(v) for v in rng.integers(1, 200, 2))
         c = {
+            "id": f"{cls}-{len(calls)}",
             "class": cls,
             "kind": kind,
             "heads": heads,
@@ -68,6 +69,10 @@ def test_across_shapes_a_class_rate_recovers_what_the_kinds_rate_misses():
     assert len(kind) == 11 and kind[:5] == pytest.approx([20.0] * 5)
     assert kind[5:] == pytest.approx([25.0] * 6)
     assert len(errors["class rate"]) == 9 and errors["class rate"].max() < 1e-6
+    # the same calls 100 times shorter: below LONG_CALL_MS, not predicted across shapes
+    short = [{**c, "median": c["median"] / 100} for c in calls]
+    errors = cp_call_fits.across_shape_errors(short, cp_call_fits.FEATURE_SETS["tiles"])
+    assert len(errors["kind rate"]) == len(errors["class rate"]) == 0
 
 
 def _record(key: str, simulation: dict) -> dict:
@@ -76,17 +81,21 @@ def _record(key: str, simulation: dict) -> dict:
 
 
 def test_the_command_scores_a_results_file(tmp_path):
+    """Two records of calls whose times are exactly linear in their tiles x heads, one call
+    timed by both (a resumed run): each call counted once, every error 0."""
     rng = np.random.default_rng(2)
-    law = lambda c: 6.0 + 0.1 * c["full"] + 0.3 * c["partial"]  # noqa: E731
-    calls = _calls(rng, 8, law, cls="a") + _calls(rng, 8, law, cls="b", heads=4)
+    law = lambda c: 20.0 + c["heads"] * (0.1 * c["full"] + 0.3 * c["partial"])  # noqa: E731
+    calls = _calls(rng, 10, law, cls="a") + _calls(rng, 10, law, cls="b", heads=4)
     results = tmp_path / "results.jsonl"
-    lines = [_record(f"p{i}", {"timed_calls": calls[i::2]}) for i in (0, 1)]
+    lines = [_record(f"p{i}", {"timed_calls": calls[i::2] + calls[:1]}) for i in (0, 1)]
     results.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     cmd = [sys.executable, "experiments/cp_call_fits.py", f"--results={results}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert "16 timed calls" in out
-    assert "| features | calls | within a class | across shapes, kind rate |" in out
-    assert "| tiles | 16 |" in out and "| tiles+layout | 16 |" in out
+    assert "20 distinct timed calls (20 with tile layouts)" in out
+    header = "| features | within a class | across shapes, kind rate | across shapes, class rate |"
+    assert header in out
+    for features in ("tiles", "tiles+layout"):
+        assert f"| {features} | 0.0% / 0.0% (20) | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |" in out
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps(_record("p", {})) + "\n")
     bad = subprocess.run([*cmd[:2], f"--results={empty}"], cwd=REPO, capture_output=True, text=True)

@@ -623,9 +623,10 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert sim_every["calls"]["across_shapes"] == 0
     # another layout of the same shapes: nothing timed, the class's held-out check stated again
     other = _point("allgather", 8, "fwd", sim.LinkModel.ideal(), layout="balanced", seqlen=32)
-    again = model.run(other)["masks"][0]["simulation"]["calls"]
+    again_sim = model.run(other)["masks"][0]["simulation"]
+    again = again_sim["calls"]
     assert again["timed"] == 0 and again["across_shapes"] == again["distinct"] > 2
-    assert model.run(other)["masks"][0]["simulation"]["timed_calls"] == []
+    assert again_sim["timed_calls"] == []
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
 
 
@@ -908,6 +909,26 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
         _modelled_equals_timed(m)
     with monkeypatch.context() as m:
         _long_calls_modelled_across_shapes(m)
+
+
+def test_calls_timed_by_a_failed_point_are_listed_by_the_next_record(monkeypatch):
+    """A point that fails after timing its calls (here: the schedule's replay raises) leaves
+    them to the next point's record, which lists them beside its own, each once."""
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import simulate
+
+    first, second = (
+        _point("ring", 4, "fwd", sim.LinkModel(), "causal", layout=layout, seqlen=16)
+        for layout in ("contiguous", "zigzag")
+    )
+    alone = JaxRunner().run(first)["masks"][0]["simulation"]["timed_calls"]
+    runner = JaxRunner()
+    with monkeypatch.context() as m:
+        m.setattr(simulate, "predict", lambda *a, **k: (_ for _ in ()).throw(OSError("replay")))
+        with pytest.raises(OSError, match="replay"):
+            runner.run(first)
+    ids = [c["id"] for c in runner.run(second)["masks"][0]["simulation"]["timed_calls"]]
+    assert alone and {c["id"] for c in alone} < set(ids) and len(ids) == len(set(ids))
 
 
 def test_a_failed_points_baseline_seconds_go_to_the_next_point():
@@ -1232,7 +1253,7 @@ def test_report_states_the_cost_models_error():
     pooled = [{"masks": [{"simulation": {"calls": c}}]} for c in calls]
     line = report_sim.model_error(pooled)[0]
     expected = np.percentile([10.0, 0.0, 10.0], 90)
-    assert "Pooled, the 3 distinct held-out calls (each once, however many" in line
+    assert "Pooled over the 3 masks that list their held-out calls, the 3 distinct" in line
     assert f"{expected:.1f}% at the 90th percentile, 33% of them predicted slower" in line
 
 

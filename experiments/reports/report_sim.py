@@ -273,13 +273,15 @@ def model_error(records: list[dict]) -> list[str]:
     worst = max(h["quantile_error_pct"] for h in held)
     quantile = held[0]["error_quantile"]
     top = max(h["max_error_pct"] for h in held)
-    pooled = {tuple(pair) for h in held for pair in h.get("held_out_ms") or []}
+    listing = [h["held_out_ms"] for h in held if h.get("held_out_ms")]
+    pooled = {tuple(pair) for pairs in listing for pair in pairs}
     if pooled:
         pred, meas = np.array(sorted(pooled)).T
         rel = 100.0 * np.abs(pred - meas) / np.maximum(meas, 1e-12)
         pooled_line = (
-            f" Pooled, the {len(rel)} distinct held-out calls (each once, however many points "
-            f"state it): {np.percentile(rel, quantile):.1f}% at the {quantile}th percentile, "
+            f" Pooled over the {len(listing)} masks that list their held-out calls, the "
+            f"{len(rel)} distinct ones (each once, however many points state it): "
+            f"{np.percentile(rel, quantile):.1f}% at the {quantile}th percentile, "
             f"{np.mean(pred > meas) * 100:.0f}% of them predicted slower than measured."
         )
     else:

@@ -128,7 +128,8 @@ class CPSimulator:
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
         self._rated: dict[tuple, dict[tuple, np.ndarray]] = {}  # its calls setting its rate
         self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
-        self._timed_log: list[dict] = []  # the current mask's calls timed (_time)
+        # calls timed (_time) since a record last listed them: a failed point's go to the next
+        self._timed_log: list[dict] = []
         self._class_kinds: dict[tuple, tuple] = {}  # the current mask's kind of each class
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
         # the current problem's masks and plans, which its points in both modes share
@@ -183,11 +184,15 @@ class CPSimulator:
     def run(self, point: Point) -> dict:
         """Metrics (predicted), check and per-mask detail of a simulated point. A baseline's
         seconds are charged to the first point that needs it and succeeds (its first mask's
-        wall_s): a point failing after running it leaves them to the next, not to nothing."""
+        wall_s): a point failing after running it leaves them to the next, not to nothing, and
+        so are the calls it timed to the next record's timed_calls."""
         impl = self.ranks.resolve_impl(point, self.runner)
         masks = self._problem_masks(point)
         base = self.baseline(point, impl)
+        left = len(self._timed_log)  # calls timed by points that failed since the last record
         per_mask = [self._run_mask(point, m, i, impl, base) for i, m in enumerate(masks)]
+        per_mask[0]["simulation"]["timed_calls"][:0] = self._timed_log[:left]
+        self._timed_log = []
         baseline_s = self._baseline_s.pop(base["key"], 0.0)
         per_mask[0]["simulation"]["wall_s"]["baseline"] = round(baseline_s, 3)
         result = measure.aggregate(point, per_mask)
@@ -330,9 +335,8 @@ class CPSimulator:
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
-    ) -> tuple[dict, dict, list[dict]]:
-        """({quantile: (P, N) compute ms}, counts, the calls timed now as _time logs them):
-        every (rank, step) call's time statistics.
+    ) -> tuple[dict, dict]:
+        """({quantile: (P, N) compute ms}, counts): every (rank, step) call's time statistics.
 
         A distinct call (kind, shapes, mask arrays) is timed once, here or by an earlier point.
         With --sim_timed_calls=k > 0, a class of calls (kind and shapes; only the mask piece
@@ -344,7 +348,7 @@ class CPSimulator:
         instead, from a call or two of it timed (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
-        self._timed_log, self._class_kinds = [], classes.kinds
+        self._class_kinds = classes.kinds
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
@@ -369,7 +373,7 @@ class CPSimulator:
         for p, r, key in classes.uses:
             for q in QUANTILES:
                 compute[q][p, ring_of == r] = stats[key][q]
-        return compute, counts, self._timed_log
+        return compute, counts
 
     def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> None:
         """Time one distinct call (run once untimed first) into self._timings, and log it
@@ -381,6 +385,7 @@ class CPSimulator:
         self._timed_log.append(
             {
                 "role": role,
+                "id": _digest(key),
                 "class": _digest(key[:-1]),
                 "kind": _digest(self._class_kinds[key[:-1]]),
                 "call": name,
@@ -452,23 +457,26 @@ class CPSimulator:
         heads: int,
     ) -> tuple[int | None, dict[tuple, dict], list[tuple[float, float]]]:  # fmt: skip
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
-        a class whose untimed calls the model of its kind puts at LONG_CALL_MS or more at their
-        median: each is predicted as the kind's model times the class's own rate at its shapes
-        (call_model.class_rate), set by timing call_model.LONG_RATE_CALLS of the class (its
+        a class whose untimed calls the model of its kind, at the class's rate where it has one,
+        puts at LONG_CALL_MS or more at their median: each is predicted as the kind's model
+        times the class's own rate at its shapes (call_model.class_rate) over its calls timed
+        so far (those an earlier point timed, else call_model.LONG_RATE_CALLS timed now, its
         median one first); then call_model.LONG_VALIDATION_CALLS more, drawn at random, are
         predicted at that rate and timed as the held-out check every point the class serves
-        states, and join the rate. Seconds a call at 2M tokens, where the class's own
-        calibration would time a dozen. (None, {}, []) where that model does not apply: no model
-        of the kind yet, or calls shorter than that."""
+        states, and join the rate the rest are predicted at. Seconds a call at 2M tokens, where
+        the class's own calibration would time a dozen. (None, {}, []) where that model does
+        not apply: no model of the kind yet, or calls shorter than that."""
         untimed = [key for key in members if key not in self._timings]
         coef = self._kind_model(kind) if self.timed_calls and untimed else None
         if coef is None:
             return None, {}, []
-        x = {key: call_model.work_features(members[key][1], heads) for key in untimed}
+        x = {key: call_model.work_features(members[key][1], heads) for key in members}
         guess = {key: float(x[key] @ coef) for key in untimed}
-        if np.median(list(guess.values())) < LONG_CALL_MS:
+        rated = self._rated.get(cls) or {k: x[k] for k in members if k in self._timings}
+        scale = self._class_rate(rated, coef) if rated else 1.0
+        if scale * np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
-        rated = self._rated.setdefault(cls, {})  # the class's calls timed for its rate
+        self._rated[cls] = rated  # the class's timed calls that set its rate
         checked = self._validated.setdefault(cls, [])
         timed = 0
         while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
@@ -484,7 +492,9 @@ class CPSimulator:
             checked.append((rate * guess[key], self._timings[key]["median"]))
             rated[key], timed = x[key], timed + 1
         rate = self._class_rate(rated, coef)
-        ratios = call_model.quantile_ratios([self._timings[key] for key in rated], QUANTILES)
+        ratios = call_model.quantile_ratios(
+            [self._timings[key] for key in self._kinds[kind]], QUANTILES
+        )
         predicted = {key: call_model.scaled_quantiles(rate * guess[key], ratios) for key in untimed}
         return timed, predicted, list(checked)  # every point it serves states its check
 
@@ -526,7 +536,8 @@ class CPSimulator:
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()
-        compute, counts, timed_now = self._time_calls(ranks, sched, point, classes)
+        logged = len(self._timed_log)
+        compute, counts = self._time_calls(ranks, sched, point, classes)
         wall["calls"] = time.perf_counter() - start
         link = simulate.LinkModel.from_spec(point.link)
         transfers = simulate.transfer_ms(sched, link)  # the same for every quantile's replay
@@ -539,7 +550,7 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
-        sim["timed_calls"] = timed_now
+        sim["timed_calls"] = self._timed_log[logged:]  # run() adds a failed point's
         sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
