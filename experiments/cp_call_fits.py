@@ -84,16 +84,17 @@ def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray
 
 def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Relative errors (%) of each class of long calls (median LONG_CALL_MS or more by the
-    model) predicted from its kind's calls of other classes (at least
-    call_model.MIN_CALIBRATION of KIND_FIT_MIN_MS or more): at the kind's rate (every call of
-    the class), and at the class's own rate set by its median call (the class's other calls)."""
+    model) predicted from its kind's calls of other classes (of KIND_FIT_MIN_MS or more, at
+    least one per coefficient and call_model.MIN_CALIBRATION): at the kind's rate (every call
+    of the class), and at the class's own rate set by its median call (the class's other
+    calls)."""
     out: dict[str, list] = {"kind rate": [], "class rate": []}
     for members in _group(calls, "kind").values():
         classes = _group(members, "class")
         for cls, own in classes.items():
             others = [c for k, v in classes.items() if k != cls for c in v]
             others = [c for c in others if c["median"] >= call_model.KIND_FIT_MIN_MS]
-            if len(others) < call_model.MIN_CALIBRATION:
+            if len(others) < max(call_model.MIN_CALIBRATION, len(names) + 1):
                 continue
             coef = call_model.fit(design(others, names, True), _medians(others))
             guess, y = design(own, names, True) @ coef, _medians(own)
@@ -142,6 +143,33 @@ def score(calls: list[dict]) -> list[dict]:
     return rows
 
 
+def by_kind(calls: list[dict]) -> list[dict]:
+    """Per kind of call (most calls first): what it is, its classes' shapes, and the errors of
+    each feature set within its classes and, at the class rate, across its shapes."""
+    rows = []
+    for members in sorted(_group(calls, "kind").values(), key=len, reverse=True):
+        first, shapes = members[0], {(c["q"], c["k"], c["heads"]) for c in members}
+        row = {
+            "call": first["call"],
+            "heads": "/".join(sorted({str(c["heads"]) for c in members}, key=int)),
+            "classes": len(_group(members, "class")),
+            "calls": len(members),
+            "q x k tokens": " .. ".join(f"{q}x{k}" for q, k, _ in (min(shapes), max(shapes))),
+        }
+        for label, names in FEATURE_SETS.items():
+            if not all(names[-1] in c for c in members):
+                continue
+            row[f"within, {label}"] = _cell(within_class_errors(members, names))
+            row[f"across, {label}"] = _cell(across_shape_errors(members, names)["class rate"])
+        rows.append(row)
+    return rows
+
+
+def _print_table(rows: list[dict]) -> None:
+    header = list(dict.fromkeys(k for r in rows for k in r))
+    print("\n".join(md_table(header, [[r.get(k, "-") for k in header] for r in rows])))
+
+
 FLAGS = flags.FLAGS
 
 
@@ -166,8 +194,9 @@ def main(argv: list[str]) -> None:
         f"{len(calls)} distinct timed calls ({scored} with tile layouts); relative error, "
         f"{QUANTILE}th percentile / largest (calls scored)"
     )
-    rows = score(calls)
-    print("\n".join(md_table(list(rows[0]), [list(r.values()) for r in rows])))
+    _print_table(score(calls))
+    print("\nPer kind of call (within a class: leave one out; across shapes: at the class rate)")
+    _print_table(by_kind(calls))
 
 
 if __name__ == "__main__":

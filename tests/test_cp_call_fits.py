@@ -25,6 +25,9 @@ def _calls(rng, n, law, *, cls="c", kind="k", heads=8) -> list[dict]:
             "id": f"{cls}-{len(calls)}",
             "class": cls,
             "kind": kind,
+            "call": "attend",
+            "q": 1024,
+            "k": 2048 * heads,
             "heads": heads,
             "full": full,
             "partial": partial,
@@ -96,6 +99,9 @@ def test_the_command_scores_a_results_file(tmp_path):
     assert header in out
     for features in ("tiles", "tiles+layout"):
         assert f"| {features} | 0.0% / 0.0% (20) | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |" in out
+    # per kind: the one kind, its two classes' shapes, each set's errors
+    exact = "0.0% / 0.0% (20) | 0.0% / 0.0% (18)"
+    assert f"| attend | 4/8 | 2 | 20 | 1024x8192 .. 1024x16384 | {exact} | {exact} |" in out
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps(_record("p", {})) + "\n")
     bad = subprocess.run([*cmd[:2], f"--results={empty}"], cwd=REPO, capture_output=True, text=True)
