@@ -54,8 +54,12 @@ def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
 def map_features(kinds: np.ndarray) -> np.ndarray:
     """(F,) piece_features of one piece from its tile map (attn_masks block_map: 0 empty,
     1 partial, 2 full), the source of its tile lists, without building them."""
-    kinds = np.asarray(kinds)
-    return np.array([1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], np.float64)
+    return stats_features(map_stats(kinds))
+
+
+def stats_features(stats: dict[str, int]) -> np.ndarray:
+    """(F,) piece_features of one piece from its map_stats."""
+    return np.array([1.0, stats["full"], stats["partial"]], np.float64)
 
 
 def map_stats(kinds: np.ndarray) -> dict[str, int]:

@@ -81,10 +81,9 @@ class PlanPieces:
             if self.tiles is None:
                 self._features = call_model.piece_features(None, area)
             else:
-                maps = [p.block_map(*self.tiles) for p in self.pieces]
-                distinct = np.array([call_model.map_features(m) for m in maps])
+                self._stats = [call_model.map_stats(p.block_map(*self.tiles)) for p in self.pieces]
+                distinct = np.array([call_model.stats_features(s) for s in self._stats])
                 self._features = distinct[self.index]
-                self._stats = [call_model.map_stats(m) for m in maps]
         return self._features
 
     def stats(self, r: int, t: int) -> dict[str, int] | None:
