@@ -1227,7 +1227,7 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
     assert "use --framework=jax or --framework=torch (got --framework=jax/torch)" in err
 
 
-def test_report_states_the_cost_models_error():
+def test_report_states_the_cost_models_error(tmp_path):
     from experiments.reports import report_sim
 
     model = {
@@ -1255,6 +1255,12 @@ def test_report_states_the_cost_models_error():
     expected = np.percentile([10.0, 0.0, 10.0], 90)
     assert "Pooled over the 3 masks that list their held-out calls, the 3 distinct" in line
     assert f"{expected:.1f}% at the 90th percentile, 33% of them predicted slower" in line
+    assert line.endswith("than measured (plots/cost_model_held_out.png).")
+    listing, pairs = report_sim.held_out_pairs(pooled)
+    assert listing == 3 and pairs.tolist() == [[11.0, 10.0], [20.0, 20.0], [27.0, 30.0]]
+    plot = report_sim.held_out_plot(pooled, tmp_path)
+    assert plot == tmp_path / "plots" / "cost_model_held_out.png" and plot.stat().st_size > 0
+    assert report_sim.held_out_plot(records, tmp_path / "none") is None  # no pairs listed
 
 
 def test_bad_simulation_flags_fail_in_one_line(tmp_path):

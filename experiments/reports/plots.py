@@ -165,5 +165,26 @@ def ratio_heatmap(panels: dict[str, list[dict]], path: str | Path, *, title: str
     return path
 
 
+def ratio_scatter(
+    x: list[float], ratio: list[float], path: str | Path, *, title: str, xlabel: str, band: float
+) -> Path:
+    """Ratios (e.g. predicted over measured) against x on a log axis, with the ratio 1 and a
+    band of +-band around it, where a person sees at once which points miss and where."""
+    fig = Figure(figsize=(7.0, 4.5))
+    ax = fig.subplots()
+    ax.axhspan(1 - band, 1 + band, color="tab:green", alpha=0.15, label=f"within {band:.0%}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.scatter(x, ratio, s=14, color="tab:blue", zorder=3)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("predicted / measured")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
 def _axis(panels: dict[str, list[dict]], name: str) -> set:
     return {c[name] for cells in panels.values() for c in cells}

@@ -25,6 +25,8 @@ from experiments.reports.report_parts import (
     write_csv,
 )
 
+HELD_OUT_PLOT = "cost_model_held_out.png"
+MODEL_TARGET_PCT = 5.0  # the cost model's target: its held-out error at the 90th percentile
 COLUMNS = (
     "key",
     "framework",
@@ -273,16 +275,16 @@ def model_error(records: list[dict]) -> list[str]:
     worst = max(h["quantile_error_pct"] for h in held)
     quantile = held[0]["error_quantile"]
     top = max(h["max_error_pct"] for h in held)
-    listing = [h["held_out_ms"] for h in held if h.get("held_out_ms")]
-    pooled = {tuple(pair) for pairs in listing for pair in pairs}
-    if pooled:
-        pred, meas = np.array(sorted(pooled)).T
+    listing, pairs = held_out_pairs(records)
+    if len(pairs):
+        pred, meas = pairs.T
         rel = 100.0 * np.abs(pred - meas) / np.maximum(meas, 1e-12)
         pooled_line = (
-            f" Pooled over the {len(listing)} masks that list their held-out calls, the "
+            f" Pooled over the {listing} masks that list their held-out calls, the "
             f"{len(rel)} distinct ones (each once, however many points state it): "
             f"{np.percentile(rel, quantile):.1f}% at the {quantile}th percentile, "
-            f"{np.mean(pred > meas) * 100:.0f}% of them predicted slower than measured."
+            f"{np.mean(pred > meas) * 100:.0f}% of them predicted slower than measured "
+            f"(plots/{HELD_OUT_PLOT})."
         )
     else:
         pooled_line = ""
@@ -293,6 +295,38 @@ def model_error(records: list[dict]) -> list[str]:
         f"percentile of a point (largest single error {top:.1f}%).{pooled_line}",
         "",
     ]
+
+
+def held_out_pairs(records: list[dict]) -> tuple[int, np.ndarray]:
+    """(masks listing them, (n, 2) predicted and measured median ms) of the cost model's
+    distinct held-out calls over the records (a check every point of a class states, once)."""
+    calls = [
+        (m.get("simulation") or {}).get("calls") or {}
+        for r in records
+        for m in r.get("masks") or []
+    ]
+    listing = [
+        c["model"]["held_out_ms"] for c in calls if (c.get("model") or {}).get("held_out_ms")
+    ]
+    pooled = sorted({tuple(pair) for pairs in listing for pair in pairs})
+    return len(listing), np.array(pooled, np.float64).reshape(-1, 2)
+
+
+def held_out_plot(records: list[dict], out_dir: Path) -> Path | None:
+    """The cost model's held-out calls, predicted over measured against measured time, with
+    the 5% band of its target; None where no record lists them."""
+    _, pairs = held_out_pairs(records)
+    if not len(pairs):
+        return None
+    pred, meas = pairs.T
+    return plots.ratio_scatter(
+        list(meas),
+        list(pred / np.maximum(meas, 1e-12)),
+        out_dir / "plots" / HELD_OUT_PLOT,
+        title=f"cost model: {len(pairs)} held-out calls, predicted / measured",
+        xlabel="measured median ms (log scale)",
+        band=MODEL_TARGET_PCT / 100,
+    )
 
 
 def predictor_cost(records: list[dict]) -> list[str]:
@@ -320,6 +354,8 @@ def write_sim_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out_dir / "sim_results.csv", COLUMNS)
     figs = scaling_plots(rows, out_dir)
+    held = held_out_plot(sims, out_dir)
+    figs += [held] if held else []
     lines = [
         "## Predicted context parallelism",
         "",
