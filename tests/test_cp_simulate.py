@@ -630,6 +630,57 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
 
 
+def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
+    """A class whose calls an earlier point timed (before its kind had a model) and that now
+    reaches the model across shapes: those calls set its rate, only one more is timed (held
+    out, predicted at that rate), and the rest are predicted at the rate of all of them, on
+    calls whose times are the kind's law times 1.3 plus a per-call wobble the rate averages."""
+    from types import SimpleNamespace
+
+    from experiments.runners import call_model, timing
+    from experiments.runners.cp_simulate import CPSimulator
+
+    law = np.array([40.0, 3.0, 7.0])  # the kind's ms: constant, per full, per partial tile
+    wobble = {i: 1.0 + 0.02 * math.sin(3.0 * i) for i in range(20)}
+    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=3)
+    timed = []
+
+    def fake_time(ranks, point, key, call, role):
+        timed.append((key, role))
+        ms = 1.3 * wobble[key[1]] * float(features[key] @ law)
+        simulator._timings[key] = timing.time_stats([ms])
+
+    monkeypatch.setattr(simulator, "_time", fake_time)
+    rng = np.random.default_rng(4)
+    features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12)}
+    kind_calls = {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12, 20)}
+    simulator._kinds["kind"] = {key: call_model.work_features(x, 1) for key, x in kind_calls.items()}
+    for key, x in kind_calls.items():  # the kind's other shapes run at the law's own rate
+        simulator._timings[key] = timing.time_stats([float(x @ law)])
+    before = [("c", 0), ("c", 1)]
+    for key in before:  # timed by an earlier point, through the class's own calibration
+        fake_time(None, None, key, None, "calibration")
+    timed.clear()
+    members = {key: (None, x) for key, x in features.items()}
+    point = SimpleNamespace(seed=0)
+    count, predicted, checked = simulator._across_shapes(None, point, "c", "kind", members, 1)
+    assert count == 1 and [role for _, role in timed] == ["rate_held_out"]
+    ((held, _),) = timed
+    rate_before = sum(simulator._timings[k]["median"] for k in before) / sum(
+        float(features[k] @ law) for k in before
+    )
+    ((guess, measured),) = checked
+    assert guess == pytest.approx(rate_before * float(features[held] @ law), rel=1e-6)
+    assert measured == simulator._timings[held]["median"]
+    rated = [*before, held]
+    rate = sum(simulator._timings[k]["median"] for k in rated) / sum(
+        float(features[k] @ law) for k in rated
+    )
+    assert set(predicted) == set(features) - set(rated)
+    for key, stats in predicted.items():
+        assert stats["median"] == pytest.approx(rate * float(features[key] @ law), rel=1e-6)
+
+
 def test_row_checks_emulate_whole_real_query_tiles():
     """A row check's rows on every rank are up to CHECK_TILES whole, aligned query tiles holding
     real tokens, its real tiles' first and last among them; the whole shard where it is short
