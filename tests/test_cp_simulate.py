@@ -654,7 +654,7 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
     rng = np.random.default_rng(4)
     features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12)}
     kind_calls = {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12, 20)}
-    simulator._kinds["kind"] = {key: call_model.work_features(x, 1) for key, x in kind_calls.items()}
+    simulator._kinds["kind"] = {k: call_model.work_features(x, 1) for k, x in kind_calls.items()}
     for key, x in kind_calls.items():  # the kind's other shapes run at the law's own rate
         simulator._timings[key] = timing.time_stats([float(x @ law)])
     before = [("c", 0), ("c", 1)]
