@@ -36,7 +36,10 @@ FEATURE_SETS = {
 # column do not: heads run side by side.
 PER_HEAD = {"full", "partial", "rows", "cols"}
 QUANTILE = call_model.ERROR_QUANTILE
-MIN_CLASS = max(map(len, FEATURE_SETS.values())) + 3  # calls a class needs to leave one out
+MOST_FEATURES = max(map(len, FEATURE_SETS.values()))
+MIN_CLASS = MOST_FEATURES + 3  # calls a class needs to leave one out, for every set alike
+MIN_KIND_FIT = MOST_FEATURES + 1  # calls of other classes a kind's fit needs, for every set
+GATE = FEATURE_SETS["tiles"]  # the predictor's model, which decides whose calls are long
 
 
 def timed_calls(records: list[dict]) -> list[dict]:
@@ -84,21 +87,23 @@ def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray
 
 def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Relative errors (%) of each class of long calls (median LONG_CALL_MS or more by the
-    model) predicted from its kind's calls of other classes (of KIND_FIT_MIN_MS or more, at
-    least one per coefficient and call_model.MIN_CALIBRATION): at the kind's rate (every call
-    of the class), and at the class's own rate set by its median call (the class's other
-    calls)."""
+    predictor's model, GATE) predicted from its kind's calls of other classes (of
+    KIND_FIT_MIN_MS or more, at least MIN_KIND_FIT): at the kind's rate (every call of the
+    class), and at the class's own rate set by its median call (the class's other calls).
+    Every feature set is scored on the same classes."""
     out: dict[str, list] = {"kind rate": [], "class rate": []}
     for members in _group(calls, "kind").values():
         classes = _group(members, "class")
         for cls, own in classes.items():
             others = [c for k, v in classes.items() if k != cls for c in v]
             others = [c for c in others if c["median"] >= call_model.KIND_FIT_MIN_MS]
-            if len(others) < max(call_model.MIN_CALIBRATION, len(names) + 1):
+            if (
+                len(others) < MIN_KIND_FIT
+                or np.median(_kind_guess(others, own, GATE)) < LONG_CALL_MS
+            ):
                 continue
-            coef = call_model.fit(design(others, names, True), _medians(others))
-            guess, y = design(own, names, True) @ coef, _medians(own)
-            if (guess <= 0).any() or np.median(guess) < LONG_CALL_MS:
+            guess, y = _kind_guess(others, own, names), _medians(own)
+            if (guess <= 0).any():
                 continue
             out["kind rate"] += list(_errors(guess, y))
             if len(own) > 1:
@@ -106,6 +111,12 @@ def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, 
                 rest = np.arange(len(own)) != ref
                 out["class rate"] += list(_errors(guess[rest] * y[ref] / guess[ref], y[rest]))
     return {k: np.array(v) for k, v in out.items()}
+
+
+def _kind_guess(others: list[dict], own: list[dict], names: tuple[str, ...]) -> np.ndarray:
+    """The times of `own` calls by the kind's model fitted on `others` (heads-scaled)."""
+    coef = call_model.fit(design(others, names, True), _medians(others))
+    return design(own, names, True) @ coef
 
 
 def _group(calls: list[dict], field: str) -> dict[str, list[dict]]:
@@ -148,16 +159,17 @@ def by_kind(calls: list[dict]) -> list[dict]:
     each feature set within its classes and, at the class rate, across its shapes."""
     rows = []
     for members in sorted(_group(calls, "kind").values(), key=len, reverse=True):
-        first, shapes = members[0], {(c["q"], c["k"], c["heads"]) for c in members}
+        q, k = ({c[n] for c in members} for n in ("q", "k"))
         row = {
-            "call": first["call"],
-            "heads": "/".join(sorted({str(c["heads"]) for c in members}, key=int)),
+            "call": members[0]["call"],
+            "heads": "/".join(str(h) for h in sorted({c["heads"] for c in members})),
             "classes": len(_group(members, "class")),
             "calls": len(members),
-            "q x k tokens": " .. ".join(f"{q}x{k}" for q, k, _ in (min(shapes), max(shapes))),
+            "query tokens": f"{min(q)}..{max(q)}",
+            "key tokens": f"{min(k)}..{max(k)}",
         }
         for label, names in FEATURE_SETS.items():
-            if not all(names[-1] in c for c in members):
+            if not all(n in c for c in members for n in names):
                 continue
             row[f"within, {label}"] = _cell(within_class_errors(members, names))
             row[f"across, {label}"] = _cell(across_shape_errors(members, names)["class rate"])

@@ -53,6 +53,16 @@ def test_leave_one_out_within_a_class_sees_what_the_tile_counts_miss():
     assert layout.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
 
 
+def test_across_shapes_features_that_add_up_over_heads_are_scaled_by_them():
+    """A call's tile counts, rows and columns add up over its heads; the longest row and column
+    do not (heads run side by side)."""
+    call = {"heads": 4, "full": 10, "partial": 3, "rows": 5, "row_max": 7, "cols": 6, "col_max": 2}
+    names = cp_call_fits.FEATURE_SETS["tiles+layout"]
+    x = cp_call_fits.design([call], names, per_head=True)[0]
+    assert x.tolist() == [1.0, 40.0, 12.0, 20.0, 7.0, 24.0, 2.0]
+    assert cp_call_fits.design([call], names)[0].tolist() == [1.0, 10, 3, 5, 7, 6, 2]
+
+
 def test_across_shapes_a_class_rate_recovers_what_the_kinds_rate_misses():
     """Two classes of one kind at different head counts, the second 25% slower a tile: each
     predicted from the other at the kind's rate is off by 25% (or 20%), at its own rate (set
@@ -63,15 +73,16 @@ def test_across_shapes_a_class_rate_recovers_what_the_kinds_rate_misses():
         return lambda c: rate * (10.0 + heads * (0.2 * c["full"] + 0.5 * c["partial"]))
 
     calls = (
-        _calls(rng, 6, law(1.0, 8), cls="a", heads=8)
-        + _calls(rng, 5, law(1.25, 4), cls="b", heads=4)
+        _calls(rng, 8, law(1.0, 8), cls="a", heads=8)
+        + _calls(rng, 7, law(1.25, 4), cls="b", heads=4)
         + _calls(rng, 9, law(1.0, 8), cls="alone", kind="other")
     )
-    errors = cp_call_fits.across_shape_errors(calls, cp_call_fits.FEATURE_SETS["tiles"])
-    kind = np.sort(errors["kind rate"])
-    assert len(kind) == 11 and kind[:5] == pytest.approx([20.0] * 5)
-    assert kind[5:] == pytest.approx([25.0] * 6)
-    assert len(errors["class rate"]) == 9 and errors["class rate"].max() < 1e-6
+    for names in cp_call_fits.FEATURE_SETS.values():  # both sets, on the same classes
+        errors = cp_call_fits.across_shape_errors(calls, names)
+        kind = np.sort(errors["kind rate"])
+        assert len(kind) == 15 and kind[:7] == pytest.approx([20.0] * 7)
+        assert kind[7:] == pytest.approx([25.0] * 8)
+        assert len(errors["class rate"]) == 13 and errors["class rate"].max() < 1e-6
     # the same calls 100 times shorter: below LONG_CALL_MS, not predicted across shapes
     short = [{**c, "median": c["median"] / 100} for c in calls]
     errors = cp_call_fits.across_shape_errors(short, cp_call_fits.FEATURE_SETS["tiles"])
@@ -88,7 +99,7 @@ def test_the_command_scores_a_results_file(tmp_path):
     timed by both (a resumed run): each call counted once, every error 0."""
     rng = np.random.default_rng(2)
     law = lambda c: 20.0 + c["heads"] * (0.1 * c["full"] + 0.3 * c["partial"])  # noqa: E731
-    calls = _calls(rng, 10, law, cls="a") + _calls(rng, 10, law, cls="b", heads=4)
+    calls = _calls(rng, 10, law, cls="a") + _calls(rng, 10, law, cls="b", heads=16)
     results = tmp_path / "results.jsonl"
     lines = [_record(f"p{i}", {"timed_calls": calls[i::2] + calls[:1]}) for i in (0, 1)]
     results.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
@@ -101,7 +112,7 @@ def test_the_command_scores_a_results_file(tmp_path):
         assert f"| {features} | 0.0% / 0.0% (20) | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |" in out
     # per kind: the one kind, its two classes' shapes, each set's errors
     exact = "0.0% / 0.0% (20) | 0.0% / 0.0% (18)"
-    assert f"| attend | 4/8 | 2 | 20 | 1024x8192 .. 1024x16384 | {exact} | {exact} |" in out
+    assert f"| attend | 8/16 | 2 | 20 | 1024..1024 | 16384..32768 | {exact} | {exact} |" in out
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps(_record("p", {})) + "\n")
     bad = subprocess.run([*cmd[:2], f"--results={empty}"], cwd=REPO, capture_output=True, text=True)

@@ -631,18 +631,23 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
 
 
 def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
-    """A class whose calls an earlier point timed (before its kind had a model) and that now
-    reaches the model across shapes: those calls set its rate, only one more is timed (held
-    out, predicted at that rate), and the rest are predicted at the rate of all of them, on
-    calls whose times are the kind's law times 1.3 plus a per-call wobble the rate averages."""
+    """A class two of whose calls an earlier point timed (other pieces than this point's) and
+    whose calls the kind's model puts under LONG_CALL_MS but its own rate (1.3 times the kind's
+    law, with a per-call wobble) over it: it is predicted across shapes, those calls set its
+    rate, only one more is timed (held out, predicted at that rate), the rest are predicted at
+    the rate of all three, with the kind's spread of p20 and p80 around their medians."""
     from types import SimpleNamespace
 
     from experiments.runners import call_model, timing
+    from experiments.runners.cp_ranks import LONG_CALL_MS
     from experiments.runners.cp_simulate import CPSimulator
 
-    law = np.array([40.0, 3.0, 7.0])  # the kind's ms: constant, per full, per partial tile
-    wobble = {i: 1.0 + 0.02 * math.sin(3.0 * i) for i in range(20)}
+    law = np.array([10.0, 0.9, 1.6])  # the kind's ms: constant, per full, per partial tile
+    wobble = {i: 1.0 + 0.02 * math.sin(3.0 * i) for i in range(30)}
     simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=3)
+    rng = np.random.default_rng(4)
+    features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14)}
+    features |= {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14, 22)}
     timed = []
 
     def fake_time(ranks, point, key, call, role):
@@ -651,34 +656,37 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
         simulator._timings[key] = timing.time_stats([ms])
 
     monkeypatch.setattr(simulator, "_time", fake_time)
-    rng = np.random.default_rng(4)
-    features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12)}
-    kind_calls = {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(12, 20)}
-    simulator._kinds["kind"] = {k: call_model.work_features(x, 1) for k, x in kind_calls.items()}
-    for key, x in kind_calls.items():  # the kind's other shapes run at the law's own rate
-        simulator._timings[key] = timing.time_stats([float(x @ law)])
-    before = [("c", 0), ("c", 1)]
-    for key in before:  # timed by an earlier point, through the class's own calibration
+    for key, x in features.items():  # the kind's other shapes: the law, sampled with a spread
+        if key[0] == "other":
+            simulator._timings[key] = timing.time_stats([0.9 * x @ law, x @ law, 1.2 * x @ law])
+    before = [("c", 0), ("c", 1)]  # timed by an earlier point (as _time_calls remembers them)
+    for key in before:
         fake_time(None, None, key, None, "calibration")
+    simulator._kinds["kind"] = {
+        k: call_model.work_features(x, 1) for k, x in features.items() if k in simulator._timings
+    }
     timed.clear()
-    members = {key: (None, x) for key, x in features.items()}
+    members = {k: (None, x) for k, x in features.items() if k[0] == "c" and k not in before}
+    coef = simulator._kind_model("kind")
+    guess = {k: float(x @ coef) for k, (_, x) in members.items()}
+
+    def rate(keys):
+        measured = sum(simulator._timings[k]["median"] for k in keys)
+        return measured / sum(float(features[k] @ coef) for k in keys)
+
+    median = np.median(list(guess.values()))
+    assert median < LONG_CALL_MS <= rate(before) * median  # the class's rate decides
     point = SimpleNamespace(seed=0)
-    count, predicted, checked = simulator._across_shapes(None, point, "c", "kind", members, 1)
+    count, predicted, checked = simulator._across_shapes(None, point, ("c",), "kind", members, 1)
     assert count == 1 and [role for _, role in timed] == ["rate_held_out"]
     ((held, _),) = timed
-    rate_before = sum(simulator._timings[k]["median"] for k in before) / sum(
-        float(features[k] @ law) for k in before
-    )
-    ((guess, measured),) = checked
-    assert guess == pytest.approx(rate_before * float(features[held] @ law), rel=1e-6)
+    ((predicted_held, measured),) = checked
+    assert predicted_held == pytest.approx(rate(before) * guess[held], rel=1e-9)
     assert measured == simulator._timings[held]["median"]
-    rated = [*before, held]
-    rate = sum(simulator._timings[k]["median"] for k in rated) / sum(
-        float(features[k] @ law) for k in rated
-    )
-    assert set(predicted) == set(features) - set(rated)
+    assert set(predicted) == set(members) - {held}
     for key, stats in predicted.items():
-        assert stats["median"] == pytest.approx(rate * float(features[key] @ law), rel=1e-6)
+        assert stats["median"] == pytest.approx(rate([*before, held]) * guess[key], rel=1e-9)
+        assert stats["p20"] == pytest.approx(0.94 * stats["median"], rel=1e-9)  # the kind's
 
 
 def test_row_checks_emulate_whole_real_query_tiles():
@@ -963,23 +971,42 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
 
 
 def test_calls_timed_by_a_failed_point_are_listed_by_the_next_record(monkeypatch):
-    """A point that fails after timing its calls (here: the schedule's replay raises) leaves
-    them to the next point's record, which lists them beside its own, each once."""
+    """A point of two masks that fails on its second after timing the calls of both (here: the
+    second mask's schedule replay raises) leaves them to the next point's record, which lists
+    them, marked carried, beside its own, each once."""
     from experiments.runners.jax_runner import JaxRunner
     from shard_strategies import simulate
 
     first, second = (
-        _point("ring", 4, "fwd", sim.LinkModel(), "causal", layout=layout, seqlen=16)
-        for layout in ("contiguous", "zigzag")
+        dataclasses.replace(
+            _point("ring", 4, "fwd", sim.LinkModel(), "causal_document", layout=lay, seqlen=16),
+            num_masks=2,
+        )
+        for lay in ("contiguous", "zigzag")
     )
-    alone = JaxRunner().run(first)["masks"][0]["simulation"]["timed_calls"]
+    alone = [
+        c["id"] for m in JaxRunner().run(first)["masks"] for c in m["simulation"]["timed_calls"]
+    ]
     runner = JaxRunner()
+    real, replays = simulate.predict, []
+
+    def second_mask_fails(sched, *args, **kwargs):
+        replays.append(sched)
+        if len({id(s) for s in replays}) > 1:
+            raise OSError("replay")
+        return real(sched, *args, **kwargs)
+
     with monkeypatch.context() as m:
-        m.setattr(simulate, "predict", lambda *a, **k: (_ for _ in ()).throw(OSError("replay")))
+        m.setattr(simulate, "predict", second_mask_fails)
         with pytest.raises(OSError, match="replay"):
             runner.run(first)
-    ids = [c["id"] for c in runner.run(second)["masks"][0]["simulation"]["timed_calls"]]
-    assert alone and {c["id"] for c in alone} < set(ids) and len(ids) == len(set(ids))
+    masks = runner.run(second)["masks"]
+    logged = [c for m in masks for c in m["simulation"]["timed_calls"]]
+    carried = [c["id"] for c in masks[0]["simulation"]["timed_calls"] if c.get("carried")]
+    assert len(alone) > 2 and sorted(carried) == sorted(alone)
+    ids = [c["id"] for c in logged]
+    assert len(ids) == len(set(ids)) > len(carried)  # each once, and its own beside them
+    assert runner.run(second)["masks"][0]["simulation"]["timed_calls"] == []  # listed already
 
 
 def test_a_failed_points_baseline_seconds_go_to_the_next_point():

@@ -185,14 +185,14 @@ class CPSimulator:
         """Metrics (predicted), check and per-mask detail of a simulated point. A baseline's
         seconds are charged to the first point that needs it and succeeds (its first mask's
         wall_s): a point failing after running it leaves them to the next, not to nothing, and
-        so are the calls it timed to the next record's timed_calls."""
+        so are the calls it timed to the next record's timed_calls (marked carried)."""
         impl = self.ranks.resolve_impl(point, self.runner)
         masks = self._problem_masks(point)
         base = self.baseline(point, impl)
         left = len(self._timed_log)  # calls timed by points that failed since the last record
         per_mask = [self._run_mask(point, m, i, impl, base) for i, m in enumerate(masks)]
-        per_mask[0]["simulation"]["timed_calls"][:0] = self._timed_log[:left]
-        self._timed_log = []
+        carried = [{**c, "carried": True} for c in self._timed_log[:left]]
+        per_mask[0]["simulation"]["timed_calls"][:0] = carried
         baseline_s = self._baseline_s.pop(base["key"], 0.0)
         per_mask[0]["simulation"]["wall_s"]["baseline"] = round(baseline_s, 3)
         result = measure.aggregate(point, per_mask)
@@ -203,6 +203,7 @@ class CPSimulator:
             load_imbalance=float(np.mean([s["load_imbalance"] for s in sims])),
             single_device_status=base["status"],
         )
+        self._timed_log = []  # listed by this record
         return result
 
     @staticmethod
@@ -460,7 +461,7 @@ class CPSimulator:
         a class whose untimed calls the model of its kind, at the class's rate where it has one,
         puts at LONG_CALL_MS or more at their median: each is predicted as the kind's model
         times the class's own rate at its shapes (call_model.class_rate) over its calls timed
-        so far (those an earlier point timed, else call_model.LONG_RATE_CALLS timed now, its
+        so far (those any earlier point timed, else call_model.LONG_RATE_CALLS timed now, its
         median one first); then call_model.LONG_VALIDATION_CALLS more, drawn at random, are
         predicted at that rate and timed as the held-out check every point the class serves
         states, and join the rate the rest are predicted at. Seconds a call at 2M tokens, where
@@ -472,11 +473,13 @@ class CPSimulator:
             return None, {}, []
         x = {key: call_model.work_features(members[key][1], heads) for key in members}
         guess = {key: float(x[key] @ coef) for key in untimed}
-        rated = self._rated.get(cls) or {k: x[k] for k in members if k in self._timings}
+        # the class's calls timed so far, by any point (its kind's table holds them)
+        rated = self._rated.setdefault(cls, {})
+        rated.update({k: v for k, v in self._kinds[kind].items() if k[:-1] == cls})
+        rated.update({k: x[k] for k in members if k in self._timings})
         scale = self._class_rate(rated, coef) if rated else 1.0
         if scale * np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
-        self._rated[cls] = rated  # the class's timed calls that set its rate
         checked = self._validated.setdefault(cls, [])
         timed = 0
         while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
