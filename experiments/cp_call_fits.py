@@ -9,10 +9,11 @@ a later process (a resumed run) counts once. For each feature set:
 - within a class (one kind at one shape; the pieces differ), each call predicted from the
   class's other calls (leave one out), as the class's calibration predicts its untimed calls;
   every set is scored on the same classes (those with enough calls for the largest set);
-- across shapes, each class of long calls (LONG_CALL_MS or more by its kind's model) predicted
-  from its kind's calls at every other shape the run timed (the predictor has only those timed
-  before it), at the kind's rate and at the class's own rate set by its median call
-  (experiments/runners/call_model.py), the error over the class's other calls.
+- across shapes, each class of long calls (LONG_CALL_MS or more by its kind's tile model, as
+  the predictor decides) predicted from its kind's calls at every other shape the run timed
+  (the predictor has only those timed before it), at the kind's rate and at the class's own
+  rate set by its median call (experiments/runners/call_model.py), the error over the class's
+  other calls; every set on the same classes.
 """
 
 from __future__ import annotations
