@@ -9,6 +9,9 @@ a later process (a resumed run) counts once. For each feature set:
 - within a class (one kind at one shape; the pieces differ), each call predicted from the
   class's other calls (leave one out), as the class's calibration predicts its untimed calls;
   every set is scored on the same classes (those with enough calls for the largest set);
+- as the predictor calibrates a class: the default --sim_timed_calls calls spanning its work
+  (call_model.calibration_picks on the set's features), the class's other calls predicted
+  (classes with more calls than those and call_model.VALIDATION_CALLS);
 - across shapes, each class of long calls (LONG_CALL_MS or more by its kind's tile model, as
   the predictor decides) predicted from its kind's calls at every other shape the run timed
   (the predictor has only those timed before it), at the kind's rate and at the class's own
@@ -23,14 +26,17 @@ from collections import defaultdict
 import numpy as np
 from absl import app, flags
 
+from experiments.core.flags import SIM_TIMED_CALLS
 from experiments.reports.report_parts import md_table, read_results
 from experiments.runners import call_model
 from experiments.runners.cp_ranks import LONG_CALL_MS
 
-# Candidate work features beyond the constant: the predictor's tile counts, and those with the
-# piece's layout (a kernel giving a row or a column to one CTA waits on the longest).
+# Candidate work features beyond the constant: the tile counts; those and the longest key-tile
+# column (the predictor's: call_model.piece_features); all of the piece's layout (a kernel
+# giving a row or a column to one CTA waits on the longest).
 FEATURE_SETS = {
     "tiles": ("full", "partial"),
+    "tiles+column": ("full", "partial", "col_max"),
     "tiles+layout": ("full", "partial", "rows", "row_max", "cols", "col_max"),
 }
 # Features that add up over heads (scaled by a call's heads across shapes); the longest row and
@@ -40,7 +46,7 @@ QUANTILE = call_model.ERROR_QUANTILE
 MOST_FEATURES = max(map(len, FEATURE_SETS.values()))
 MIN_CLASS = MOST_FEATURES + 3  # calls a class needs to leave one out, for every set alike
 MIN_KIND_FIT = MOST_FEATURES + 1  # calls of other classes a kind's fit needs, for every set
-GATE = FEATURE_SETS["tiles"]  # the predictor's model, which decides whose calls are long
+GATE = FEATURE_SETS["tiles+column"]  # the predictor's model, which decides whose calls are long
 
 
 def timed_calls(records: list[dict]) -> list[dict]:
@@ -83,6 +89,21 @@ def within_class_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray
             rest = np.arange(len(members)) != i
             coef = call_model.fit(x[rest], y[rest])
             errors.append(_errors(x[i] @ coef, y[i]))
+    return np.array(errors)
+
+
+def calibrated_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray:
+    """Relative errors (%) of the calls of each class predicted from SIM_TIMED_CALLS of them
+    picked as the predictor picks its calibration sample, over the classes it would model
+    (more calls than those and call_model.VALIDATION_CALLS)."""
+    errors = []
+    for members in _group(calls, "class").values():
+        if len(members) <= SIM_TIMED_CALLS + call_model.VALIDATION_CALLS:
+            continue
+        x, y = design(members, names), _medians(members)
+        picks = call_model.calibration_picks(x, SIM_TIMED_CALLS)
+        rest = np.setdiff1d(np.arange(len(members)), picks)
+        errors += list(_errors(x[rest] @ call_model.fit(x[picks], y[picks]), y[rest]))
     return np.array(errors)
 
 
@@ -149,6 +170,7 @@ def score(calls: list[dict]) -> list[dict]:
             {
                 "features": label,
                 "within a class": _cell(within_class_errors(have, names)),
+                "calibrated": _cell(calibrated_errors(have, names)),
                 **{f"across shapes, {k}": _cell(v) for k, v in across.items()},
             }
         )

@@ -15,9 +15,9 @@ FULL, PARTIAL = 2, 1  # attn_masks tile kinds (EMPTY is 0)
 
 
 def test_features_count_the_full_and_partial_tiles_of_each_piece():
-    """Stacked pieces of unequal lists: the counts match the tile kinds of each mask's block map
-    (the lists' source; a kernel makes ragged-edge FULL tiles partial at run time), and
-    map_features counts the same from the map alone."""
+    """Stacked pieces of unequal lists: the counts and the longest key-tile column match the
+    tile kinds of each mask's block map (the lists' source; a kernel makes ragged-edge FULL
+    tiles partial at run time), and map_features counts the same from the map alone."""
     masks = [
         make_mask("causal_document", 200, seed=3),
         make_mask("sliding_window", 200, window=40),
@@ -27,10 +27,13 @@ def test_features_count_the_full_and_partial_tiles_of_each_piece():
     arrays = stack_mask_arrays([prepare_mask(m, 32, 16) for m in masks])
     area = np.array([m.area() for m in masks])
     x = call_model.piece_features(arrays.kv, area)
-    assert x.shape == (4, 3)
+    assert x.shape == (4, 4)
     for m, row in zip(masks, x):
         kinds = block_map(m, 32, 16)
-        assert row.tolist() == [1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum()], m.name
+        column = max(sum(1 for k in kinds[:, j] if k) for j in range(kinds.shape[1]))
+        want = [1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum(), column]
+        assert row.tolist() == want, m.name
+    assert len(set(x[:, 3].tolist())) > 2  # the pieces' longest columns differ
     from_maps = [call_model.map_features(m.block_map(32, 16)) for m in masks]
     np.testing.assert_array_equal(np.array(from_maps), x)
     dense = call_model.piece_features(None, area.reshape(2, 2))
@@ -71,13 +74,14 @@ def test_calibration_spans_every_feature_and_then_the_work():
     rank = np.argsort(np.argsort(work, kind="stable"), kind="stable") / (len(x) - 1)
     interior = sorted(rank[picks][rank[picks] % 1 > 0])
     assert len(interior) >= 2 and interior[-1] > 0.6 and interior[0] < 0.4
-    # pieces on a line of (full, partial) but one: the sample still resolves all three costs
-    line = np.column_stack([np.ones(30), np.arange(30), 2 * np.arange(30)])
+    # pieces on a line of (full, partial, longest column) but one: the sample still resolves
+    # every cost
+    line = np.column_stack([np.ones(30), np.arange(30), 2 * np.arange(30), 3 * np.arange(30)])
     line[17, 2] = 5
-    picks = call_model.calibration_picks(line, 3)
+    picks = call_model.calibration_picks(line, 4)
     assert 17 in picks.tolist() and np.linalg.matrix_rank(line[picks]) == 3
-    with pytest.raises(ValueError, match="at least 3 timed calls, got k=2"):
-        call_model.calibration_picks(x, 2)
+    with pytest.raises(ValueError, match="at least 4 timed calls, got k=3"):
+        call_model.calibration_picks(x, 3)
 
 
 def test_held_out_error_is_relative_to_the_measured_time():
@@ -132,6 +136,7 @@ def test_map_stats_count_rows_columns_and_their_longest():
     assert stats["q_tiles"] == 9 and stats["k_tiles"] == 13
     assert stats["rows"] == sum(1 for n in rows if n) == 8 and stats["row_max"] == max(rows)
     assert stats["cols"] == sum(1 for n in cols if n) == 12 and stats["col_max"] == max(cols)
-    assert [stats["full"], stats["partial"]] == call_model.map_features(kinds)[1:].tolist()
+    want = [stats["full"], stats["partial"], max(cols)]
+    assert want == call_model.map_features(kinds)[1:].tolist()
     empty = call_model.map_stats(np.zeros((3, 4), np.int8))
     assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0

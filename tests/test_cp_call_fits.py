@@ -53,6 +53,21 @@ def test_leave_one_out_within_a_class_sees_what_the_tile_counts_miss():
     assert layout.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
 
 
+def test_calibrated_as_the_predictor_predicts_a_class_from_its_sample():
+    """Times that grow with a piece's longest key-tile column: a class calibrated on the
+    predictor's default sample (SIM_TIMED_CALLS calls spanning the work) predicts its other
+    calls exactly with the predictor's features (tiles and that column), not with the tile
+    counts alone; a class the predictor would time whole is not scored."""
+    rng = np.random.default_rng(5)
+    law = lambda c: 2.0 + 0.01 * c["full"] + 0.04 * c["partial"] + 0.5 * c["col_max"]  # noqa: E731
+    whole = cp_call_fits.SIM_TIMED_CALLS + 4  # call_model.VALIDATION_CALLS: all timed
+    calls = _calls(rng, 40, law) + _calls(rng, whole, law, cls="timed whole")
+    column = cp_call_fits.calibrated_errors(calls, cp_call_fits.FEATURE_SETS["tiles+column"])
+    tiles = cp_call_fits.calibrated_errors(calls, cp_call_fits.FEATURE_SETS["tiles"])
+    assert len(column) == len(tiles) == 40 - cp_call_fits.SIM_TIMED_CALLS
+    assert column.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
+
+
 def test_across_shapes_features_that_add_up_over_heads_are_scaled_by_them():
     """A call's tile counts, rows and columns add up over its heads; the longest row and column
     do not (heads run side by side)."""
@@ -106,10 +121,14 @@ def test_the_command_scores_a_results_file(tmp_path):
     cmd = [sys.executable, "experiments/cp_call_fits.py", f"--results={results}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "20 distinct timed calls (20 with tile layouts)" in out
-    header = "| features | within a class | across shapes, kind rate | across shapes, class rate |"
+    header = (
+        "| features | within a class | calibrated | across shapes, kind rate | "
+        "across shapes, class rate |"
+    )
     assert header in out
-    for features in ("tiles", "tiles+layout"):
-        assert f"| {features} | 0.0% / 0.0% (20) | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |" in out
+    for features in cp_call_fits.FEATURE_SETS:  # classes of 10 calls: timed whole (no model)
+        exact = "0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
+        assert f"| {features} | {exact}" in out
     # per kind: the one kind, its two classes' shapes, each set's errors
     exact = "0.0% / 0.0% (20) | 0.0% / 0.0% (18)"
     assert f"| attend | 8/16 | 2 | 20 | 1024..1024 | 16384..32768 | {exact} | {exact} |" in out

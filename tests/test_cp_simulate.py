@@ -513,25 +513,31 @@ def test_row_references_are_shared_between_a_problems_points(monkeypatch):
 
 
 def _tile_time(args) -> float:
-    """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one,
-    counted by walking the piece's forward tile lists (1 ms for a call without a piece)."""
+    """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one
+    + 0.05 per tile of its longest key-tile column (the CTA walking it alone), counted by
+    walking the piece's forward tile lists (1 ms for a call without a piece)."""
     from jax_attn.mask_arrays import MaskArrays
 
     piece = next((a for a in args if isinstance(a, MaskArrays)), None)
     if piece is None:
         return 1.0
     count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
+    index = np.asarray(piece.kv.index)
     listed = partial = 0
+    column: dict[int, int] = {}
     for row, n in enumerate(count):
         listed += int(n)
         partial += sum(1 for i in range(int(n)) if not full[row, i])
-    return 0.5 + 0.01 * listed + 0.02 * partial
+        for i in range(int(n)):
+            column[int(index[row, i])] = column.get(int(index[row, i]), 0) + 1
+    return 0.5 + 0.01 * listed + 0.02 * partial + 0.05 * max(column.values(), default=0)
 
 
 def _modelled_equals_timed(monkeypatch) -> None:
-    """With times linear in the tiles, a point whose calls are mostly predicted from a few
-    timed ones (--sim_timed_calls) gets the compute of timing every call, and says how many it
-    modelled and the held-out error (0 here)."""
+    """With times linear in the tiles and the longest key-tile column, a point whose calls are
+    mostly predicted from a few timed ones (--sim_timed_calls) gets the compute of timing every
+    call, and says how many it modelled and the held-out error (0 here). Its pieces span a few
+    tiles, so their longest columns vary beside their tile counts."""
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
@@ -543,19 +549,19 @@ def _modelled_equals_timed(monkeypatch) -> None:
     monkeypatch.setattr(
         cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
     )
-    point = _point("ring", 8, "fwd_bwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
+    point = _point("ring", 8, "fwd_bwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=128)
     sims = {}
-    for k in (0, 3):
+    for k in (0, 4):
         result = JaxRunner(sim_timed_calls=k).run(point)
         assert result["check"]["ok"]
         sims[k] = result["masks"][0]["simulation"]
-    every, model = sims[0]["calls"], sims[3]["calls"]
+    every, model = sims[0]["calls"], sims[4]["calls"]
     assert every["timed"] == every["distinct"] and every["modelled"] == 0 and "model" not in every
     assert model["distinct"] == every["distinct"]
     assert model["modelled"] > 0 and model["timed"] + model["modelled"] == model["distinct"]
     assert model["model"]["held_out_calls"] >= 4 and model["model"]["max_error_pct"] < 1e-6
     # every call timed is logged once with the piece's tile counts it was timed on
-    for k, calls in ((0, every), (3, model)):
+    for k, calls in ((0, every), (4, model)):
         log = sims[k]["timed_calls"]
         assert len(log) == calls["timed"], k
         roles = [c["role"] for c in log]
@@ -563,13 +569,14 @@ def _modelled_equals_timed(monkeypatch) -> None:
         assert set(roles) == {"all"} if k == 0 else modelled <= set(roles) <= modelled | {"all"}
         for c in log:
             tiles = c["full"] + c["partial"]
-            assert c["median"] == pytest.approx(0.5 + 0.01 * tiles + 0.02 * c["partial"]), c
+            law = 0.5 + 0.01 * tiles + 0.02 * c["partial"] + 0.05 * c["col_max"]
+            assert c["median"] == pytest.approx(law), c
             assert c["rows"] <= c["q_tiles"] and c["cols"] <= c["k_tiles"]
             assert c["row_max"] * c["rows"] >= tiles and c["col_max"] * c["cols"] >= tiles
-            assert c["q"] == 32 and c["k"] > 0 and c["area"] <= c["q"] * c["k"]
+            assert c["q"] == 128 and c["k"] > 0 and c["area"] <= c["q"] * c["k"]
     assert roles.count("held_out") == model["model"]["held_out_calls"]
-    assert sims[3]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
-    assert sims[3]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
+    assert sims[4]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
+    assert sims[4]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
 def _long_calls_modelled_across_shapes(monkeypatch) -> None:
@@ -601,7 +608,7 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
         _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
         for n in (4, 8)
     )
-    model = JaxRunner(sim_timed_calls=3)
+    model = JaxRunner(sim_timed_calls=4)
     first = model.run(small)["masks"][0]["simulation"]["calls"]
     assert first["across_shapes"] == 0 and first["timed"] == first["distinct"]
     result = model.run(large)
@@ -644,7 +651,7 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
 
     law = np.array([10.0, 0.9, 1.6])  # the kind's ms: constant, per full, per partial tile
     wobble = {i: 1.0 + 0.02 * math.sin(3.0 * i) for i in range(30)}
-    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=3)
+    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
     rng = np.random.default_rng(4)
     features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14)}
     features |= {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14, 22)}
@@ -1355,7 +1362,8 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
         ("--link_latency_us=-2", "bad --link_latency_us=-2"),
         ("--gpus_per_node=0", "bad --gpus_per_node=0: expected an integer from 1"),
         ("--sim_timed_calls=-1", "--sim_timed_calls=-1: -1 is not a non-negative integer"),
-        ("--sim_timed_calls=2", "bad --sim_timed_calls=2: expected 0 (time every call) or at"),
+        ("--sim_timed_calls=3", "bad --sim_timed_calls=3: expected 0 (time every call) or at"),
+        ("--sim_timed_calls=3", "or at least 4"),
         ("--sim_compile_threads=-1", "--sim_compile_threads=-1: -1 is not a non-negative"),
     ]:
         with pytest.raises(Exception, match=re.escape(expected)):

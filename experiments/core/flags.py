@@ -92,6 +92,8 @@ def _check_positive_ints(values: list[str] | None, what: str) -> bool:
 
 
 SIM_DEVICES = (2, 128)  # the --simulate_devices range
+MIN_TIMED_CALLS = 4  # --sim_timed_calls, if not 0: a call per feature of the CP cost model
+SIM_TIMED_CALLS = 8  # its default
 GPUS_PER_NODE = (1, 1024)
 
 
@@ -127,9 +129,10 @@ def _check_gpus_per_node(value: int) -> bool:
 
 
 def _check_timed_calls(value: int) -> bool:
-    if value in (1, 2):
+    if 0 < value < MIN_TIMED_CALLS:
         raise flags.ValidationError(
-            f"bad --sim_timed_calls={value}: expected 0 (time every call) or at least 3"
+            f"bad --sim_timed_calls={value}: expected 0 (time every call) or at least "
+            f"{MIN_TIMED_CALLS}"
         )
     return True
 
@@ -189,11 +192,11 @@ def _define_simulation_flags() -> None:
     )
     flags.DEFINE_integer(
         "sim_timed_calls",
-        8,
+        SIM_TIMED_CALLS,
         "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
         "piece differs) to fit its cost model; the rest are predicted from their tiles, and 4 "
         "more timed calls per class measure the model's error. 0 times every distinct call; "
-        "otherwise at least 3 (one per feature of the model).",
+        f"otherwise at least {MIN_TIMED_CALLS} (one per feature of the model).",
         lower_bound=0,
     )
     flags.register_validator("sim_timed_calls", _check_timed_calls)

@@ -2,18 +2,22 @@
 mask piece's work, fitted from a few timed calls of the same shapes and applied to the rest.
 
 Calls of one class (same step function, impl, shapes and key length) differ only in their mask
-piece, and a block-sparse kernel's time is close to a + b * (full tiles) + c * (partial tiles):
-a fixed launch and edge cost, then each tile it visits. An impl that reads no tile lists is
-modelled on the piece's visible area instead. A small calibration sample that spans the pieces'
-work is timed, the coefficients are fitted non-negative, and a held-out sample of further timed
-calls measures the model's error, which every simulated record carries.
+piece, and a block-sparse kernel's time is close to a + b * (full tiles) + c * (partial tiles)
++ d * (longest key-tile column): a fixed launch and edge cost, each tile it visits, and the
+column one CTA of the dK/dV pass walks alone while the others have finished (on the H200 a
+piece with one 256-tile column ran 30 ms where its tile count gave 6). An impl that reads no
+tile lists is modelled on the piece's visible area instead. A small calibration sample that
+spans the pieces' work is timed, the coefficients are fitted non-negative, and a held-out
+sample of further timed calls measures the model's error, which every simulated record
+carries.
 
 Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) keeps
 the relative cost of its full and partial tiles once its calls are long enough to fill the
 device, but not its absolute rate, which still moves with the block lengths (on the H200 a
 ring kind's 32K-token forward+backward calls ran 24% off the rate of its 8K-token calls). So
 the calls of a long class (seconds each at 2M tokens) are predicted from the kind's model over
-[1, full tiles x heads, partial tiles x heads], fitted on its timed calls of at least
+[1, full tiles x heads, partial tiles x heads, longest column] (heads run side by side, so
+the longest column is not scaled by them), fitted on its timed calls of at least
 KIND_FIT_MIN_MS, times the class's own rate (class_rate) from LONG_RATE_CALLS timed calls of
 it, with LONG_VALIDATION_CALLS more of it timed as its held-out check.
 """
@@ -26,9 +30,11 @@ import numpy as np
 
 from attn_masks.tiles import BLOCK_FULL as FULL
 from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
+from experiments.core.flags import MIN_TIMED_CALLS
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
-MIN_CALIBRATION = 3  # at least one timed call per feature of the tile model
+MIN_CALIBRATION = MIN_TIMED_CALLS  # at least one timed call per feature of the tile model
+PER_HEAD = slice(1, 3)  # the work columns that add up over heads (tiles, or the area)
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
 LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across shapes
@@ -37,18 +43,27 @@ SIGNIFICANT = 4  # significant digits of the held-out times a record lists
 
 
 def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
-    """(..., F) work features of stacked mask pieces: [1, full tiles, partial tiles] from the
-    forward tile lists (TileList of index/full (..., n, W), count (..., n)), or [1, visible
-    area] where the impl has no tile lists (kv_lists None)."""
+    """(..., F) work features of stacked mask pieces: [1, full tiles, partial tiles, most
+    tiles in one key-tile column] from the forward tile lists (TileList of index/full
+    (..., n, W), count (..., n)), or [1, visible area] where the impl has no tile lists
+    (kv_lists None)."""
     ones = np.ones(np.shape(area))
     if kv_lists is None:
         return np.stack([ones, np.asarray(area, np.float64)], axis=-1)
     count = np.asarray(kv_lists.count)
-    full = np.asarray(kv_lists.full)
+    full, index = np.asarray(kv_lists.full), np.asarray(kv_lists.index)
     listed = np.arange(full.shape[-1]) < count[..., None]
     tiles = count.sum(axis=-1).astype(np.float64)
     full_tiles = (full.astype(bool) & listed).sum(axis=(-2, -1)).astype(np.float64)
-    return np.stack([ones, full_tiles, tiles - full_tiles], axis=-1)
+    rows = (-1, *index.shape[-2:])  # one (n, W) list per piece
+    col_max = np.array(
+        [
+            np.bincount(i[m]).max(initial=0)
+            for i, m in zip(index.reshape(rows), listed.reshape(rows))
+        ],
+        np.float64,
+    ).reshape(count.shape[:-1])
+    return np.stack([ones, full_tiles, tiles - full_tiles, col_max], axis=-1)
 
 
 def map_features(kinds: np.ndarray) -> np.ndarray:
@@ -59,7 +74,7 @@ def map_features(kinds: np.ndarray) -> np.ndarray:
 
 def stats_features(stats: dict[str, int]) -> np.ndarray:
     """(F,) piece_features of one piece from its map_stats."""
-    return np.array([1.0, stats["full"], stats["partial"]], np.float64)
+    return np.array([1.0, stats["full"], stats["partial"], stats["col_max"]], np.float64)
 
 
 def map_stats(kinds: np.ndarray) -> dict[str, int]:
@@ -84,9 +99,10 @@ def map_stats(kinds: np.ndarray) -> dict[str, int]:
 
 def work_features(features: np.ndarray, heads: int) -> np.ndarray:
     """piece_features of calls that each run `heads` (batch x query heads) attention heads,
-    with the work columns scaled by them: features of one kind of call at any shapes."""
+    with the work columns that add up over heads (PER_HEAD) scaled by them: features of one
+    kind of call at any shapes."""
     x = np.array(features, np.float64)
-    x[..., 1:] *= heads
+    x[..., PER_HEAD] *= heads
     return x
 
 
