@@ -1016,6 +1016,36 @@ def test_calls_timed_by_a_failed_point_are_listed_by_the_next_record(monkeypatch
     assert runner.run(second)["masks"][0]["simulation"]["timed_calls"] == []  # listed already
 
 
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_simulated_calls_are_timed_as_the_point_asks(monkeypatch, framework):
+    """A point with --chain_ms times its ranks' calls in chains of that length (the device's
+    time a call), as its baseline; a point of the same problem timed one call at a time shares
+    no timing with it: each times its own calls."""
+    from experiments.runners import cp_simulate, timing
+    from experiments.runners.jax_runner import JaxRunner
+    from experiments.runners.torch_runner import TorchRunner
+
+    name = f"{framework}_time_calls"
+    real, chains = getattr(timing, name), []
+
+    def spy(*args, chain_ms=0.0, **kwargs):
+        chains.append(chain_ms)
+        return real(*args, chain_ms=chain_ms, **kwargs)
+
+    monkeypatch.setattr(cp_simulate.timing, name, spy)
+    one = _point("ring", 4, "fwd", sim.LinkModel(), "causal", seqlen=16, framework=framework)
+    runner = (JaxRunner if framework == "jax" else TorchRunner)()
+    counts = {}
+    for chain_ms in (3, 0):
+        point = dataclasses.replace(one, chain_ms=chain_ms)
+        chains.clear()
+        result = runner.run(point)
+        assert result["check"]["ok"]
+        counts[chain_ms] = result["masks"][0]["simulation"]["calls"]["timed"]
+        assert counts[chain_ms] > 0 and set(chains) == {chain_ms}, chains
+    assert counts[3] == counts[0]  # the second timed its own calls, none shared
+
+
 def test_a_failed_points_baseline_seconds_go_to_the_next_point():
     """A point that fails after running its baseline (Ulysses over more devices than heads)
     leaves the baseline's seconds to the next point of the same problem, which reports them;

@@ -37,6 +37,7 @@ CP_BENCH_IMPLS = ("pallas", "flex")  # each framework keeps the one it has
 TUNE_MASKS = ("full", "causal", "causal_document")
 CP_PREDICT_MASKS = ("full", "causal", "causal_document", "full_document", "share_question")
 CP_PREDICT_DEVICES = (8, 16, 32, 64)
+CP_PREDICT_CHAIN_MS = 5
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,10 @@ def _cp_predict(on_gpu: bool) -> Preset:
             modes=("fwd", "fwd_bwd"),
             warmup=0,  # every distinct call runs once untimed before its timing
             iters=2,
+            # each sample a chain of calls: the device's time a call, as in a CP program, not
+            # the host's dispatch and wait, which on the H200 moved calls of about a millisecond
+            # by up to 60% between pieces of equal tile layouts (run 12)
+            chain_ms=CP_PREDICT_CHAIN_MS,
         )
         devices = CP_PREDICT_DEVICES
     else:

@@ -63,6 +63,7 @@ class Ranks(ABC):
     def __init__(self, plan, impl: str, point: Point, index: int) -> None:
         self.plan, self.impl, self.mode = plan, impl, point.mode
         self.batch = point.batch
+        self.chain_ms = point.chain_ms  # timed calls: one at a time (0) or in chains (timing.py)
         self._shapes = inputs.shapes(
             point.batch, point.seqlen_total, point.heads_q, point.heads_kv, point.head_dim
         )

@@ -507,7 +507,7 @@ class JaxRanks(Ranks):
         fn, args = self.call(*call)
         self.jax.block_until_ready(fn(*args))
         return lambda warmup, iters: timing.jax_time_calls(
-            fn, args, warmup=warmup, iters=iters, flush=self.flush
+            fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms
         )
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:

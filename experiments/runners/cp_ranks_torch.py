@@ -212,7 +212,7 @@ class TorchRanks(Ranks):
         fn = self.call(*call)
         fn()
         return lambda warmup, iters: timing.torch_time_calls(
-            fn, warmup=warmup, iters=iters, device=self.device
+            fn, warmup=warmup, iters=iters, device=self.device, chain_ms=self.chain_ms
         )[0]
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:

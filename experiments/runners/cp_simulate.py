@@ -243,8 +243,9 @@ class CPSimulator:
         features = ranks.features()
         hq, hkv = len(ranks.q_heads[0]), len(ranks.kv_heads[0])
         shapes = (point.batch, ranks.plan.shard_len, hq, hkv)
-        common = (ranks.impl, point.dtype, point.head_dim, *shapes, point.warmup, point.iters)
-        kind_of = (ranks.impl, point.dtype, point.head_dim, hq // hkv, point.warmup, point.iters)
+        timed_as = (point.warmup, point.iters, point.chain_ms)  # calls timed alike share times
+        common = (ranks.impl, point.dtype, point.head_dim, *shapes, *timed_as)
+        kind_of = (ranks.impl, point.dtype, point.head_dim, hq // hkv, *timed_as)
         out = CallClasses(uses=[], members={}, kinds={})
         for p, ph in enumerate(sched.phases):
             if ph.call is None:
