@@ -16,7 +16,9 @@ a later process (a resumed run) counts once. For each feature set:
   the predictor decides) predicted from its kind's calls at every other shape the run timed
   (the predictor has only those timed before it), at the kind's rate and at the class's own
   rate set by its median call (experiments/runners/call_model.py), the error over the class's
-  other calls; every set on the same classes.
+  other calls; every set on the same classes;
+- the floor of those errors: calls of one class on pieces equal in every feature, each
+  predicted by their median.
 """
 
 from __future__ import annotations
@@ -105,6 +107,23 @@ def calibrated_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray:
         rest = np.setdiff1d(np.arange(len(members)), picks)
         errors += list(_errors(x[rest] @ call_model.fit(x[picks], y[picks]), y[rest]))
     return np.array(errors)
+
+
+def equal_layout_spread(calls: list[dict]) -> np.ndarray:
+    """Relative errors (%) of calls predicted by the median of the calls of their class whose
+    pieces have the same tiles and layout (every feature of every set): what no model of these
+    features can explain, the floor of their errors (timing noise, or what the layout leaves
+    out)."""
+    fields = sorted({n for names in FEATURE_SETS.values() for n in names})
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for c in calls:
+        if all(n in c for n in fields):
+            groups[(c["class"], *(c[n] for n in fields))].append(c["median"])
+    spread = []
+    for times in groups.values():
+        if len(times) > 1:
+            spread += list(_errors(np.full(len(times), np.median(times)), np.array(times)))
+    return np.array(spread)
 
 
 def across_shape_errors(calls: list[dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -230,6 +249,10 @@ def main(argv: list[str]) -> None:
         f"{QUANTILE}th percentile / largest (calls scored)"
     )
     _print_table(score(calls))
+    print(
+        "\nCalls of one class on pieces of equal tiles and layout, each predicted by their "
+        f"median (the floor of any model of these features): {_cell(equal_layout_spread(calls))}"
+    )
     print("\nPer kind of call (within a class: leave one out; across shapes: at the class rate)")
     _print_table(by_kind(calls))
 

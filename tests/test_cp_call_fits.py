@@ -68,6 +68,19 @@ def test_calibrated_as_the_predictor_predicts_a_class_from_its_sample():
     assert column.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
 
 
+def test_equal_layouts_spread_from_their_median():
+    """Calls of one class on pieces equal in every feature are each predicted by their median
+    (the error relative to the call's time, as a model's); calls alone in their layout, or of
+    another class, are not compared."""
+    rng = np.random.default_rng(6)
+    (base,) = _calls(rng, 1, lambda c: 1.0)
+    same = [{**base, "id": f"s{i}", "median": ms} for i, ms in enumerate((1.0, 1.1, 0.8))]
+    other_class = {**base, "id": "o", "class": "other", "median": 5.0}
+    alone = {**base, "id": "a", "full": base["full"] + 1, "median": 9.0}
+    spread = cp_call_fits.equal_layout_spread([*same, other_class, alone])
+    assert sorted(spread.tolist()) == pytest.approx([0.0, 100 / 11, 25.0])
+
+
 def test_across_shapes_features_that_add_up_over_heads_are_scaled_by_them():
     """A call's tile counts, rows and columns add up over its heads; the longest row and column
     do not (heads run side by side)."""
@@ -126,6 +139,7 @@ def test_the_command_scores_a_results_file(tmp_path):
         "across shapes, class rate |"
     )
     assert header in out
+    assert "pieces of equal tiles and layout" in out
     for features in cp_call_fits.FEATURE_SETS:  # classes of 10 calls: timed whole (no model)
         exact = "0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
         assert f"| {features} | {exact}" in out
