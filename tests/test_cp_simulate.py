@@ -231,7 +231,7 @@ def _parts_add_up(runner, monkeypatch) -> None:
 
     calls = []
 
-    def fake(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
+    def fake(fn, args, *, warmup, iters, **timing_kw):
         calls.append(iters)
         return [2.0] * iters
 
@@ -541,7 +541,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
-    def fake(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
+    def fake(fn, args, *, warmup, iters, **timing_kw):
         return [_tile_time(args)] * iters
 
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", fake)
@@ -591,7 +591,7 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
 
-    def linear(fn, args, *, warmup, iters, flush=None, barrier=None, chain_ms=0):
+    def linear(fn, args, *, warmup, iters, **timing_kw):
         piece = next(a for a in args if isinstance(a, MaskArrays))
         count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
         listed = np.arange(full.shape[-1]) < count[..., None]

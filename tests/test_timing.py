@@ -83,6 +83,31 @@ def test_torch_chains_on_the_cpu_are_per_call_times():
     assert 0.7 * CALL_S * 1e3 < np.median(times) < 2 * CALL_S * 1e3
 
 
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_call_known_to_fill_a_chain_runs_no_warm_up(framework):
+    """With no warm-up asked, a call whose untimed first run (known_ms) took chain_ms or more
+    is a chain of one call without running again first; one known shorter, or unknown, runs
+    one warm-up call that sets its chain's length."""
+    calls = []
+    fn = _sleepy_call(calls)
+    if framework == "jax":
+        run = lambda known: timing.jax_time_calls(  # noqa: E731
+            fn, (), warmup=0, iters=2, flush=None, chain_ms=40, known_ms=known
+        )
+    else:
+        torch = pytest.importorskip("torch")
+        run = lambda known: timing.torch_time_calls(  # noqa: E731
+            fn, warmup=0, iters=2, device=torch.device("cpu"), chain_ms=40, known_ms=known
+        )[0]
+    times = run(50.0)
+    assert len(calls) == 2 and len(times) == 2  # two chains of one call, nothing else
+    for known in (1.0, None):
+        calls.clear()
+        run(known)
+        n = (len(calls) - 1) // 2
+        assert n > 1 and len(calls) == 1 + 2 * n, known  # the warm-up, then two chains of n
+
+
 POINT = [
     "--framework=jax",
     "--impl=reference",

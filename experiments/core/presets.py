@@ -189,8 +189,9 @@ def _cp_predict(on_gpu: bool) -> Preset:
             warmup=0,  # every distinct call runs once untimed before its timing
             iters=2,
             # each sample a chain of calls: the device's time a call, as in a CP program, not
-            # the host's dispatch and wait, which on the H200 moved calls of about a millisecond
-            # by up to 60% between pieces of equal tile layouts (run 12)
+            # the host's dispatch and wait, the likely cause (to be confirmed on the H200) of
+            # calls of about a millisecond differing by up to 60% on pieces of equal tile
+            # layouts in run 12
             chain_ms=CP_PREDICT_CHAIN_MS,
         )
         devices = CP_PREDICT_DEVICES

@@ -74,8 +74,9 @@ class PlanPieces:
 
     def features(self) -> np.ndarray:
         """(R, T, F) work features of every (ring rank, kept step) piece: full and partial
-        tiles from its tile map (what its tile lists hold), or its area for an impl without
-        tile lists (call_model); counted once for the plan's points in both modes."""
+        tiles and the longest key-tile column from its tile map (what its tile lists hold), or
+        its area for an impl without tile lists (call_model); counted once for the plan's
+        points in both modes."""
         if self._features is None:
             area = np.asarray(self.plan.piece_area, np.float64)
             if self.tiles is None:
@@ -505,10 +506,11 @@ class JaxRanks(Ranks):
 
     def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
         fn, args = self.call(*call)
-        self.jax.block_until_ready(fn(*args))
+        first_ms = timing.wall_ms(lambda: self.jax.block_until_ready(fn(*args)))
         return lambda warmup, iters: timing.jax_time_calls(
-            fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms
-        )
+            fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms,
+            known_ms=first_ms,
+        )  # fmt: skip
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         """Each backward step adds its dK/dV to an empty accumulator and the pullback runs

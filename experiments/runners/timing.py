@@ -34,14 +34,22 @@ def chain_length(call_ms: float, chain_ms: float) -> int:
     return int(min(max(math.ceil(chain_ms / max(call_ms, 1e-3)), 1), MAX_CHAIN))
 
 
-def _warm_chain_length(call: Callable[[], None], warmup: int, chain_ms: float) -> int:
-    """Run `warmup` (at least one) synchronised calls; the chain length for the fastest."""
-    times = []
-    for _ in range(max(warmup, 1)):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return chain_length(min(times), chain_ms)
+def wall_ms(call: Callable[[], object]) -> float:
+    """Milliseconds of one synchronised call (`call` waits for its result)."""
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _warm_chain_length(
+    call: Callable[[], None], warmup: int, chain_ms: float, known_ms: float | None = None
+) -> int:
+    """Run `warmup` (at least one) synchronised calls; the chain length for the fastest. With
+    no warm-up asked of a call already known to take chain_ms or more (known_ms: its untimed
+    first run), none: its chain is that one call (seconds a call at 2M tokens)."""
+    if warmup == 0 and known_ms is not None and known_ms >= chain_ms:
+        return 1
+    return chain_length(min(wall_ms(call) for _ in range(max(warmup, 1))), chain_ms)
 
 
 def time_stats(times_ms: Sequence[float]) -> dict[str, float]:
@@ -102,13 +110,15 @@ def jax_time_calls(
     flush: JaxL2Flush | Callable[[], None] | None = None,
     barrier: Callable[[], None] | None = None,
     chain_ms: float = 0.0,
+    known_ms: float | None = None,
 ) -> list[float]:
     """Per-call milliseconds of `fn(*args)` after `warmup` untimed calls (fn already compiled):
-    `iters` samples, one call each, or chains of calls when chain_ms > 0 (module docstring)."""
+    `iters` samples, one call each, or chains of calls when chain_ms > 0 (module docstring;
+    known_ms: _warm_chain_length)."""
     import jax
 
     if chain_ms > 0:
-        return _jax_chains(fn, args, warmup, iters, chain_ms, flush, barrier)
+        return _jax_chains(fn, args, warmup, iters, chain_ms, flush, barrier, known_ms)
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
@@ -123,11 +133,13 @@ def jax_time_calls(
     return times
 
 
-def _jax_chains(fn, args, warmup: int, iters: int, chain_ms: float, flush, barrier) -> list[float]:
+def _jax_chains(
+    fn, args, warmup: int, iters: int, chain_ms: float, flush, barrier, known_ms=None
+) -> list[float]:
     """Per-call ms from `iters` chains of n (flush, call) pairs, less the flushes' own time."""
     import jax
 
-    n = _warm_chain_length(lambda: jax.block_until_ready(fn(*args)), warmup, chain_ms)
+    n = _warm_chain_length(lambda: jax.block_until_ready(fn(*args)), warmup, chain_ms, known_ms)
     enqueue = getattr(flush, "enqueue", flush)
 
     def chain(call: bool) -> float:
@@ -207,18 +219,19 @@ def torch_time_calls(
     device,
     barrier: Callable[[], None] | None = None,
     chain_ms: float = 0.0,
+    known_ms: float | None = None,
 ) -> tuple[list[float], float | None]:
     """(per-call milliseconds, peak GiB over the timed calls; None on CPU).
 
     CUDA: a 256 MB buffer is zeroed before each call (L2 flush, finished before the start
     event), the peak statistics are reset, an event pair brackets fn; the peak leaves the flush
     buffer out. CPU: perf_counter around fn. `barrier` (CP) lines the ranks up before each call.
-    chain_ms > 0: chains of calls instead (module docstring).
+    chain_ms > 0: chains of calls instead (module docstring; known_ms: _warm_chain_length).
     """
     import torch
 
     if chain_ms > 0:
-        return _torch_chains(fn, warmup, iters, device, barrier, chain_ms)
+        return _torch_chains(fn, warmup, iters, device, barrier, chain_ms, known_ms)
 
     for _ in range(warmup):
         fn()
@@ -250,22 +263,29 @@ def torch_time_calls(
     return [s.elapsed_time(e) for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
 
 
+def torch_synchronised(fn: Callable[[], object], device) -> Callable[[], None]:
+    """fn, then a wait for the device to finish it (CUDA; on a CPU fn is synchronous)."""
+    import torch
+
+    def once() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return once
+
+
 def _torch_chains(
-    fn: Callable[[], object], warmup: int, iters: int, device, barrier, chain_ms: float
-) -> tuple[list[float], float | None]:
+    fn: Callable[[], object], warmup: int, iters: int, device, barrier, chain_ms: float,
+    known_ms: float | None = None,
+) -> tuple[list[float], float | None]:  # fmt: skip
     """torch_time_calls in chains: per sample, n (L2 flush, fn) pairs between one event pair
     (on CPU, n calls of fn under perf_counter), less the median of FLUSH_SAMPLES chains of
     flushes alone."""
     import torch
 
     cuda = device.type == "cuda"
-
-    def once() -> None:
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    n = _warm_chain_length(once, warmup, chain_ms)
+    n = _warm_chain_length(torch_synchronised(fn, device), warmup, chain_ms, known_ms)
     if not cuda:
         times = []
         for _ in range(iters):
