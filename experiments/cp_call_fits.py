@@ -45,6 +45,7 @@ FEATURE_SETS = {
 # column do not: heads run side by side.
 PER_HEAD = {"full", "partial", "rows", "cols"}
 QUANTILE = call_model.ERROR_QUANTILE
+ALL_FEATURES = sorted({n for names in FEATURE_SETS.values() for n in names})
 MOST_FEATURES = max(map(len, FEATURE_SETS.values()))
 MIN_CLASS = MOST_FEATURES + 3  # calls a class needs to leave one out, for every set alike
 MIN_KIND_FIT = MOST_FEATURES + 1  # calls of other classes a kind's fit needs, for every set
@@ -114,11 +115,10 @@ def equal_layout_spread(calls: list[dict]) -> np.ndarray:
     pieces have the same tiles and layout (every feature of every set): what no model of these
     features can explain, the floor of their errors (timing noise, or what the layout leaves
     out)."""
-    fields = sorted({n for names in FEATURE_SETS.values() for n in names})
     groups: dict[tuple, list[float]] = defaultdict(list)
     for c in calls:
-        if all(n in c for n in fields):
-            groups[(c["class"], *(c[n] for n in fields))].append(c["median"])
+        if all(n in c for n in ALL_FEATURES):
+            groups[(c["class"], *(c[n] for n in ALL_FEATURES))].append(c["median"])
     spread = []
     for times in groups.values():
         if len(times) > 1:
@@ -180,8 +180,7 @@ def _cell(errors: np.ndarray) -> str:
 def score(calls: list[dict]) -> list[dict]:
     """Per feature set: the within-class and across-shapes errors (p90 / max (calls scored)),
     on the calls that have every feature of every set (PyTorch's have no tile layout)."""
-    fields = {n for names in FEATURE_SETS.values() for n in names}
-    have = [c for c in calls if fields <= c.keys()]
+    have = [c for c in calls if set(ALL_FEATURES) <= c.keys()]
     rows = []
     for label, names in FEATURE_SETS.items():
         across = across_shape_errors(have, names)

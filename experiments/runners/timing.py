@@ -127,9 +127,7 @@ def jax_time_calls(
             flush()
         if barrier is not None:
             barrier()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append(wall_ms(lambda: jax.block_until_ready(fn(*args))))
     return times
 
 
@@ -240,9 +238,7 @@ def torch_time_calls(
         for _ in range(iters):
             if barrier is not None:
                 barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append(wall_ms(fn))
         return times, None
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     peak, events = 0, []
