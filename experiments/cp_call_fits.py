@@ -3,9 +3,13 @@
     python experiments/cp_call_fits.py --results=OUT_DIR/results.jsonl
 
 Every simulated record lists the calls timed for it (simulation.timed_calls: what each was
-timed for, its class and kind, tokens, heads, its piece's tiles and their layout, median ms),
-so candidate models can be tried on a GPU run's calls without a device. A call timed again by
-a later process (a resumed run) counts once. For each feature set:
+timed for, its class and kind, tokens, heads, its piece's tiles, their layout and the spans of
+its kernels' schedule, median ms), so candidate models can be tried on a GPU run's calls
+without a device. A call timed again by a later process (a resumed run) counts once. Records
+from before the spans were recorded get them from their points' plans, rebuilt on the host
+(each call matched to the ring rank whose piece at its step has its tiles and layout), and so
+do all calls with --rebuild_spans, at the --slots and --partial_weight given, to try other
+schedules. For each feature set:
 - within a class (one kind at one shape; the pieces differ), each call predicted from the
   class's other calls (leave one out), as the class's calibration predicts its untimed calls;
   every set is scored on the same classes (those with enough calls for the largest set);
@@ -34,22 +38,23 @@ from experiments.runners import call_model
 from experiments.runners.cp_ranks import LONG_CALL_MS
 
 # Candidate work features beyond the constant: the tile counts; those and the longest key-tile
-# column (the predictor's: call_model.piece_features); all of the piece's layout (a kernel
-# giving a row or a column to one CTA waits on the longest).
+# column; all of the piece's layout (a kernel giving a row or a column to one CTA waits on the
+# longest); the spans of the kernels' schedule (the predictor's: call_model.span_features).
 FEATURE_SETS = {
     "tiles": ("full", "partial"),
     "tiles+column": ("full", "partial", "col_max"),
     "tiles+layout": ("full", "partial", "rows", "row_max", "cols", "col_max"),
+    "spans": call_model.SPANS,
 }
 # Features that add up over heads (scaled by a call's heads across shapes); the longest row and
-# column do not: heads run side by side.
+# column do not (heads run side by side), and the spans hold the heads already.
 PER_HEAD = {"full", "partial", "rows", "cols"}
 QUANTILE = call_model.ERROR_QUANTILE
 ALL_FEATURES = sorted({n for names in FEATURE_SETS.values() for n in names})
 MOST_FEATURES = max(map(len, FEATURE_SETS.values()))
 MIN_CLASS = MOST_FEATURES + 3  # calls a class needs to leave one out, for every set alike
 MIN_KIND_FIT = MOST_FEATURES + 1  # calls of other classes a kind's fit needs, for every set
-GATE = FEATURE_SETS["tiles+column"]  # the predictor's model, which decides whose calls are long
+GATE = FEATURE_SETS["spans"]  # the predictor's model, which decides whose calls are long
 
 
 def timed_calls(records: list[dict]) -> list[dict]:
@@ -61,6 +66,57 @@ def timed_calls(records: list[dict]) -> list[dict]:
             for call in (mask.get("simulation") or {}).get("timed_calls") or []:
                 calls[call.get("id", len(calls))] = call
     return list(calls.values())
+
+
+def add_spans(
+    records: list[dict], *, rebuild: bool = False, slots: int = call_model.SLOTS,
+    partial_weight: float = call_model.PARTIAL_WEIGHT,
+) -> tuple[int, int]:  # fmt: skip
+    """Give the timed calls of the records' simulated points without spans (all of them where
+    `rebuild`) the spans of their pieces, from each point's plan rebuilt on the host: the ring
+    rank whose piece at the call's step has the call's tiles and layout (where several do,
+    their spans' mean). (calls given spans, calls left without: no such rank in today's plan)."""
+    from experiments.core.points import Point
+    from experiments.cp_families import GPU_IMPL, problem_plans
+    from experiments.runners import frameworks
+    from experiments.runners.cp_ranks_jax import PlanPieces
+
+    wanted: dict[str, list[dict]] = defaultdict(list)  # point key -> its calls to give spans
+    points = {}
+    for rec in records:
+        calls = [
+            c
+            for mask in rec.get("masks") or []
+            for c in (mask.get("simulation") or {}).get("timed_calls") or []
+            if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys())
+        ]
+        if calls and rec.get("point", {}).get("framework") == "jax":
+            point = Point(**rec["point"])
+            wanted[point.key] += calls
+            points[point.key] = point
+    given = missed = 0
+    for modes, plan in problem_plans(points.values(), GPU_IMPL):
+        dtype = frameworks.framework_dtype("jax", modes[0].dtype)
+        pieces = PlanPieces(plan, GPU_IMPL, modes[0].head_dim, dtype)
+        layouts = pieces.layouts()
+        for point in modes:
+            for call in wanted.pop(point.key, []):
+                layout = {k: call[k] for k in layouts[0][0]}
+                at_step = pieces.index[:, call["step"]]
+                matches = {int(i) for i in at_step if layouts[i][0] == layout}
+                if not matches:
+                    missed += 1
+                    continue
+                heads_kv = call["heads_kv"] * point.batch
+                spans = [
+                    call_model.span_features(
+                        *layouts[i][1], call["heads"], heads_kv, slots, partial_weight
+                    )[1:]
+                    for i in sorted(matches)
+                ]
+                call.update(zip(call_model.SPANS, np.mean(spans, axis=0).tolist()))
+                given += 1
+    return given, missed + sum(map(len, wanted.values()))  # and points no longer planned
 
 
 def design(calls: list[dict], names: tuple[str, ...], per_head: bool = False) -> np.ndarray:
@@ -230,13 +286,41 @@ def define_flags() -> None:
     """The command's flags, defined only when it runs (tests import this module beside run.py,
     whose flags share absl's registry)."""
     flags.DEFINE_list("results", None, "Results files of simulated (--simulate_devices) runs.")
+    flags.DEFINE_bool(
+        "rebuild_spans",
+        False,
+        "Compute every call's spans from its point's plan (else only "
+        "those of records from before the spans were recorded).",
+    )
+    flags.DEFINE_integer("slots", call_model.SLOTS, "CTAs at once in rebuilt spans (SMs).")
+    flags.DEFINE_float(
+        "partial_weight", call_model.PARTIAL_WEIGHT, "A partial tile in full ones, rebuilt spans."
+    )
 
 
 def main(argv: list[str]) -> None:
     del argv
     if not FLAGS.results:
         raise app.UsageError("--results: give the results files of a simulated run")
-    calls = timed_calls(read_results(FLAGS.results))
+    if FLAGS.slots < 1 or FLAGS.partial_weight < 0:
+        raise app.UsageError(
+            f"--slots={FLAGS.slots} must be at least 1 and --partial_weight="
+            f"{FLAGS.partial_weight} at least 0"
+        )
+    records = read_results(FLAGS.results)
+    given, missed = add_spans(
+        records,
+        rebuild=FLAGS.rebuild_spans,
+        slots=FLAGS.slots,
+        partial_weight=FLAGS.partial_weight,
+    )
+    if given or missed:
+        print(
+            f"spans from the points' plans rebuilt here ({FLAGS.slots} slots, a partial tile "
+            f"{FLAGS.partial_weight:g} full ones): {given} calls; {missed} left without (their "
+            "pieces not in today's plans)"
+        )
+    calls = timed_calls(records)
     if not calls:
         raise app.UsageError(
             f"--results={','.join(FLAGS.results)}: no timed calls listed (records from before "

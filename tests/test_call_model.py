@@ -14,10 +14,41 @@ from jax_attn.mask_arrays import prepare_mask, stack_mask_arrays
 FULL, PARTIAL = 2, 1  # attn_masks tile kinds (EMPTY is 0)
 
 
-def test_features_count_the_full_and_partial_tiles_of_each_piece():
-    """Stacked pieces of unequal lists: the counts and the longest key-tile column match the
-    tile kinds of each mask's block map (the lists' source; a kernel makes ragged-edge FULL
-    tiles partial at run time), and map_features counts the same from the map alone."""
+def _stepped_span(works: list[int], slots: int) -> int:
+    """When the last CTA ends, stepping time one unit at a time: at each step every idle slot
+    takes the next CTAs in launch order (those without work end at once)."""
+    queue, left, t, end = list(works), [0] * slots, 0, 0
+    while queue or any(left):
+        for s in range(slots):
+            while not left[s] and queue:
+                left[s] = queue.pop(0)
+        if any(left):
+            t += 1
+            left = [max(x - 1, 0) for x in left]
+            end = t
+    return end
+
+
+def test_schedule_span_is_the_block_schedulers_list_scheduling():
+    """Against a unit-step simulation on random grids; and the order matters: one long CTA
+    launched last ends after the others, launched first it hides under them."""
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        works = rng.integers(0, 9, int(rng.integers(1, 60))).tolist()
+        slots = int(rng.integers(1, 12))
+        assert call_model.schedule_span(works, slots) == _stepped_span(works, slots)
+    assert call_model.schedule_span([1] * 8 + [8], 4) == 10
+    assert call_model.schedule_span([8] + [1] * 8, 4) == 8
+    assert call_model.schedule_span([], 4) == call_model.schedule_span([0, 0], 4) == 0
+    with pytest.raises(ValueError, match="slots=0"):
+        call_model.schedule_span([1], 0)
+
+
+def test_features_are_the_spans_of_the_kernels_schedule():
+    """Stacked pieces of unequal lists: [1, row span, column span] from the tile lists equal
+    those of each mask's block map (the lists' source), counted here tile by tile: the query
+    tiles launched last first for each query head, the key tiles in order for each K/V head,
+    each walked for the group's heads, a partial tile as PARTIAL_WEIGHT full ones."""
     masks = [
         make_mask("causal_document", 200, seed=3),
         make_mask("sliding_window", 200, window=40),
@@ -25,19 +56,25 @@ def test_features_count_the_full_and_partial_tiles_of_each_piece():
         make_mask("share_question", 200, seed=1),
     ]
     arrays = stack_mask_arrays([prepare_mask(m, 32, 16) for m in masks])
-    area = np.array([m.area() for m in masks])
-    x = call_model.piece_features(arrays.kv, area)
-    assert x.shape == (4, call_model.MIN_CALIBRATION)  # a timed call per feature, at least
+    heads_q, heads_kv, slots = 6, 2, 5
+    x = call_model.piece_features(arrays.kv, heads_q, heads_kv, slots)
+    assert x.shape == (4, 3) and call_model.MIN_CALIBRATION > 3  # a timed call per feature
+    w = call_model.PARTIAL_WEIGHT
     for m, row in zip(masks, x):
-        kinds = block_map(m, 32, 16)
-        column = max(sum(1 for k in kinds[:, j] if k) for j in range(kinds.shape[1]))
-        want = [1.0, (kinds == FULL).sum(), (kinds == PARTIAL).sum(), column]
+        kinds = block_map(m, 32, 16).tolist()
+        cost = [[{FULL: 1.0, PARTIAL: w}.get(k, 0.0) for k in r] for r in kinds]
+        rows = [sum(r) for r in cost][::-1] * heads_q
+        cols = [heads_q // heads_kv * sum(r[j] for r in cost) for j in range(len(cost[0]))]
+        want = [1.0, _stepped_span(rows, slots), _stepped_span(cols * heads_kv, slots)]
         assert row.tolist() == want, m.name
-    assert len(set(x[:, 3].tolist())) > 2  # the pieces' longest columns differ
-    from_maps = [call_model.map_features(m.block_map(32, 16)) for m in masks]
-    np.testing.assert_array_equal(np.array(from_maps), x)
-    dense = call_model.piece_features(None, area.reshape(2, 2))
-    assert dense.shape == (2, 2, 2) and dense[..., 1].ravel().tolist() == area.tolist()
+        from_map = call_model.map_features(m.block_map(32, 16), heads_q, heads_kv, slots)
+        assert from_map.tolist() == want
+    assert len(set(x[:, 2].tolist())) > 2  # the pieces' column spans differ
+    area = np.array([m.area() for m in masks], np.float64).reshape(2, 2)
+    dense = call_model.area_features(area, heads_q)
+    assert dense.shape == (2, 2, 2) and (dense[..., 1] == heads_q * area).all()
+    with pytest.raises(ValueError, match="heads_q=6 must be a positive multiple of heads_kv=4"):
+        call_model.map_features(masks[0].block_map(32, 16), 6, 4)
 
 
 def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
@@ -136,7 +173,6 @@ def test_map_stats_count_rows_columns_and_their_longest():
     assert stats["q_tiles"] == 9 and stats["k_tiles"] == 13
     assert stats["rows"] == sum(1 for n in rows if n) == 8 and stats["row_max"] == max(rows)
     assert stats["cols"] == sum(1 for n in cols if n) == 12 and stats["col_max"] == max(cols)
-    want = [stats["full"], stats["partial"], max(cols)]
-    assert want == call_model.map_features(kinds)[1:].tolist()
+    assert stats["full"] == (kinds == FULL).sum() and stats["partial"] == (kinds == PARTIAL).sum()
     empty = call_model.map_stats(np.zeros((3, 4), np.int8))
     assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0

@@ -36,6 +36,8 @@ def _calls(rng, n, law, *, cls="c", kind="k", heads=8) -> list[dict]:
             "cols": int(rng.integers(1, 64)),
             "col_max": int(rng.integers(1, 64)),
         }
+        # spans that hold the heads (as the kernels' schedule does) and add up like the tiles
+        c["row_span"], c["col_span"] = heads * full, heads * partial
         c["median"] = law(c)
         calls.append(c)
     return calls
@@ -56,8 +58,8 @@ def test_leave_one_out_within_a_class_sees_what_the_tile_counts_miss():
 def test_calibrated_as_the_predictor_predicts_a_class_from_its_sample():
     """Times that grow with a piece's longest key-tile column: a class calibrated on the
     predictor's default sample (SIM_TIMED_CALLS calls spanning the work) predicts its other
-    calls exactly with the predictor's features (tiles and that column), not with the tile
-    counts alone; a class the predictor would time whole is not scored."""
+    calls exactly with the tiles and that column, not with the tile counts alone; a class the
+    predictor would time whole is not scored."""
     rng = np.random.default_rng(5)
     law = lambda c: 2.0 + 0.01 * c["full"] + 0.04 * c["partial"] + 0.5 * c["col_max"]  # noqa: E731
     whole = cp_call_fits.SIM_TIMED_CALLS + 4  # call_model.VALIDATION_CALLS: all timed
@@ -150,3 +152,39 @@ def test_the_command_scores_a_results_file(tmp_path):
     empty.write_text(json.dumps(_record("p", {})) + "\n")
     bad = subprocess.run([*cmd[:2], f"--results={empty}"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "no timed calls listed" in bad.stderr
+
+
+def test_spans_of_older_records_come_from_their_points_plans():
+    """Timed calls recorded without spans (runs from before them) get those of the ring rank
+    whose piece at their step has their tiles and layout, from the point's plan rebuilt on the
+    host; at one slot a span is the whole work of the heads (no parallel CTAs to hide it);
+    a call whose layout no rank's piece has is left without."""
+    import dataclasses
+
+    from experiments.cp_families import GPU_IMPL, preset_points, problem_plans
+    from experiments.runners import call_model, frameworks
+    from experiments.runners.cp_ranks_jax import PlanPieces
+
+    point = next(
+        p
+        for p in preset_points([8], [8192], ["causal_document"])
+        if (p.cp, p.layout, p.mode) == ("ring", "zigzag", "fwd")
+    )
+    ((_, plan),) = problem_plans([point], GPU_IMPL)
+    pieces = PlanPieces(plan, GPU_IMPL, point.head_dim, frameworks.framework_dtype("jax", "bf16"))
+    heads_q, heads_kv = point.heads_q, point.heads_kv  # ring: every head on every rank
+    want = pieces.features(heads_q, heads_kv, call_model.SLOTS)
+    calls = []
+    for r, t in [(0, 0), (3, 1), (5, 4), (7, 7)]:
+        layout = pieces.stats(r, t)
+        calls.append({**layout, "step": t, "heads": heads_q, "heads_kv": heads_kv, "r": r})
+    stray = {**calls[0], "full": calls[0]["full"] + 1}  # no piece has this layout
+    record = {**_record("p", {"timed_calls": [*calls, stray]}), "point": dataclasses.asdict(point)}
+    assert cp_call_fits.add_spans([record]) == (4, 1)
+    for c in calls:
+        assert [c["row_span"], c["col_span"]] == pytest.approx(want[c["r"], c["step"], 1:])
+    assert "row_span" not in stray
+    assert cp_call_fits.add_spans([record], rebuild=True, slots=1) == (4, 1)
+    for c in calls:
+        work = c["full"] + call_model.PARTIAL_WEIGHT * c["partial"]
+        assert c["row_span"] == c["col_span"] == pytest.approx(heads_q * work)

@@ -129,8 +129,9 @@ def test_distinct_mask_arrays_index_every_pieces_own_arrays():
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "usp"])
 def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy):
     """The predictor's PlanPieces: each distinct piece's arrays, built alone, equal its slice of
-    jax_cp.distinct_mask_arrays' stack; features read from the tile maps equal those counted
-    from the stack's tile lists; equal digests only for equal arrays."""
+    jax_cp.distinct_mask_arrays' stack; the spans read from the tile maps equal those from the
+    stack's tile lists (the area times the heads without lists); equal digests only for equal
+    arrays."""
     import jax
 
     from experiments.runners import call_model
@@ -153,10 +154,12 @@ def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy)
         assert len(got) == len(want)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    area = np.zeros(len(stacked.lo))
-    area[index.ravel()] = np.asarray(plan.piece_area).ravel()
-    kv = stacked.kv if pieces.tiles is not None else None
-    np.testing.assert_array_equal(pieces.features(), call_model.piece_features(kv, area)[index])
+    heads = (4, 2, 3)  # (query heads, K/V heads, slots): a schedule of several rounds
+    if pieces.tiles is None:
+        want = call_model.area_features(plan.piece_area, 4)
+    else:
+        want = call_model.piece_features(stacked.kv, *heads)[index]
+    np.testing.assert_array_equal(pieces.features(*heads), want)
     digests = [pieces.digest(i) for i in range(len(pieces.pieces))]
     assert len(set(digests)) == len(digests)
 

@@ -512,37 +512,32 @@ def test_row_references_are_shared_between_a_problems_points(monkeypatch):
     assert store.of(("causal 64", 1)) == {} and store.values == {}
 
 
-def _tile_time(args) -> float:
-    """Fake kernel time of a call: 0.5 ms + 0.01 per listed tile + 0.02 more per partial one
-    + 0.05 per tile of its longest key-tile column (the CTA walking it alone), counted by
-    walking the piece's forward tile lists (1 ms for a call without a piece)."""
+def _span_time(args) -> float:
+    """Fake kernel time of a call: 0.5 ms + 0.01 per full-tile unit of its query-tile kernels'
+    span + 0.03 per unit of its key-tile kernel's (call_model.piece_features from the piece's
+    forward tile lists, for the heads of its q and K/V arguments; 1 ms without a piece)."""
+    from experiments.runners import call_model
     from jax_attn.mask_arrays import MaskArrays
 
     piece = next((a for a in args if isinstance(a, MaskArrays)), None)
     if piece is None:
         return 1.0
-    count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
-    index = np.asarray(piece.kv.index)
-    listed = partial = 0
-    column: dict[int, int] = {}
-    for row, n in enumerate(count):
-        listed += int(n)
-        partial += sum(1 for i in range(int(n)) if not full[row, i])
-        for i in range(int(n)):
-            column[int(index[row, i])] = column.get(int(index[row, i]), 0) + 1
-    return 0.5 + 0.01 * listed + 0.02 * partial + 0.05 * max(column.values(), default=0)
+    q, k = args[0], args[1]
+    heads = q.shape[0] * q.shape[2], k.shape[0] * k.shape[2]
+    rows, cols = call_model.piece_features(piece.kv, *heads).reshape(-1, 3)[0, 1:]
+    return 0.5 + 0.01 * rows + 0.03 * cols
 
 
 def _modelled_equals_timed(monkeypatch) -> None:
-    """With times linear in the tiles and the longest key-tile column, a point whose calls are
-    mostly predicted from a few timed ones (--sim_timed_calls) gets the compute of timing every
-    call, and says how many it modelled and the held-out error (0 here). Its pieces span a few
-    tiles, so their longest columns vary beside their tile counts."""
+    """With times linear in the spans of the kernels' schedule, a point whose calls are mostly
+    predicted from a few timed ones (--sim_timed_calls) gets the compute of timing every call,
+    and says how many it modelled and the held-out error (0 here); each timed call's record
+    holds the spans of the heads it ran (the law's, from the call's own arguments)."""
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
     def fake(fn, args, *, warmup, iters, **timing_kw):
-        return [_tile_time(args)] * iters
+        return [_span_time(args)] * iters
 
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", fake)
     # random slices: many distinct pieces per class of calls (named masks this small have few)
@@ -569,7 +564,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
         assert set(roles) == {"all"} if k == 0 else modelled <= set(roles) <= modelled | {"all"}
         for c in log:
             tiles = c["full"] + c["partial"]
-            law = 0.5 + 0.01 * tiles + 0.02 * c["partial"] + 0.05 * c["col_max"]
+            law = 0.5 + 0.01 * c["row_span"] + 0.03 * c["col_span"]
             assert c["median"] == pytest.approx(law), c
             assert c["rows"] <= c["q_tiles"] and c["cols"] <= c["k_tiles"]
             assert c["row_max"] * c["rows"] >= tiles and c["col_max"] * c["cols"] >= tiles
@@ -645,7 +640,7 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
     the rate of all three, with the kind's spread of p20 and p80 around their medians."""
     from types import SimpleNamespace
 
-    from experiments.runners import call_model, timing
+    from experiments.runners import timing
     from experiments.runners.cp_ranks import LONG_CALL_MS
     from experiments.runners.cp_simulate import CPSimulator
 
@@ -669,9 +664,7 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
     before = [("c", 0), ("c", 1)]  # timed by an earlier point (as _time_calls remembers them)
     for key in before:
         fake_time(None, None, key, None, "calibration")
-    simulator._kinds["kind"] = {
-        k: call_model.work_features(x, 1) for k, x in features.items() if k in simulator._timings
-    }
+    simulator._kinds["kind"] = {k: x for k, x in features.items() if k in simulator._timings}
     timed.clear()
     members = {k: (None, x) for k, x in features.items() if k[0] == "c" and k not in before}
     coef = simulator._kind_model("kind")
@@ -684,7 +677,7 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
     median = np.median(list(guess.values()))
     assert median < LONG_CALL_MS <= rate(before) * median  # the class's rate decides
     point = SimpleNamespace(seed=0)
-    count, predicted, checked = simulator._across_shapes(None, point, ("c",), "kind", members, 1)
+    count, predicted, checked = simulator._across_shapes(None, point, ("c",), "kind", members)
     assert count == 1 and [role for _, role in timed] == ["rate_held_out"]
     ((held, _),) = timed
     ((predicted_held, measured),) = checked

@@ -2,28 +2,32 @@
 mask piece's work, fitted from a few timed calls of the same shapes and applied to the rest.
 
 Calls of one class (same step function, impl, shapes and key length) differ only in their mask
-piece, and a block-sparse kernel's time is close to a + b * (full tiles) + c * (partial tiles)
-+ d * (longest key-tile column): a fixed launch and edge cost, each tile it visits, and the
-column one CTA of the dK/dV pass walks alone while the others have finished (on the H200 a
-piece with one 256-tile column ran 30 ms where its tile count gave 6). An impl that reads no
-tile lists is modelled on the piece's visible area instead. A small calibration sample that
-spans the pieces' work is timed, the coefficients are fitted non-negative, and a held-out
-sample of further timed calls measures the model's error, which every simulated record
-carries.
+piece, and a block-sparse kernel's time is close to a + b * (row span) + c * (column span): a
+fixed launch and edge cost, and when the last CTA of its query-tile kernels (forward, dQ: one
+CTA a query tile and head, each walking its row of tiles) and of its key-tile kernel (dK/dV:
+one a key tile and K/V head, walking its column for the group's query heads) ends, with the
+CTAs started in the kernels' launch order on the first of SLOTS to come free (schedule_span).
+A partial tile counts as PARTIAL_WEIGHT full ones. So the model sees both the work and how it
+is spread: a piece with one 256-tile key column ran 30 ms on the H200 where its tile count gave
+6, and the same long column costs its walk on top of the rest when it starts last and hides
+under the rest when it starts first. An impl that reads no tile lists is modelled on the
+piece's visible area times its heads instead. A small calibration sample that spans the
+pieces' work is timed, the coefficients are fitted non-negative, and a held-out sample of
+further timed calls measures the model's error, which every simulated record carries.
 
 Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) keeps
-the relative cost of its full and partial tiles once its calls are long enough to fill the
-device, but not its absolute rate, which still moves with the block lengths (on the H200 a
-ring kind's 32K-token forward+backward calls ran 24% off the rate of its 8K-token calls). So
-the calls of a long class (seconds each at 2M tokens) are predicted from the kind's model over
-[1, full tiles x heads, partial tiles x heads, longest column] (heads run side by side, so
-the longest column is not scaled by them), fitted on its timed calls of at least
-KIND_FIT_MIN_MS, times the class's own rate (class_rate) from LONG_RATE_CALLS timed calls of
-it, with LONG_VALIDATION_CALLS more of it timed as its held-out check.
+the relative cost of its features once its calls are long enough to fill the device, but not
+its absolute rate, which still moves with the block lengths (on the H200 a ring kind's
+32K-token forward+backward calls ran 24% off the rate of its 8K-token calls). The spans hold
+every head of a call, so calls of other shapes are on one scale. The calls of a long class
+(seconds each at 2M tokens) are predicted from the kind's model, fitted on its timed calls of
+at least KIND_FIT_MIN_MS, times the class's own rate (class_rate) from LONG_RATE_CALLS timed
+calls of it, with LONG_VALIDATION_CALLS more of it timed as its held-out check.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,77 +37,120 @@ from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
 from experiments.core.flags import MIN_TIMED_CALLS
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
-MIN_CALIBRATION = MIN_TIMED_CALLS  # at least one timed call per feature of the tile model
-PER_HEAD = slice(1, 3)  # the work columns that add up over heads (tiles, or the area)
+MIN_CALIBRATION = MIN_TIMED_CALLS  # a timed call per feature of the tile model, and one more
+SLOTS = 132  # CTAs running at once in schedule_span where the device does not say: H100/H200 SMs
+PARTIAL_WEIGHT = 2.0  # a partial tile's share of a CTA's walk, in full tiles (H200, below)
+SPANS = ("row_span", "col_span")  # names of the tile model's work features (timed-call records)
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
 LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across shapes
 LONG_VALIDATION_CALLS = 1  # further timed calls of such a class, held out
 SIGNIFICANT = 4  # significant digits of the held-out times a record lists
 
+# PARTIAL_WEIGHT and SLOTS: of 1, 1.5, 2, 3 and 4 weights and 66, 132, 198 and 264 slots, 2 and
+# 132 predicted the H200's timed calls best (results/h200/cp_predict, runs 12 and 13, scored by
+# experiments/cp_call_fits.py): a partial tile computes its scores and then masks them.
 
-def piece_features(kv_lists, area: np.ndarray) -> np.ndarray:
-    """(..., F) work features of stacked mask pieces: [1, full tiles, partial tiles, most
-    tiles in one key-tile column] from the forward tile lists (TileList of index/full
-    (..., n, W), count (..., n)), or [1, visible area] where the impl has no tile lists
-    (kv_lists None)."""
-    ones = np.ones(np.shape(area))
-    if kv_lists is None:
-        return np.stack([ones, np.asarray(area, np.float64)], axis=-1)
+
+def schedule_span(works: np.ndarray, slots: int = SLOTS) -> float:
+    """When the last of a grid's CTAs ends, each CTA (its time in `works`, in launch order)
+    starting on the first of `slots` to come free: list scheduling, as a GPU's block scheduler
+    hands out a grid too large to run at once. CTAs without work end as they start."""
+    works = [float(w) for w in np.ravel(works) if w > 0]
+    if slots < 1:
+        raise ValueError(f"schedule_span needs at least one slot, got slots={slots}")
+    ends = sorted(works[:slots])
+    for w in works[slots:]:
+        heapq.heapreplace(ends, ends[0] + w)
+    return max(ends, default=0.0)
+
+
+def tile_work(full: np.ndarray, partial: np.ndarray, weight: float = PARTIAL_WEIGHT) -> np.ndarray:
+    """Each CTA's walk in full-tile units: its full tiles and `weight` per partial one."""
+    return np.asarray(full, np.float64) + weight * np.asarray(partial, np.float64)
+
+
+def span_features(
+    rows: tuple[np.ndarray, np.ndarray], cols: tuple[np.ndarray, np.ndarray], heads_q: int,
+    heads_kv: int, slots: int = SLOTS, partial_weight: float = PARTIAL_WEIGHT,
+) -> np.ndarray:  # fmt: skip
+    """(3,) [1, row span, column span] of a piece with (full, partial) tiles per query-tile row
+    and per key-tile column (a partial tile as partial_weight full ones), run for heads_q query
+    heads (times the batch) and heads_kv K/V heads: the query-tile kernels launch each head's
+    rows last first (jax_attn/pallas_triton/common.py query_tile_specs: the longest causal
+    rows first), the key-tile kernel each K/V head's columns in order, each column walked for
+    the group's heads_q / heads_kv heads."""
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a positive multiple of heads_kv={heads_kv}")
+    row_work = tile_work(*rows, partial_weight)[::-1]
+    col_work = tile_work(*cols, partial_weight) * (heads_q // heads_kv)
+    row_span = schedule_span(np.tile(row_work, heads_q), slots)
+    col_span = schedule_span(np.tile(col_work, heads_kv), slots)
+    return np.array([1.0, row_span, col_span])
+
+
+def area_features(area: np.ndarray, heads_q: int) -> np.ndarray:
+    """(..., 2) [1, visible area x heads] of pieces run by an impl without tile lists."""
+    area = np.asarray(area, np.float64)
+    return np.stack([np.ones(area.shape), area * heads_q], axis=-1)
+
+
+def piece_features(kv_lists, heads_q: int, heads_kv: int, slots: int = SLOTS) -> np.ndarray:
+    """(..., 3) span_features of stacked mask pieces from their forward tile lists (TileList
+    of index/full (..., n, W), count (..., n)): what the kernels walk."""
     count = np.asarray(kv_lists.count)
-    full, index = np.asarray(kv_lists.full), np.asarray(kv_lists.index)
+    full, index = np.asarray(kv_lists.full).astype(bool), np.asarray(kv_lists.index)
     listed = np.arange(full.shape[-1]) < count[..., None]
-    tiles = count.sum(axis=-1).astype(np.float64)
-    full_tiles = (full.astype(bool) & listed).sum(axis=(-2, -1)).astype(np.float64)
-    rows = (-1, *index.shape[-2:])  # one (n, W) list per piece
-    col_max = np.array(
-        [
-            np.bincount(i[m]).max(initial=0)
-            for i, m in zip(index.reshape(rows), listed.reshape(rows))
-        ],
-        np.float64,
-    ).reshape(count.shape[:-1])
-    return np.stack([ones, full_tiles, tiles - full_tiles, col_max], axis=-1)
+    lead = count.shape[:-1]
+    out = []
+    for c, f, i, m in zip(
+        count.reshape(-1, count.shape[-1]), full.reshape(-1, *full.shape[-2:]),
+        index.reshape(-1, *index.shape[-2:]), listed.reshape(-1, *listed.shape[-2:]),
+    ):  # fmt: skip
+        row_full = (f & m).sum(axis=-1)
+        col_full = np.bincount(i[f & m], minlength=1)
+        col_all = np.bincount(i[m], minlength=len(col_full))
+        col_full = np.pad(col_full, (0, len(col_all) - len(col_full)))
+        rows, cols = (row_full, c - row_full), (col_full, col_all - col_full)
+        out.append(span_features(rows, cols, heads_q, heads_kv, slots))
+    return np.array(out).reshape(*lead, 3)
 
 
-def map_features(kinds: np.ndarray) -> np.ndarray:
-    """(F,) piece_features of one piece from its tile map (attn_masks block_map: 0 empty,
-    1 partial, 2 full), the source of its tile lists, without building them."""
-    return stats_features(map_stats(kinds))
+def map_work(kinds: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """((full, partial) tiles per query-tile row, the same per key-tile column) of a piece's
+    tile map (attn_masks block_map), the source of its tile lists."""
+    kinds = np.asarray(kinds)
+    full, partial = kinds == FULL, kinds == PARTIAL
+    return tuple((np.count_nonzero(full, a), np.count_nonzero(partial, a)) for a in (1, 0))
 
 
-def stats_features(stats: dict[str, int]) -> np.ndarray:
-    """(F,) piece_features of one piece from its map_stats."""
-    return np.array([1.0, stats["full"], stats["partial"], stats["col_max"]], np.float64)
+def map_features(kinds: np.ndarray, heads_q: int, heads_kv: int, slots: int = SLOTS) -> np.ndarray:
+    """(3,) piece_features of one piece from its tile map, without building its lists."""
+    rows, cols = map_work(kinds)
+    return span_features(rows, cols, heads_q, heads_kv, slots)
 
 
 def map_stats(kinds: np.ndarray) -> dict[str, int]:
-    """How a piece's work is laid out, from its tile map, beyond the model's tile counts: its
-    size in tiles, the query-tile rows and key-tile columns holding any tile and the most tiles
-    in one row and in one column (a kernel that gives a row or a column to one CTA waits on its
-    longest). Recorded with every timed call, so richer models can be fitted from a run."""
-    kinds = np.asarray(kinds)
-    visited = kinds != 0
-    per_row, per_col = visited.sum(axis=1), visited.sum(axis=0)
+    """How a piece's work is laid out, beyond the model's spans (work_stats of its tile map)."""
+    return work_stats(np.shape(kinds), map_work(kinds))
+
+
+def work_stats(shape: tuple[int, int], work: tuple) -> dict[str, int]:
+    """A piece's size in tiles, its full and partial tiles, the query-tile rows and key-tile
+    columns holding any tile and the most tiles in one row and in one column, from its
+    map_work. Recorded with every timed call, so other models can be fitted from a run."""
+    (row_full, row_partial), (col_full, col_partial) = work
+    per_row, per_col = row_full + row_partial, col_full + col_partial
     return {
-        "q_tiles": int(kinds.shape[0]),
-        "k_tiles": int(kinds.shape[1]),
-        "full": int((kinds == FULL).sum()),
-        "partial": int((kinds == PARTIAL).sum()),
+        "q_tiles": int(shape[0]),
+        "k_tiles": int(shape[1]),
+        "full": int(row_full.sum()),
+        "partial": int(row_partial.sum()),
         "rows": int((per_row > 0).sum()),
         "row_max": int(per_row.max(initial=0)),
         "cols": int((per_col > 0).sum()),
         "col_max": int(per_col.max(initial=0)),
     }
-
-
-def work_features(features: np.ndarray, heads: int) -> np.ndarray:
-    """piece_features of calls that each run `heads` (batch x query heads) attention heads,
-    with the work columns that add up over heads (PER_HEAD) scaled by them: features of one
-    kind of call at any shapes."""
-    x = np.array(features, np.float64)
-    x[..., PER_HEAD] *= heads
-    return x
 
 
 def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

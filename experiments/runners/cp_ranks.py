@@ -224,7 +224,11 @@ class Ranks(ABC):
 
     @abstractmethod
     def features(self) -> np.ndarray:
-        """(R, T, F) the cost model's work features of every piece (call_model.piece_features)."""
+        """(R, T, F) the cost model's work features of every piece's call (call_model)."""
+
+    def grid_heads(self) -> tuple[int, int]:
+        """(query, K/V) heads times the batch of one rank's kernel call: its grid's heads."""
+        return self.batch * len(self.q_heads[0]), self.batch * len(self.kv_heads[0])
 
     def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
         """call_model.map_stats of ring rank r's piece at kept step t, where the framework's

@@ -36,8 +36,8 @@ class PlanPieces:
         self.tiles = jax_cp.piece_tiles(impl, head_dim, dtype)
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}
-        self._features: np.ndarray | None = None
-        self._stats: list[dict[str, int]] = []  # map_stats per distinct piece, with features
+        self._features: dict[tuple, np.ndarray] = {}  # per (heads_q, heads_kv, slots)
+        self._layouts: list[tuple[dict, tuple]] = []  # per distinct piece (layouts())
 
     @classmethod
     def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
@@ -72,25 +72,41 @@ class PlanPieces:
             self._digests[i] = h.hexdigest()
         return self._digests[i]
 
-    def features(self) -> np.ndarray:
-        """(R, T, F) work features of every (ring rank, kept step) piece: full and partial
-        tiles and the longest key-tile column from its tile map (what its tile lists hold), or
-        its area for an impl without tile lists (call_model); counted once for the plan's
-        points in both modes."""
-        if self._features is None:
-            area = np.asarray(self.plan.piece_area, np.float64)
+    def features(self, heads_q: int, heads_kv: int, slots: int) -> np.ndarray:
+        """(R, T, F) work features of every (ring rank, kept step) piece run for heads_q query
+        and heads_kv K/V heads (times the batch): its kernels' spans on `slots` (call_model.
+        span_features, from its tile map: what its tile lists hold), or its area times the
+        heads for an impl without tile lists; the maps read once for the plan's points."""
+        key = (heads_q, heads_kv, slots)
+        if key not in self._features:
             if self.tiles is None:
-                self._features = call_model.piece_features(None, area)
+                self._features[key] = call_model.area_features(self.plan.piece_area, heads_q)
             else:
-                self._stats = [call_model.map_stats(p.block_map(*self.tiles)) for p in self.pieces]
-                distinct = np.array([call_model.stats_features(s) for s in self._stats])
-                self._features = distinct[self.index]
-        return self._features
+                spans: dict[tuple, np.ndarray] = {}  # pieces of one profile share their spans
+                distinct = []
+                for _, work in self.layouts():
+                    profile = tuple(np.asarray(a, np.int64).tobytes() for p in work for a in p)
+                    if profile not in spans:
+                        spans[profile] = call_model.span_features(*work, heads_q, heads_kv, slots)
+                    distinct.append(spans[profile])
+                self._features[key] = np.array(distinct)[self.index]
+        return self._features[key]
+
+    def layouts(self) -> list[tuple[dict, tuple]]:
+        """(call_model.map_stats, call_model.map_work) of each distinct piece, from its tile
+        map, read once (an impl with tile lists)."""
+        if not self._layouts:
+            for piece in self.pieces:
+                kinds = piece.block_map(*self.tiles)
+                work = call_model.map_work(kinds)
+                self._layouts.append((call_model.work_stats(kinds.shape, work), work))
+        return self._layouts
 
     def stats(self, r: int, t: int) -> dict[str, int] | None:
         """call_model.map_stats of ring rank r's piece at kept step t (None without tiles)."""
-        self.features()
-        return self._stats[int(self.index[r, t])] if self._stats else None
+        if self.tiles is None:
+            return None
+        return self.layouts()[int(self.index[r, t])][0]
 
 
 @cache
@@ -332,7 +348,14 @@ class JaxRanks(Ranks):
         return self.pieces.digest(int(self.pieces.index[r, t]))
 
     def features(self) -> np.ndarray:
-        return self.pieces.features()
+        return self.pieces.features(*self.grid_heads(), self.slots())
+
+    def slots(self) -> int:
+        """CTAs the device runs at once in the cost model's schedule: its SMs on a GPU."""
+        device = self.jax.devices()[0]
+        if device.platform == "gpu" and getattr(device, "core_count", None):
+            return int(device.core_count)
+        return call_model.SLOTS
 
     def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
         return self.pieces.stats(r, t)

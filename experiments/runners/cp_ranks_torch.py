@@ -5,7 +5,7 @@ drawn for it on the device).
 
 The executor makes no call for an empty piece, so such a (rank, step) costs nothing; a piece's
 call runs on its trimmed rows and columns, which are part of the call's class. The cost model
-uses the piece's visible area as its work (call_model.piece_features without tile lists).
+uses the piece's visible area times its heads as its work (call_model.area_features).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class TorchRanks(Ranks):
         return self._digests[r, t]
 
     def features(self) -> np.ndarray:
-        return call_model.piece_features(None, self.plan.piece_area)
+        return call_model.area_features(self.plan.piece_area, self.grid_heads()[0])
 
     def _local_inputs(self, r: int, u: int, grads: bool, timed: bool = False) -> tuple:
         """(q, k, v) of the local core on rank (r, u) (timed: synthetic, of rank (r, 0)'s

@@ -355,10 +355,9 @@ class CPSimulator:
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
-        heads = point.batch * len(ranks.q_heads[0])
         for cls, members in classes.members.items():
             kind = classes.kinds[cls]
-            timed, predicted, errors = self._across_shapes(ranks, point, cls, kind, members, heads)
+            timed, predicted, errors = self._across_shapes(ranks, point, cls, kind, members)
             counts["across_shapes"] += len(predicted)
             if timed is None:
                 timed, predicted, errors = self._class_stats(ranks, point, cls, members)
@@ -367,7 +366,7 @@ class CPSimulator:
             held_out += errors
             stats.update(predicted)
             stats.update({key: self._timings[key] for key in members if key in self._timings})
-            self._remember(kind, members, heads)
+            self._remember(kind, members)
         if held_out:
             pred, meas = zip(*held_out)
             counts["model"] = call_model.held_out_error(pred, meas).as_dict()
@@ -384,6 +383,8 @@ class CPSimulator:
         stats = self._timings[key] = timing.time_stats(times)
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
+        layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
+        spans = ranks.features()[r, t][1:].tolist() if layout else []
         self._timed_log.append(
             {
                 "role": role,
@@ -395,10 +396,11 @@ class CPSimulator:
                 "group_start": bool(group_start),
                 "q": q,
                 "k": k,
-                "heads": point.batch * len(ranks.q_heads[0]),  # what the model scales work by
+                "heads": point.batch * len(ranks.q_heads[0]),
                 "heads_kv": len(ranks.kv_heads[0]),
                 "area": float(ranks.plan.piece_area[r, t]),
-                **(ranks.piece_stats(r, t) or {}),
+                **(layout or {}),
+                **dict(zip(call_model.SPANS, spans)),
                 **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
                 "n": int(stats["n"]),
             }
@@ -439,12 +441,12 @@ class CPSimulator:
         }
         return len(fresh), predicted, errors
 
-    def _remember(self, kind: tuple, members: dict[tuple, tuple], heads: int) -> None:
+    def _remember(self, kind: tuple, members: dict[tuple, tuple]) -> None:
         """Add the class's timed calls of at least call_model.KIND_FIT_MIN_MS to its kind's."""
         table = self._kinds.setdefault(kind, {})
         for key, (_, x) in members.items():
             if self._timings.get(key, {}).get("median", 0.0) >= call_model.KIND_FIT_MIN_MS:
-                table[key] = call_model.work_features(x, heads)
+                table[key] = x
 
     def _kind_model(self, kind: tuple) -> np.ndarray | None:
         """Coefficients of the kind's model across shapes, or None while fewer than
@@ -455,9 +457,8 @@ class CPSimulator:
         return self._fit(table)
 
     def _across_shapes(
-        self, ranks: Ranks, point: Point, cls: tuple, kind: tuple, members: dict[tuple, tuple],
-        heads: int,
-    ) -> tuple[int | None, dict[tuple, dict], list[tuple[float, float]]]:  # fmt: skip
+        self, ranks: Ranks, point: Point, cls: tuple, kind: tuple, members: dict[tuple, tuple]
+    ) -> tuple[int | None, dict[tuple, dict], list[tuple[float, float]]]:
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
         a class whose untimed calls the model of its kind, at the class's rate where it has one,
         puts at LONG_CALL_MS or more at their median: each is predicted as the kind's model
@@ -472,7 +473,7 @@ class CPSimulator:
         coef = self._kind_model(kind) if self.timed_calls and untimed else None
         if coef is None:
             return None, {}, []
-        x = {key: call_model.work_features(members[key][1], heads) for key in members}
+        x = {key: members[key][1] for key in members}
         guess = {key: float(x[key] @ coef) for key in untimed}
         # the class's calls timed so far, by any point (its kind's table holds them)
         rated = self._rated.setdefault(cls, {})
