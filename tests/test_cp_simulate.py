@@ -1322,7 +1322,8 @@ def test_driver_writes_simulated_records(tmp_path, capsys):
         assert set(wall) == {"baseline", "plan", "compile", "emulate", "reference", "calls"}
         assert all(secs > 0 for p, secs in wall.items() if p != "compile"), wall
         assert wall["compile"] >= 0.0  # PyTorch compiles nothing ahead
-        assert sum(wall.values()) <= recs["ulysses", 2]["elapsed_s"]
+        rounding = 0.0005 * (len(wall) + 1)  # each part and the point's time kept to the ms
+        assert sum(wall.values()) <= recs["ulysses", 2]["elapsed_s"] + rounding
         printed = capsys.readouterr().out
         assert "ok predicted" in printed and f"[baseline {wall['baseline']:.1f} s, plan" in printed
         report = (out / "report.md").read_text()
