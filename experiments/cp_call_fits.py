@@ -72,57 +72,64 @@ def add_spans(
     records: list[dict], *, rebuild: bool = False, slots: int = call_model.SLOTS,
     partial_weight: float = call_model.PARTIAL_WEIGHT,
 ) -> tuple[int, int]:  # fmt: skip
-    """Give the timed calls of the records' simulated points without spans (all of them where
-    `rebuild`) the spans of their pieces, from each point's plan rebuilt on the host: the ring
-    rank whose piece at the call's step has the call's tiles and layout (where several do,
-    their spans' mean). (calls given spans, calls left without: no such rank in today's plan)."""
-    from experiments.core.points import Point
+    """Give the timed calls of the records' simulated JAX points without spans (all of them
+    where `rebuild`) the spans of their pieces, from each point's plan rebuilt on the host: the
+    ring rank whose piece at the call's step has the call's tiles and layout (where several
+    do, their spans' mean). (calls given spans, calls left without: carried from another
+    point, a record this code cannot read, or no such piece in today's plan)."""
+    from experiments.core.points import DEFAULT_IMPL, Point
     from experiments.cp_families import GPU_IMPL, problem_plans
     from experiments.runners import frameworks
     from experiments.runners.cp_ranks_jax import PlanPieces
 
-    wanted: dict[str, list[dict]] = defaultdict(list)  # point key -> its calls to give spans
-    points = {}
+    wanted: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (point, mask) -> calls
+    points, missed = {}, 0
     for rec in records:
-        calls = [
-            c
-            for mask in rec.get("masks") or []
-            for c in (mask.get("simulation") or {}).get("timed_calls") or []
-            if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys())
-        ]
-        if calls and rec.get("point", {}).get("framework") == "jax":
-            point = Point(**rec["point"])
-            wanted[point.key] += calls
-            points[point.key] = point
-    given = missed = 0
-    for modes, plan in problem_plans(points.values(), GPU_IMPL):
+        for index, mask in enumerate(rec.get("masks") or []):
+            calls = [
+                c
+                for c in (mask.get("simulation") or {}).get("timed_calls") or []
+                if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys())
+            ]
+            try:
+                point = Point(**rec["point"])
+            except (KeyError, TypeError):  # not a point record of this code's fields
+                missed += len(calls)
+                continue
+            own = [c for c in calls if not c.get("carried")]  # carried: another point's plan
+            if point.framework != "jax" or point.impl != DEFAULT_IMPL:
+                own = []
+            missed += len(calls) - len(own)
+            if own:
+                wanted[point.key, index] += own
+                points[point.key] = point
+    given = 0
+    for modes, index, plan in problem_plans(points.values(), GPU_IMPL):
         dtype = frameworks.framework_dtype("jax", modes[0].dtype)
         pieces = PlanPieces(plan, GPU_IMPL, modes[0].head_dim, dtype)
         layouts = pieces.layouts()
         for point in modes:
-            for call in wanted.pop(point.key, []):
+            for call in wanted.pop((point.key, index), []):
                 layout = {k: call[k] for k in layouts[0][0]}
-                at_step = pieces.index[:, call["step"]]
-                matches = {int(i) for i in at_step if layouts[i][0] == layout}
+                steps = pieces.index.shape[1]
+                at_step = pieces.index[:, call["step"]] if call["step"] < steps else []
+                matches = sorted({int(i) for i in at_step if layouts[i][0] == layout})
                 if not matches:
                     missed += 1
                     continue
-                heads_kv = call["heads_kv"] * point.batch
+                heads = call["heads"], call["heads_kv"] * point.batch  # as Ranks.grid_heads
                 spans = [
-                    call_model.span_features(
-                        *layouts[i][1], call["heads"], heads_kv, slots, partial_weight
-                    )[1:]
-                    for i in sorted(matches)
+                    call_model.span_features(*layouts[i][1], *heads, slots, partial_weight)[1:]
+                    for i in matches
                 ]
                 call.update(zip(call_model.SPANS, np.mean(spans, axis=0).tolist()))
                 given += 1
-    return given, missed + sum(map(len, wanted.values()))  # and points no longer planned
+    return given, missed + sum(map(len, wanted.values()))  # and masks no longer planned
 
 
 def design(calls: list[dict], names: tuple[str, ...], per_head: bool = False) -> np.ndarray:
     """(n, 1 + len(names)) features of the calls: a constant, then the named counts (those in
-    PER_HEAD times the call's heads where per_head: one kind's calls at any shapes, as
-    call_model.work_features)."""
+    PER_HEAD times the call's heads where per_head: one kind's calls at any shapes)."""
     x = np.array([[1.0, *(float(c[n]) for n in names)] for c in calls])
     if per_head:
         heads = np.array([c["heads"] for c in calls], np.float64)

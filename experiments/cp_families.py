@@ -118,11 +118,11 @@ def preset_points(
     return points
 
 
-def problem_plans(points: Iterable[Point], impl: str) -> Iterator[tuple[list[Point], object]]:
-    """(points, plan) for each mask of each problem the executor can plan, as cp_simulate
-    times it (the executor's plan, its shards bucketed: JaxRanks.timed_plan), the points being
-    that problem's modes: one plan serves them all, and none is kept
-    past its problem (a 64-rank plan of 2M tokens holds gigabytes)."""
+def problem_plans(points: Iterable[Point], impl: str) -> Iterator[tuple[list[Point], int, object]]:
+    """(points, mask index, plan) for each mask of each problem the executor can plan, as
+    cp_simulate times it (the executor's plan, its shards bucketed: JaxRanks.timed_plan), the
+    points being that problem's modes: one plan serves them all, and none is kept past its
+    problem (a 64-rank plan of 2M tokens holds gigabytes)."""
     from shard_strategies import jax_cp
 
     problems: dict[str, list[Point]] = {}
@@ -135,18 +135,18 @@ def problem_plans(points: Iterable[Point], impl: str) -> Iterator[tuple[list[Poi
         except PointFailure:
             continue
         dtype = frameworks.framework_dtype("jax", point.dtype)
-        for mask in masks:
+        for index, mask in enumerate(masks):
             try:
                 plan = jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
             except ValueError:
                 continue
-            yield modes, JaxRanks.timed_plan(point, mask, impl, plan)
+            yield modes, index, JaxRanks.timed_plan(point, mask, impl, plan)
 
 
 def count(points: Iterable[Point], impl: str = GPU_IMPL) -> dict[Family, int]:
     """Each shape family of the points' plans and how many (point, mask) plans use it."""
     uses: collections.Counter[Family] = collections.Counter()
-    for modes, plan in problem_plans(points, impl):
+    for modes, _, plan in problem_plans(points, impl):
         for point in modes:
             uses.update(plan_families(plan, point.mode, impl, point.dtype, point.batch))
     return dict(uses)

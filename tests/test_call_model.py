@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tile_lists import list_spans
 
 from attn_masks import make_mask
 from attn_masks.tiles import block_map
@@ -37,6 +38,7 @@ def test_schedule_span_is_the_block_schedulers_list_scheduling():
         works = rng.integers(0, 9, int(rng.integers(1, 60))).tolist()
         slots = int(rng.integers(1, 12))
         assert call_model.schedule_span(works, slots) == _stepped_span(works, slots)
+    assert call_model.schedule_span([3] * 10, 4) == _stepped_span([3] * 10, 4) == 9
     assert call_model.schedule_span([1] * 8 + [8], 4) == 10
     assert call_model.schedule_span([8] + [1] * 8, 4) == 8
     assert call_model.schedule_span([], 4) == call_model.schedule_span([0, 0], 4) == 0
@@ -57,7 +59,7 @@ def test_features_are_the_spans_of_the_kernels_schedule():
     ]
     arrays = stack_mask_arrays([prepare_mask(m, 32, 16) for m in masks])
     heads_q, heads_kv, slots = 6, 2, 5
-    x = call_model.piece_features(arrays.kv, heads_q, heads_kv, slots)
+    x = list_spans(arrays.kv, heads_q, heads_kv, slots)
     assert x.shape == (4, 3) and call_model.MIN_CALIBRATION > 3  # a timed call per feature
     w = call_model.PARTIAL_WEIGHT
     for m, row in zip(masks, x):
@@ -67,14 +69,14 @@ def test_features_are_the_spans_of_the_kernels_schedule():
         cols = [heads_q // heads_kv * sum(r[j] for r in cost) for j in range(len(cost[0]))]
         want = [1.0, _stepped_span(rows, slots), _stepped_span(cols * heads_kv, slots)]
         assert row.tolist() == want, m.name
-        from_map = call_model.map_features(m.block_map(32, 16), heads_q, heads_kv, slots)
-        assert from_map.tolist() == want
+        work = call_model.map_work(m.block_map(32, 16))
+        assert call_model.span_features(*work, heads_q, heads_kv, slots).tolist() == want
     assert len(set(x[:, 2].tolist())) > 2  # the pieces' column spans differ
     area = np.array([m.area() for m in masks], np.float64).reshape(2, 2)
     dense = call_model.area_features(area, heads_q)
     assert dense.shape == (2, 2, 2) and (dense[..., 1] == heads_q * area).all()
     with pytest.raises(ValueError, match="heads_q=6 must be a positive multiple of heads_kv=4"):
-        call_model.map_features(masks[0].block_map(32, 16), 6, 4)
+        call_model.span_features(*call_model.map_work(masks[0].block_map(32, 16)), 6, 4)
 
 
 def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
@@ -167,12 +169,13 @@ def test_map_stats_count_rows_columns_and_their_longest():
     kinds = rng.choice([0, 0, 1, 2], size=(9, 13))
     kinds[4] = 0  # a row without tiles
     kinds[:, 7] = 0  # a column without tiles
-    stats = call_model.map_stats(kinds)
+    stats = call_model.work_stats(kinds.shape, call_model.map_work(kinds))
     rows = [sum(1 for v in row if v) for row in kinds.tolist()]
     cols = [sum(1 for row in kinds.tolist() if row[j]) for j in range(13)]
     assert stats["q_tiles"] == 9 and stats["k_tiles"] == 13
     assert stats["rows"] == sum(1 for n in rows if n) == 8 and stats["row_max"] == max(rows)
     assert stats["cols"] == sum(1 for n in cols if n) == 12 and stats["col_max"] == max(cols)
     assert stats["full"] == (kinds == FULL).sum() and stats["partial"] == (kinds == PARTIAL).sum()
-    empty = call_model.map_stats(np.zeros((3, 4), np.int8))
+    nothing = np.zeros((3, 4), np.int8)
+    empty = call_model.work_stats(nothing.shape, call_model.map_work(nothing))
     assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0

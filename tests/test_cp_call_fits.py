@@ -107,7 +107,7 @@ def test_across_shapes_a_class_rate_recovers_what_the_kinds_rate_misses():
         + _calls(rng, 7, law(1.25, 4), cls="b", heads=4)
         + _calls(rng, 9, law(1.0, 8), cls="alone", kind="other")
     )
-    for names in cp_call_fits.FEATURE_SETS.values():  # both sets, on the same classes
+    for names in cp_call_fits.FEATURE_SETS.values():  # every set, on the same classes
         errors = cp_call_fits.across_shape_errors(calls, names)
         kind = np.sort(errors["kind rate"])
         assert len(kind) == 15 and kind[:7] == pytest.approx([20.0] * 7)
@@ -157,8 +157,9 @@ def test_the_command_scores_a_results_file(tmp_path):
 def test_spans_of_older_records_come_from_their_points_plans():
     """Timed calls recorded without spans (runs from before them) get those of the ring rank
     whose piece at their step has their tiles and layout, from the point's plan rebuilt on the
-    host; at one slot a span is the whole work of the heads (no parallel CTAs to hide it);
-    a call whose layout no rank's piece has is left without."""
+    host, for the grid's heads (the batch times the rank's heads, as the predictor's); at one
+    slot a span is the whole work of the heads; a call whose layout no rank's piece has, and
+    one carried from another point's record, are left without; spans already recorded stay."""
     import dataclasses
 
     from experiments.cp_families import GPU_IMPL, preset_points, problem_plans
@@ -170,21 +171,25 @@ def test_spans_of_older_records_come_from_their_points_plans():
         for p in preset_points([8], [8192], ["causal_document"])
         if (p.cp, p.layout, p.mode) == ("ring", "zigzag", "fwd")
     )
-    ((_, plan),) = problem_plans([point], GPU_IMPL)
+    point = dataclasses.replace(point, batch=2)
+    ((_, index, plan),) = problem_plans([point], GPU_IMPL)
     pieces = PlanPieces(plan, GPU_IMPL, point.head_dim, frameworks.framework_dtype("jax", "bf16"))
-    heads_q, heads_kv = point.heads_q, point.heads_kv  # ring: every head on every rank
-    want = pieces.features(heads_q, heads_kv, call_model.SLOTS)
+    grid_heads = 2 * point.heads_q, 2 * point.heads_kv  # ring: every head on every rank
+    want = pieces.features(*grid_heads, call_model.SLOTS)
     calls = []
     for r, t in [(0, 0), (3, 1), (5, 4), (7, 7)]:
         layout = pieces.stats(r, t)
-        calls.append({**layout, "step": t, "heads": heads_q, "heads_kv": heads_kv, "r": r})
+        calls.append({**layout, "step": t, "heads": 2 * point.heads_q, "heads_kv": 8, "r": r})
     stray = {**calls[0], "full": calls[0]["full"] + 1}  # no piece has this layout
-    record = {**_record("p", {"timed_calls": [*calls, stray]}), "point": dataclasses.asdict(point)}
-    assert cp_call_fits.add_spans([record]) == (4, 1)
+    carried = {**calls[1], "carried": True}
+    masks = [{}] * index + [{"simulation": {"timed_calls": [*calls, stray, carried]}}]
+    record = {"key": "p", "status": "ok", "point": dataclasses.asdict(point), "masks": masks}
+    assert cp_call_fits.add_spans([record]) == (4, 2)
     for c in calls:
         assert [c["row_span"], c["col_span"]] == pytest.approx(want[c["r"], c["step"], 1:])
-    assert "row_span" not in stray
-    assert cp_call_fits.add_spans([record], rebuild=True, slots=1) == (4, 1)
+    assert "row_span" not in stray and "row_span" not in carried
+    assert cp_call_fits.add_spans([record]) == (0, 2)  # the others have theirs
+    assert cp_call_fits.add_spans([record], rebuild=True, slots=1) == (4, 2)
     for c in calls:
         work = c["full"] + call_model.PARTIAL_WEIGHT * c["partial"]
-        assert c["row_span"] == c["col_span"] == pytest.approx(heads_q * work)
+        assert c["row_span"] == c["col_span"] == pytest.approx(grid_heads[0] * work)

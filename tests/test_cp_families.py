@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tile_lists import list_spans
 
 import shard_strategies as ss
 from attn_masks import from_slices
@@ -154,12 +155,12 @@ def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy)
         assert len(got) == len(want)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    heads = (4, 2, 3)  # (query heads, K/V heads, slots): a schedule of several rounds
+    grid = (4, 2, 3)  # (query heads, K/V heads, slots): a schedule of several rounds
     if pieces.tiles is None:
         want = call_model.area_features(plan.piece_area, 4)
     else:
-        want = call_model.piece_features(stacked.kv, *heads)[index]
-    np.testing.assert_array_equal(pieces.features(*heads), want)
+        want = list_spans(stacked.kv, *grid)[index]
+    np.testing.assert_array_equal(pieces.features(*grid), want)
     digests = [pieces.digest(i) for i in range(len(pieces.pieces))]
     assert len(set(digests)) == len(digests)
 

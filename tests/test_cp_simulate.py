@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cp_cases import named_mask, random_slices_mask
+from tile_lists import list_spans
 
 import shard_strategies as ss
 from attn_masks import from_slices
@@ -514,9 +515,8 @@ def test_row_references_are_shared_between_a_problems_points(monkeypatch):
 
 def _span_time(args) -> float:
     """Fake kernel time of a call: 0.5 ms + 0.01 per full-tile unit of its query-tile kernels'
-    span + 0.03 per unit of its key-tile kernel's (call_model.piece_features from the piece's
-    forward tile lists, for the heads of its q and K/V arguments; 1 ms without a piece)."""
-    from experiments.runners import call_model
+    span + 0.03 per unit of its key-tile kernel's (from the piece's forward tile lists, for the
+    heads of its q and K/V arguments; 1 ms without a piece)."""
     from jax_attn.mask_arrays import MaskArrays
 
     piece = next((a for a in args if isinstance(a, MaskArrays)), None)
@@ -524,7 +524,7 @@ def _span_time(args) -> float:
         return 1.0
     q, k = args[0], args[1]
     heads = q.shape[0] * q.shape[2], k.shape[0] * k.shape[2]
-    rows, cols = call_model.piece_features(piece.kv, *heads).reshape(-1, 3)[0, 1:]
+    rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
     return 0.5 + 0.01 * rows + 0.03 * cols
 
 
@@ -533,7 +533,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
     predicted from a few timed ones (--sim_timed_calls) gets the compute of timing every call,
     and says how many it modelled and the held-out error (0 here); each timed call's record
     holds the spans of the heads it ran (the law's, from the call's own arguments)."""
-    from experiments.runners import cp_simulate
+    from experiments.runners import call_model, cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
     def fake(fn, args, *, warmup, iters, **timing_kw):
@@ -566,6 +566,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
             tiles = c["full"] + c["partial"]
             law = 0.5 + 0.01 * c["row_span"] + 0.03 * c["col_span"]
             assert c["median"] == pytest.approx(law), c
+            assert c["slots"] == call_model.SLOTS  # a CPU device: the H100/H200's count
             assert c["rows"] <= c["q_tiles"] and c["cols"] <= c["k_tiles"]
             assert c["row_max"] * c["rows"] >= tiles and c["col_max"] * c["cols"] >= tiles
             assert c["q"] == 128 and c["k"] > 0 and c["area"] <= c["q"] * c["k"]
@@ -575,7 +576,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
 
 
 def _long_calls_modelled_across_shapes(monkeypatch) -> None:
-    """Calls of a kind past LONG_CALL_MS, with times linear in its tiles x heads at any shape
+    """Calls of a kind past LONG_CALL_MS, with times linear in their spans at any shape
     but 30% slower a tile at longer key blocks (a rate the shorter calls cannot give): a point
     with longer key blocks than any timed before (all-gather over 8 devices after 4) times
     one call of its class for its rate and one more held out, and predicts the rest from the
@@ -588,12 +589,10 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
 
     def linear(fn, args, *, warmup, iters, **timing_kw):
         piece = next(a for a in args if isinstance(a, MaskArrays))
-        count, full = np.asarray(piece.kv.count), np.asarray(piece.kv.full)
-        listed = np.arange(full.shape[-1]) < count[..., None]
-        n_full = int((full.astype(bool) & listed).sum())
-        heads = args[0].shape[0] * args[0].shape[2]
+        heads = args[0].shape[0] * args[0].shape[2], args[1].shape[0] * args[1].shape[2]
+        rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
         rate = 1.3 if args[1].shape[1] > 4 * 32 else 1.0  # keys of more than 4 ranks' shards
-        return [rate * (150.0 + heads * (3.0 * n_full + 7.0 * (int(count.sum()) - n_full)))] * iters
+        return [rate * (150.0 + 30.0 * rows + 70.0 * cols)] * iters
 
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", linear)
     monkeypatch.setattr(

@@ -92,7 +92,7 @@ def _check_positive_ints(values: list[str] | None, what: str) -> bool:
 
 
 SIM_DEVICES = (2, 128)  # the --simulate_devices range
-MIN_TIMED_CALLS = 4  # --sim_timed_calls, if not 0: a call per feature of the CP cost model
+MIN_TIMED_CALLS = 4  # --sim_timed_calls, if not 0: a call per feature of the CP cost model, +1
 SIM_TIMED_CALLS = 8  # its default
 GPUS_PER_NODE = (1, 1024)
 
@@ -194,9 +194,10 @@ def _define_simulation_flags() -> None:
         "sim_timed_calls",
         SIM_TIMED_CALLS,
         "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
-        "piece differs) to fit its cost model; the rest are predicted from their tiles, and 4 "
-        "more timed calls per class measure the model's error. 0 times every distinct call; "
-        f"otherwise at least {MIN_TIMED_CALLS} (one per feature of the model).",
+        "piece differs) to fit its cost model; the rest are predicted from their pieces' "
+        "schedule spans, and 4 more timed calls per class measure the model's error. 0 times "
+        f"every distinct call; otherwise at least {MIN_TIMED_CALLS} (one per feature of the "
+        "model, and one more).",
         lower_bound=0,
     )
     flags.register_validator("sim_timed_calls", _check_timed_calls)

@@ -46,6 +46,8 @@ KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throu
 LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across shapes
 LONG_VALIDATION_CALLS = 1  # further timed calls of such a class, held out
 SIGNIFICANT = 4  # significant digits of the held-out times a record lists
+TileWork = tuple[np.ndarray, np.ndarray]  # (full, partial) tiles per query-tile row or key column
+PieceWork = tuple[TileWork, TileWork]  # a piece's rows' and columns' (map_work)
 
 # PARTIAL_WEIGHT and SLOTS: of 1, 1.5, 2, 3 and 4 weights and 66, 132, 198 and 264 slots, 2 and
 # 132 predicted the H200's timed calls best (results/h200/cp_predict, runs 12 and 13, scored by
@@ -56,13 +58,16 @@ def schedule_span(works: np.ndarray, slots: int = SLOTS) -> float:
     """When the last of a grid's CTAs ends, each CTA (its time in `works`, in launch order)
     starting on the first of `slots` to come free: list scheduling, as a GPU's block scheduler
     hands out a grid too large to run at once. CTAs without work end as they start."""
-    works = [float(w) for w in np.ravel(works) if w > 0]
     if slots < 1:
         raise ValueError(f"schedule_span needs at least one slot, got slots={slots}")
-    ends = sorted(works[:slots])
-    for w in works[slots:]:
+    works = np.ravel(np.asarray(works, np.float64))
+    works = works[works > 0]
+    if len(works) <= slots or works.min() == works.max():  # one round, or equal rounds
+        return float(-(-len(works) // slots) * works.max()) if len(works) else 0.0
+    ends = sorted(works[:slots].tolist())
+    for w in works[slots:].tolist():
         heapq.heapreplace(ends, ends[0] + w)
-    return max(ends, default=0.0)
+    return max(ends)
 
 
 def tile_work(full: np.ndarray, partial: np.ndarray, weight: float = PARTIAL_WEIGHT) -> np.ndarray:
@@ -71,8 +76,8 @@ def tile_work(full: np.ndarray, partial: np.ndarray, weight: float = PARTIAL_WEI
 
 
 def span_features(
-    rows: tuple[np.ndarray, np.ndarray], cols: tuple[np.ndarray, np.ndarray], heads_q: int,
-    heads_kv: int, slots: int = SLOTS, partial_weight: float = PARTIAL_WEIGHT,
+    rows: TileWork, cols: TileWork, heads_q: int, heads_kv: int, slots: int = SLOTS,
+    partial_weight: float = PARTIAL_WEIGHT,
 ) -> np.ndarray:  # fmt: skip
     """(3,) [1, row span, column span] of a piece with (full, partial) tiles per query-tile row
     and per key-tile column (a partial tile as partial_weight full ones), run for heads_q query
@@ -95,28 +100,7 @@ def area_features(area: np.ndarray, heads_q: int) -> np.ndarray:
     return np.stack([np.ones(area.shape), area * heads_q], axis=-1)
 
 
-def piece_features(kv_lists, heads_q: int, heads_kv: int, slots: int = SLOTS) -> np.ndarray:
-    """(..., 3) span_features of stacked mask pieces from their forward tile lists (TileList
-    of index/full (..., n, W), count (..., n)): what the kernels walk."""
-    count = np.asarray(kv_lists.count)
-    full, index = np.asarray(kv_lists.full).astype(bool), np.asarray(kv_lists.index)
-    listed = np.arange(full.shape[-1]) < count[..., None]
-    lead = count.shape[:-1]
-    out = []
-    for c, f, i, m in zip(
-        count.reshape(-1, count.shape[-1]), full.reshape(-1, *full.shape[-2:]),
-        index.reshape(-1, *index.shape[-2:]), listed.reshape(-1, *listed.shape[-2:]),
-    ):  # fmt: skip
-        row_full = (f & m).sum(axis=-1)
-        col_full = np.bincount(i[f & m], minlength=1)
-        col_all = np.bincount(i[m], minlength=len(col_full))
-        col_full = np.pad(col_full, (0, len(col_all) - len(col_full)))
-        rows, cols = (row_full, c - row_full), (col_full, col_all - col_full)
-        out.append(span_features(rows, cols, heads_q, heads_kv, slots))
-    return np.array(out).reshape(*lead, 3)
-
-
-def map_work(kinds: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+def map_work(kinds: np.ndarray) -> PieceWork:
     """((full, partial) tiles per query-tile row, the same per key-tile column) of a piece's
     tile map (attn_masks block_map), the source of its tile lists."""
     kinds = np.asarray(kinds)
@@ -124,21 +108,11 @@ def map_work(kinds: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     return tuple((np.count_nonzero(full, a), np.count_nonzero(partial, a)) for a in (1, 0))
 
 
-def map_features(kinds: np.ndarray, heads_q: int, heads_kv: int, slots: int = SLOTS) -> np.ndarray:
-    """(3,) piece_features of one piece from its tile map, without building its lists."""
-    rows, cols = map_work(kinds)
-    return span_features(rows, cols, heads_q, heads_kv, slots)
-
-
-def map_stats(kinds: np.ndarray) -> dict[str, int]:
-    """How a piece's work is laid out, beyond the model's spans (work_stats of its tile map)."""
-    return work_stats(np.shape(kinds), map_work(kinds))
-
-
-def work_stats(shape: tuple[int, int], work: tuple) -> dict[str, int]:
-    """A piece's size in tiles, its full and partial tiles, the query-tile rows and key-tile
-    columns holding any tile and the most tiles in one row and in one column, from its
-    map_work. Recorded with every timed call, so other models can be fitted from a run."""
+def work_stats(shape: tuple[int, int], work: PieceWork) -> dict[str, int]:
+    """How a piece's work is laid out beyond the model's spans, from its map_work: its size in
+    tiles, its full and partial tiles, the query-tile rows and key-tile columns holding any
+    tile and the most tiles in one row and in one column. Recorded with every timed call, so
+    other models can be fitted from a run."""
     (row_full, row_partial), (col_full, col_partial) = work
     per_row, per_col = row_full + row_partial, col_full + col_partial
     return {

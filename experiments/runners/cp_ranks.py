@@ -15,7 +15,7 @@ from collections.abc import Callable, Container
 import numpy as np
 
 from experiments.core.points import Point
-from experiments.runners import checks, frameworks, inputs
+from experiments.runners import call_model, checks, frameworks, inputs
 
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
@@ -226,12 +226,16 @@ class Ranks(ABC):
     def features(self) -> np.ndarray:
         """(R, T, F) the cost model's work features of every piece's call (call_model)."""
 
+    def slots(self) -> int:
+        """CTAs the device runs at once in the cost model's schedule (call_model.SLOTS here)."""
+        return call_model.SLOTS
+
     def grid_heads(self) -> tuple[int, int]:
         """(query, K/V) heads times the batch of one rank's kernel call: its grid's heads."""
         return self.batch * len(self.q_heads[0]), self.batch * len(self.kv_heads[0])
 
     def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
-        """call_model.map_stats of ring rank r's piece at kept step t, where the framework's
+        """call_model.work_stats of ring rank r's piece at kept step t, where the framework's
         kernels take tile maps (None here: a piece's work is its area)."""
         return None
 

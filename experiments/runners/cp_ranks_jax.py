@@ -37,7 +37,7 @@ class PlanPieces:
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}
         self._features: dict[tuple, np.ndarray] = {}  # per (heads_q, heads_kv, slots)
-        self._layouts: list[tuple[dict, tuple]] = []  # per distinct piece (layouts())
+        self._layouts: list[tuple[dict, call_model.PieceWork]] = []  # per distinct piece
 
     @classmethod
     def of(cls, plan, impl: str, head_dim: int, dtype) -> PlanPieces:
@@ -92,8 +92,8 @@ class PlanPieces:
                 self._features[key] = np.array(distinct)[self.index]
         return self._features[key]
 
-    def layouts(self) -> list[tuple[dict, tuple]]:
-        """(call_model.map_stats, call_model.map_work) of each distinct piece, from its tile
+    def layouts(self) -> list[tuple[dict, call_model.PieceWork]]:
+        """(call_model.work_stats, call_model.map_work) of each distinct piece, from its tile
         map, read once (an impl with tile lists)."""
         if not self._layouts:
             for piece in self.pieces:
@@ -103,7 +103,7 @@ class PlanPieces:
         return self._layouts
 
     def stats(self, r: int, t: int) -> dict[str, int] | None:
-        """call_model.map_stats of ring rank r's piece at kept step t (None without tiles)."""
+        """call_model.work_stats of ring rank r's piece at kept step t (None without tiles)."""
         if self.tiles is None:
             return None
         return self.layouts()[int(self.index[r, t])][0]

@@ -384,7 +384,10 @@ class CPSimulator:
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
         layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
-        spans = ranks.features()[r, t][1:].tolist() if layout else []
+        spans = {}
+        if layout:
+            spans = dict(zip(call_model.SPANS, ranks.features()[r, t][1:].tolist()))
+            spans["slots"] = ranks.slots()  # the schedule's, so a run says what it assumed
         self._timed_log.append(
             {
                 "role": role,
@@ -400,7 +403,7 @@ class CPSimulator:
                 "heads_kv": len(ranks.kv_heads[0]),
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(layout or {}),
-                **dict(zip(call_model.SPANS, spans)),
+                **spans,
                 **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
                 "n": int(stats["n"]),
             }
