@@ -224,3 +224,19 @@ def test_timed_plan_keeps_the_executors_plan_when_padding_would_move_tokens():
     assert plan.shard_len == 8448  # 8400 tokens a rank, in 128-token tiles: off the bucket
     assert JaxRanks.timed_plan(point, mask, "pallas", plan) is plan
     assert JaxRanks.timed_plan(point, mask, "reference", plan) is plan
+
+
+def test_the_schedule_runs_on_the_gpus_streaming_multiprocessors():
+    """The JAX ranks' span schedule takes the device's SM count on a GPU (an H100 PCIe has
+    114), call_model.SLOTS where the device has none to say (the CPU)."""
+    from types import SimpleNamespace
+
+    from experiments.runners import call_model
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    def ranks_on(device: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(jax=SimpleNamespace(devices=lambda: [device]))
+
+    gpu = SimpleNamespace(platform="gpu", core_count=114)
+    assert JaxRanks.slots(ranks_on(gpu)) == 114
+    assert JaxRanks.slots(ranks_on(SimpleNamespace(platform="cpu"))) == call_model.SLOTS == 132
