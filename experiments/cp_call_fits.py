@@ -28,6 +28,7 @@ schedules. For each feature set:
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 from absl import app, flags
@@ -162,15 +163,46 @@ def calibrated_errors(calls: list[dict], names: tuple[str, ...]) -> np.ndarray:
     """Relative errors (%) of the calls of each class predicted from SIM_TIMED_CALLS of them
     picked as the predictor picks its calibration sample, over the classes it would model
     (more calls than those and call_model.VALIDATION_CALLS)."""
-    errors = []
+    return _errors(*calibrated_pairs(calls, names))
+
+
+def calibrated_pairs(calls: list[dict], names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(predicted, measured) median ms of the calls calibrated_errors scores."""
+    predicted, measured = [], []
     for members in _group(calls, "class").values():
         if len(members) <= SIM_TIMED_CALLS + call_model.VALIDATION_CALLS:
             continue
         x, y = design(members, names), _medians(members)
         picks = call_model.calibration_picks(x, SIM_TIMED_CALLS)
         rest = np.setdiff1d(np.arange(len(members)), picks)
-        errors += list(_errors(x[rest] @ call_model.fit(x[picks], y[picks]), y[rest]))
-    return np.array(errors)
+        predicted += list(x[rest] @ call_model.fit(x[picks], y[picks]))
+        measured += list(y[rest])
+    return np.array(predicted), np.array(measured)
+
+
+def plot_calibrated(calls: list[dict], path: str) -> Path | None:
+    """One panel per feature set: each calibrated call's predicted over measured time against
+    its measured time, the 5% target as a band, side by side in one image at `path`."""
+    from tempfile import TemporaryDirectory
+
+    from experiments.reports.plots import image_grid, ratio_scatter
+
+    have = [c for c in calls if set(ALL_FEATURES) <= c.keys()]
+    sets = {label: calibrated_pairs(have, names) for label, names in FEATURE_SETS.items()}
+    sets = {label: pair for label, pair in sets.items() if len(pair[1])}
+    ratios = np.concatenate([p / m for p, m in sets.values()] or [np.ones(1)])
+    ylim = (min(0.9, ratios.min()) - 0.05, max(1.1, ratios.max()) + 0.05)  # one scale for all
+    with TemporaryDirectory() as tmp:
+        panels = []
+        for label, (predicted, measured) in sets.items():
+            p90 = np.percentile(_errors(predicted, measured), QUANTILE)
+            title = f"{label}: p{QUANTILE} {p90:.1f}% ({len(measured)} calls)"
+            panels.append(Path(tmp) / f"{label}.png")
+            ratio_scatter(
+                measured.tolist(), (predicted / measured).tolist(), panels[-1], title=title,
+                xlabel="measured median ms", band=0.05, ylim=ylim,
+            )  # fmt: skip
+        return image_grid(panels, path)
 
 
 def equal_layout_spread(calls: list[dict]) -> np.ndarray:
@@ -300,6 +332,12 @@ def define_flags() -> None:
         "those of records from before the spans were recorded).",
     )
     flags.DEFINE_integer("slots", call_model.SLOTS, "CTAs at once in rebuilt spans (SMs).")
+    flags.DEFINE_string(
+        "plot",
+        None,
+        "Also write the calibrated calls' predicted / measured times per feature "
+        "set as one image here (PNG).",
+    )
     flags.DEFINE_float(
         "partial_weight", call_model.PARTIAL_WEIGHT, "A partial tile in full ones, rebuilt spans."
     )
@@ -345,6 +383,9 @@ def main(argv: list[str]) -> None:
     )
     print("\nPer kind of call (within a class: leave one out; across shapes: at the class rate)")
     _print_table(by_kind(calls))
+    if FLAGS.plot:
+        written = plot_calibrated(calls, FLAGS.plot)
+        print(f"\n{written or 'no plot: no class the predictor would calibrate'}")
 
 
 if __name__ == "__main__":

@@ -193,3 +193,21 @@ def test_spans_of_older_records_come_from_their_points_plans():
     for c in calls:
         work = c["full"] + call_model.PARTIAL_WEIGHT * c["partial"]
         assert c["row_span"] == c["col_span"] == pytest.approx(grid_heads[0] * work)
+
+
+def test_calibrated_calls_plot_one_panel_per_feature_set(tmp_path):
+    """The calibrated calls' (predicted, measured) pairs are the ones their errors come from;
+    the plot is a PNG, and a run with no class the predictor would calibrate gets none."""
+    rng = np.random.default_rng(9)
+    law = lambda c: 2.0 + 0.01 * c["full"] + 0.04 * c["partial"] + 0.5 * c["col_max"]  # noqa: E731
+    calls = _calls(rng, 40, law)
+    names = cp_call_fits.FEATURE_SETS["tiles"]
+    predicted, measured = cp_call_fits.calibrated_pairs(calls, names)
+    errors = cp_call_fits.calibrated_errors(calls, names)
+    assert len(measured) == 40 - cp_call_fits.SIM_TIMED_CALLS and (measured > 0).all()
+    np.testing.assert_allclose(errors, 100 * np.abs(predicted - measured) / measured)
+    assert np.percentile(errors, 90) > 5.0  # the tiles miss the column: a spread to plot
+    path = cp_call_fits.plot_calibrated(calls, str(tmp_path / "fits.png"))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cp_call_fits.plot_calibrated(calls[:10], str(tmp_path / "none.png")) is None
+    assert not (tmp_path / "none.png").exists()

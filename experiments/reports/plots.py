@@ -166,10 +166,12 @@ def ratio_heatmap(panels: dict[str, list[dict]], path: str | Path, *, title: str
 
 
 def ratio_scatter(
-    x: list[float], ratio: list[float], path: str | Path, *, title: str, xlabel: str, band: float
-) -> Path:
+    x: list[float], ratio: list[float], path: str | Path, *, title: str, xlabel: str, band: float,
+    ylim: tuple[float, float] | None = None,
+) -> Path:  # fmt: skip
     """Ratios (e.g. predicted over measured) against x on a log axis, with the ratio 1 and a
-    band of +-band around it, where a person sees at once which points miss and where."""
+    band of +-band around it, where a person sees at once which points miss and where (ylim:
+    one range for panels meant to be compared)."""
     fig = Figure(figsize=(7.0, 4.5))
     ax = fig.subplots()
     ax.axhspan(1 - band, 1 + band, color="tab:green", alpha=0.15, label=f"within {band:.0%}")
@@ -178,6 +180,8 @@ def ratio_scatter(
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("predicted / measured")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     path = Path(path)
