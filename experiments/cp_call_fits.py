@@ -86,20 +86,19 @@ def add_spans(
     wanted: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (point, mask) -> calls
     points, missed = {}, 0
     for rec in records:
+        try:
+            point = Point(**rec["point"])
+        except (KeyError, TypeError):  # not a point record of this code's fields
+            point = None
+        planned = point is not None and (point.framework, point.impl) == ("jax", DEFAULT_IMPL)
         for index, mask in enumerate(rec.get("masks") or []):
             calls = [
                 c
                 for c in (mask.get("simulation") or {}).get("timed_calls") or []
                 if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys())
             ]
-            try:
-                point = Point(**rec["point"])
-            except (KeyError, TypeError):  # not a point record of this code's fields
-                missed += len(calls)
-                continue
-            own = [c for c in calls if not c.get("carried")]  # carried: another point's plan
-            if point.framework != "jax" or point.impl != DEFAULT_IMPL:
-                own = []
+            # carried calls were timed for another point's plan
+            own = [c for c in calls if planned and not c.get("carried")]
             missed += len(calls) - len(own)
             if own:
                 wanted[point.key, index] += own
