@@ -1672,6 +1672,58 @@ def test_jax_host_draws_convert_inside_the_draw(caplog):
     np.testing.assert_array_equal(got, np.asarray(want.astype(np.float32)))
 
 
+def _jax_ranks(point):
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    mask = named_mask("causal_document", point.seqlen_total)
+    return JaxRanks(
+        JaxRanks.executor_plan(point, mask, "reference"), "reference", point, 0, JaxRunner()
+    )
+
+
+def test_jax_draws_share_one_program_across_head_counts():
+    """Draws of one length for one head, three heads (any order, repeats) and all heads compile
+    at most one program per output dtype (every draw takes all heads), and each equals those
+    heads of the whole draw, on the device and on the host."""
+    from experiments.runners.cp_ranks_jax import _rows_at
+
+    ranks = _jax_ranks(_point("ring", 4, "fwd", sim.LinkModel(), seqlen=256))
+    rows = np.arange(5, ranks.plan.layout.positions[0].size * 4, 7)
+    whole = np.asarray(ranks.device_rows("q", rows), np.float32)
+    assert whole.shape == (1, len(rows), HQ, D) and np.abs(whole).max(axis=(0, 1, 3)).all()
+    before = _rows_at()._cache_size()
+    for heads in ([2], [3, 0, 3], [1, 2, 3, 0]):
+        got = ranks.device_rows("q", rows, np.array(heads))
+        assert got.shape == (1, len(rows), len(heads), D)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), whole[:, :, heads])
+        on_host = ranks.host("q", rows, np.array(heads))
+        np.testing.assert_array_equal(on_host, whole[:, :, heads])
+    assert _rows_at()._cache_size() - before <= 1  # the host's float32 draw
+
+
+def test_jax_timing_inputs_share_one_random_program(caplog):
+    """A timed call's inputs of three shapes compile one random draw between them (each shape
+    only a copy); their values are N(0, 1), none zero, and inputs of one shape differ."""
+    import logging
+
+    import jax
+
+    ranks = _jax_ranks(_point("ring", 4, "fwd", sim.LinkModel(), seqlen=256))
+    shapes = [(1, 300, 2, D), (1, 5000, 4, D), (2, 70000, 2, D)]
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        drawn = [
+            np.asarray(ranks.normal(shape, seed), np.float64) for seed, shape in enumerate(shapes)
+        ]
+    compiled = [r.getMessage() for r in caplog.records if "XLA compilation" in r.getMessage()]
+    assert sum("_normal" in m for m in compiled) <= 1, compiled
+    for x, shape in zip(drawn, shapes):
+        assert x.shape == shape and np.all(x != 0)
+        assert abs(x.mean()) < 0.05 and abs(x.std() - 1) < 0.05
+    other = np.asarray(ranks.normal(shapes[0], 7), np.float64)
+    assert np.mean(other == drawn[0]) < 0.01
+
+
 def test_jax_draws_share_one_program_across_sequence_lengths():
     """The same positions drawn for two sequence lengths compile one program (the length is
     traced): values agree below the shorter length, zeros at and past it."""

@@ -147,7 +147,8 @@ class Ranks(ABC):
 
     @abstractmethod
     def normal(self, shape: tuple[int, ...], seed: int):
-        """A device array of standard normal values in the point's dtype."""
+        """A device array of standard normal values in the point's dtype, a timed call's input
+        (a framework may repeat one draw: the values do not change a call's time)."""
 
     @abstractmethod
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):

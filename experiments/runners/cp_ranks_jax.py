@@ -165,6 +165,26 @@ def _rows_at():
     return jax.jit(rows_at, static_argnums=(4, 5, 6, 7, 8))
 
 
+# Values of one timing input's random draw: odd, so a token's values start at another offset
+# of the draw in each repeat. A timed call's time does not depend on its inputs' values.
+TIMING_POOL = (1 << 22) - 1
+
+
+@cache
+def _repeat():
+    """jitted (pool, shape) -> the pool's values repeated to fill the shape: every timing input
+    from one compiled random draw and a small copy program per shape, where drawing each shape
+    compiles a random-number program of its own (0.4 s each on the H200, 20 in 215 points)."""
+    import jax
+    import jax.numpy as jnp
+
+    def repeat(pool, shape):
+        n = math.prod(shape)
+        return jnp.tile(pool, -(-n // pool.size))[:n].reshape(shape)
+
+    return jax.jit(repeat, static_argnums=1)
+
+
 @cache
 def _all_finite():
     """jitted x -> whether x holds no inf or NaN: one program per shape, not one per operation."""
@@ -440,7 +460,9 @@ class JaxRanks(Ranks):
         return {name: np.moveaxis(np.asarray(x), 0, 2)[:, : len(rows)] for name, x in refs.items()}
 
     def normal(self, shape: tuple[int, ...], seed: int):
-        return self.jax.random.normal(self.jax.random.key(seed), shape, self.dtype)
+        """TIMING_POOL values drawn from the seed, repeated to the shape (_repeat)."""
+        pool = self.jax.random.normal(self.jax.random.key(seed), (TIMING_POOL,), self.dtype)
+        return _repeat()(pool, tuple(shape))
 
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
         return self._draw(name, positions, heads, self.dtype)
@@ -451,12 +473,17 @@ class JaxRanks(Ranks):
         return np.asarray(self._draw(name, positions, heads, self.jnp.float32))
 
     def _draw(self, name: str, positions: np.ndarray | None, heads, out_dtype):
+        """Every draw takes at least all the input's heads (rows_at draws them all anyway), the
+        asked ones first, then keeps those: one random program per length whatever heads a
+        rank takes, and a copy program where it takes fewer."""
         b, s, h, d = self._shapes[name]
         positions = np.arange(s) if positions is None else np.asarray(positions)
         heads = np.arange(h) if heads is None else np.asarray(heads)
         key = self.jax.random.key(inputs.device_seed(name, *self._source))
-        positions, heads = positions.astype(np.int32), heads.astype(np.int32)
-        return _rows_at()(key, positions, heads, np.int32(s), b, h, d, self.dtype, out_dtype)
+        padded = np.resize(heads, max(h, len(heads))).astype(np.int32)
+        rows = _rows_at()(key, positions.astype(np.int32), padded, np.int32(s), b, h, d,
+                          self.dtype, out_dtype)  # fmt: skip
+        return rows if len(heads) == len(padded) else rows[:, :, : len(heads)]
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float32))
