@@ -1672,23 +1672,14 @@ def test_jax_host_draws_convert_inside_the_draw(caplog):
     np.testing.assert_array_equal(got, np.asarray(want.astype(np.float32)))
 
 
-def _jax_ranks(point):
-    from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
-
-    mask = named_mask("causal_document", point.seqlen_total)
-    return JaxRanks(
-        JaxRanks.executor_plan(point, mask, "reference"), "reference", point, 0, JaxRunner()
-    )
-
-
 def test_jax_draws_share_one_program_across_head_counts():
     """Draws of one length for one head, three heads (any order, repeats) and all heads compile
     at most one program per output dtype (every draw takes all heads), and each equals those
     heads of the whole draw, on the device and on the host."""
     from experiments.runners.cp_ranks_jax import _rows_at
 
-    ranks = _jax_ranks(_point("ring", 4, "fwd", sim.LinkModel(), seqlen=256))
+    point = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=256)
+    ranks = _jax_ranks(point, named_mask("causal_document", point.seqlen_total))
     rows = np.arange(5, ranks.plan.layout.positions[0].size * 4, 7)
     whole = np.asarray(ranks.device_rows("q", rows), np.float32)
     assert whole.shape == (1, len(rows), HQ, D) and np.abs(whole).max(axis=(0, 1, 3)).all()
@@ -1709,7 +1700,8 @@ def test_jax_timing_inputs_share_one_random_program(caplog):
 
     import jax
 
-    ranks = _jax_ranks(_point("ring", 4, "fwd", sim.LinkModel(), seqlen=256))
+    point = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=256)
+    ranks = _jax_ranks(point, named_mask("causal", point.seqlen_total))
     shapes = [(1, 300, 2, D), (1, 5000, 4, D), (2, 70000, 2, D)]
     with caplog.at_level(logging.WARNING), jax.log_compiles():
         drawn = [
