@@ -406,17 +406,22 @@ def _jax_ranks(point, mask):
     ],
 )
 @pytest.mark.parametrize("chunk", [None, 24])
-def test_device_reference_is_the_host_reference(strategy, mask_name, mode, chunk, monkeypatch):
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_device_reference_is_the_host_reference(
+    strategy, mask_name, mode, chunk, platform, monkeypatch
+):
     """The JAX ranks' float64 row reference, computed on the device from its own draws (rows
     and intervals padded, keys in chunks of REFERENCE_CHUNK, here also 24 so that several
-    chunks and a padded last one carry the online softmax), gives the host reference's values
-    (Ranks.reference_rows) for rows of two ranks, in a spread of one Ulysses position's
-    heads."""
+    chunks and a padded last one carry the online softmax; as on a GPU, one whole chunk of
+    mostly padding), gives the host reference's values (Ranks.reference_rows) for rows of two
+    ranks, in a spread of one Ulysses position's heads."""
     from experiments.runners import cp_ranks_jax
     from experiments.runners.cp_ranks import Ranks
 
     if chunk is not None:
         monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", chunk)
+    chunk_of = cp_ranks_jax.reference_chunk
+    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", lambda keys, _: chunk_of(keys, platform))
     point = _point(strategy, 4, mode, sim.LinkModel(), mask=mask_name, layout="zigzag", seqlen=96)
     mask = named_mask(mask_name, point.seqlen_total)
     ranks = _jax_ranks(point, mask)
@@ -451,6 +456,29 @@ def test_device_reference_compiles_once_for_any_number_of_keys(monkeypatch):
     for last in (40, 55, 63):  # causal rows: the last row sees last + 1 keys
         rows = np.arange(last - 5, last + 1)
         ranks.reference_rows(mask, [rows], 0, heads, True, 0.3)
+        sizes.append((passes["out"]._cache_size(), passes["dq"]._cache_size()))
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def test_device_reference_on_a_gpu_compiles_once_for_any_keys_and_heads(monkeypatch):
+    """On a GPU every pass of the row reference takes one whole chunk and every K/V head, so
+    rows seeing fewer keys than a chunk and checks of heads reading one or two K/V heads share
+    one program per pass; elsewhere the chunk follows the keys."""
+    from experiments.runners import cp_ranks_jax
+
+    chunk_of = cp_ranks_jax.reference_chunk
+    assert chunk_of(10, "gpu") == chunk_of(10**7, "gpu") == cp_ranks_jax.REFERENCE_CHUNK
+    assert (chunk_of(100, "cpu"), chunk_of(129, "cpu")) == (128, 256)
+    assert chunk_of(10**7, "cpu") == cp_ranks_jax.REFERENCE_CHUNK
+    monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", 64)
+    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", lambda keys, _: chunk_of(keys, "gpu"))
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
+    mask = named_mask("causal", point.seqlen_total)
+    ranks = _jax_ranks(point, mask)
+    passes = cp_ranks_jax._reference_passes()
+    sizes = []
+    for last, heads in ((9, [0, 1]), (20, [0, 3]), (40, [2, 3])):  # 1-2 K/V heads, 10-41 keys
+        ranks.reference_rows(mask, [np.arange(last - 5, last + 1)], 0, np.array(heads), True, 0.3)
         sizes.append((passes["out"]._cache_size(), passes["dq"]._cache_size()))
     assert sizes[0] == sizes[1] == sizes[2], sizes
 

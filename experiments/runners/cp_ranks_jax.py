@@ -212,6 +212,17 @@ def _rows_f32():
 REFERENCE_CHUNK = 1 << 16  # keys per pass of the float64 row reference (_reference_passes)
 
 
+def reference_chunk(keys: int, platform: str) -> int:
+    """Keys per pass of the row reference over `keys` keys: REFERENCE_CHUNK on a GPU whatever
+    the keys, so a preset's checks share their passes' few programs (run 10 on the H200
+    compiled 38 of them, 0.46 s each, one per chunk and K/V head count) and pay float64 work
+    on padding instead (milliseconds there); elsewhere the next power of two up to it, since a
+    CPU's float64 work on a padded chunk costs more than a compile."""
+    if platform == "gpu":
+        return REFERENCE_CHUNK
+    return min(REFERENCE_CHUNK, 1 << max(keys - 1, 1).bit_length())
+
+
 @cache
 def _reference_passes():
     """jitted float64 attention rows over one chunk of keys at a time, to trace under
@@ -403,9 +414,7 @@ class JaxRanks(Ranks):
         it a few times and no pass holds more than a chunk of keys."""
         rows = np.concatenate(rows_of)
         gq = self.q_heads[u][heads]
-        kv, kv_of = np.unique(
-            gq // (self.plan.num_heads_q // self.plan.num_heads_kv), return_inverse=True
-        )
+        kv_of = gq // (self.plan.num_heads_q // self.plan.num_heads_kv)  # of all K/V heads
         cols = checks.keys_seen(mask, rows)
         n = draw_length(len(rows))  # the padded draw's rows
         lo, hi = (x[rows] for x in mask.row_intervals())
@@ -413,7 +422,7 @@ class JaxRanks(Ranks):
         bounds = [np.zeros((n, width), np.int32) for _ in range(2)]
         for b, x in zip(bounds, (lo, hi)):
             b[: len(rows), : x.shape[1]] = x
-        chunk = min(REFERENCE_CHUNK, 1 << max(len(cols) - 1, 1).bit_length())
+        chunk = reference_chunk(len(cols), self.jax.devices()[0].platform)
         seqlen = self._shapes["k"][1]
 
         def draw(name, positions, heads):
@@ -424,7 +433,7 @@ class JaxRanks(Ranks):
             for start in range(0, len(cols), chunk):
                 part = np.full(chunk, seqlen, np.int64)
                 part[: len(cols[start : start + chunk])] = cols[start : start + chunk]
-                keys = (self._draw(x, part, kv, self.jnp.float32) for x in ("k", "v"))
+                keys = (self._draw(x, part, None, self.jnp.float32) for x in ("k", "v"))
                 yield (*keys, np.where(part < seqlen, part, -1).astype(np.int32))
 
         q = draw("q", rows, gq)
