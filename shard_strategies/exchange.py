@@ -18,6 +18,18 @@ import numpy as np
 from .plan import CPPlan
 
 
+@dataclass(frozen=True)
+class ExchangeRounds:
+    """The shape of an exchange: its rounds' (source rank, destination rank) pairs and the rows
+    each sending rank sends a round; what the simulator charges, without the tables."""
+
+    num_ranks: int
+    src_len: int
+    dst_len: int
+    rounds: tuple[tuple[tuple[int, int], ...], ...]
+    sizes: tuple[int, ...]
+
+
 @dataclass(frozen=True, eq=False)
 class Exchange:
     """Rounds of point-to-point sends that turn one placement into another.
@@ -88,18 +100,19 @@ def _shift_rounds(n: int) -> list[list[tuple[int, int]]]:
     return [[(j, (j + s) % n) for j in range(n)] for s in range(1, n)]
 
 
-def make_exchange(
-    src: np.ndarray, dst: np.ndarray, seqlen: int, *, uniform: bool = False
-) -> Exchange:
-    """The exchange from placement `src` (N, Ls) to `dst` (N, Ld) of positions 0..seqlen-1.
+@dataclass(frozen=True, eq=False)
+class _Moves:
+    """Where every destination row of a placement change comes from (make_exchange)."""
 
-    Every real position must be held exactly once by `src`; positions of `dst` >= seqlen are
-    padding (zeros), and padding of `src` is never sent. uniform: N - 1 cyclic-shift rounds of
-    one size, the largest pair's count rounded up to a power of two (at most min(Ls, Ld)), so
-    that placements of one family (e.g. per-document layouts of different batches) share the
-    rounds and, but for that size, the shapes (a few compilations, not one per mask), at the
-    cost of padding; otherwise the fewest rounds the counts need (greedy edge colouring).
-    """
+    pad: np.ndarray  # (N, Ld) destination rows that are padding
+    from_rank: np.ndarray  # (N, Ld) the source rank of each row (-1: padding)
+    from_row: np.ndarray  # (N, Ld) its row there
+    moving: np.ndarray  # (N, Ld) rows that change rank
+    shape: ExchangeRounds
+
+
+def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Moves:
+    """The moves from placement src to dst and the rounds that carry them (make_exchange)."""
     src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
     n = src.shape[0]
     if dst.shape[0] != n:
@@ -124,27 +137,67 @@ def make_exchange(
     if uniform:
         rounds = _shift_rounds(n) if most else []
         common = min(1 << (most - 1).bit_length(), src.shape[1], dst.shape[1])
+        sizes = [common] * len(rounds)
     else:
         rounds = _rounds(counts)
-    gather = np.where(pad, 0, from_row)  # own rows: their local index; padding fixed below
-    send: list[np.ndarray] = []
-    offset = src.shape[1]
-    for pairs in rounds:
-        size = common if uniform else max(int(counts[j, i]) for j, i in pairs)
-        table = np.zeros((n, size), np.int64)
-        for j, i in pairs:
-            slots = np.nonzero(moving[i] & (from_rank[i] == j))[0]  # dst rows, in dst order
-            table[j, : slots.size] = from_row[i, slots]
-            gather[i, slots] = offset + np.arange(slots.size)
-        send.append(table.astype(np.int32))
-        offset += size
-    gather[pad] = offset  # the zero row
-    return Exchange(
+        sizes = [max(int(counts[j, i]) for j, i in pairs) for pairs in rounds]
+    shape = ExchangeRounds(
         num_ranks=n,
         src_len=int(src.shape[1]),
         dst_len=int(dst.shape[1]),
         rounds=tuple(tuple(p) for p in rounds),
-        send=tuple(send),
+        sizes=tuple(sizes),
+    )
+    return _Moves(pad, from_rank, from_row, moving, shape)
+
+
+def exchange_rounds(
+    src: np.ndarray, dst: np.ndarray, seqlen: int, *, uniform: bool = False
+) -> ExchangeRounds:
+    """make_exchange's rounds and sizes alone (its tables are most of its cost: 64 ranks on
+    uniform rounds fill 63 padded tables)."""
+    return _moves(src, dst, seqlen, uniform).shape
+
+
+def make_exchange(
+    src: np.ndarray, dst: np.ndarray, seqlen: int, *, uniform: bool = False
+) -> Exchange:
+    """The exchange from placement `src` (N, Ls) to `dst` (N, Ld) of positions 0..seqlen-1.
+
+    Every real position must be held exactly once by `src`; positions of `dst` >= seqlen are
+    padding (zeros), and padding of `src` is never sent. uniform: N - 1 cyclic-shift rounds of
+    one size, the largest pair's count rounded up to a power of two (at most min(Ls, Ld)), so
+    that placements of one family (e.g. per-document layouts of different batches) share the
+    rounds and, but for that size, the shapes (a few compilations, not one per mask), at the
+    cost of padding; otherwise the fewest rounds the counts need (greedy edge colouring).
+    """
+    m = _moves(src, dst, seqlen, uniform)
+    n, shape = m.shape.num_ranks, m.shape
+    round_of = np.full((n, n), -1, np.int64)
+    for r, pairs in enumerate(shape.rounds):
+        round_of[tuple(np.array(pairs).T)] = r
+    # every moving destination row, grouped by its (source rank, destination rank) pair in
+    # destination order: its place in the pair's send table and in the receiving pool
+    dst_rank, slot = np.nonzero(m.moving)
+    src_rank = m.from_rank[dst_rank, slot]
+    order = np.lexsort((slot, dst_rank, src_rank))
+    dst_rank, slot, src_rank = dst_rank[order], slot[order], src_rank[order]
+    pair = src_rank * n + dst_rank
+    first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
+    place = np.arange(pair.size) - np.repeat(first, np.diff(np.r_[first, pair.size]))
+    column = np.cumsum([0, *shape.sizes])  # each round's first column of the stacked tables
+    r = round_of[src_rank, dst_rank]
+    tables = np.zeros((n, column[-1]), np.int32)
+    tables[src_rank, column[r] + place] = m.from_row[dst_rank, slot]
+    gather = np.where(m.pad, 0, m.from_row)  # own rows: their local index
+    gather[dst_rank, slot] = shape.src_len + column[r] + place
+    gather[m.pad] = shape.src_len + column[-1]  # the zero row
+    return Exchange(
+        num_ranks=n,
+        src_len=shape.src_len,
+        dst_len=shape.dst_len,
+        rounds=shape.rounds,
+        send=tuple(tables[:, column[k] : column[k + 1]] for k in range(len(shape.rounds))),
         gather=gather.astype(np.int32),
     )
 
@@ -156,16 +209,36 @@ def is_fixed(plan: CPPlan) -> bool:
     return name == "contiguous" or (name == "zigzag" and plan.mask.params.get("cu_seqlens") is None)
 
 
+def _plan_placements(plan: CPPlan) -> tuple[np.ndarray, bool] | None:
+    """(the contiguous split of the plan's sequence, whether its exchanges take uniform
+    rounds), or None when the length does not split evenly over the ranks."""
+    n, s = plan.world_size, plan.seqlen
+    if s % n:
+        return None
+    return contiguous_positions(s, n), not is_fixed(plan)
+
+
 def plan_exchanges(plan: CPPlan) -> tuple[Exchange, Exchange] | None:
     """(dispatch, undispatch) between the contiguous split of the sequence over the plan's ranks
     and its layout, or None when the length does not split evenly. Placements that depend on the
     mask use the uniform form (a few static parts for all masks of a length, not one each)."""
-    n, s = plan.world_size, plan.seqlen
-    if s % n:
+    split = _plan_placements(plan)
+    if split is None:
         return None
-    flat = contiguous_positions(s, n)
-    uniform = not is_fixed(plan)
+    flat, uniform = split
     return (
-        make_exchange(flat, plan.positions, s, uniform=uniform),
-        make_exchange(plan.positions, flat, s, uniform=uniform),
+        make_exchange(flat, plan.positions, plan.seqlen, uniform=uniform),
+        make_exchange(plan.positions, flat, plan.seqlen, uniform=uniform),
+    )
+
+
+def plan_exchange_rounds(plan: CPPlan) -> tuple[ExchangeRounds, ExchangeRounds] | None:
+    """plan_exchanges' rounds and sizes alone, for the simulator."""
+    split = _plan_placements(plan)
+    if split is None:
+        return None
+    flat, uniform = split
+    return (
+        exchange_rounds(flat, plan.positions, plan.seqlen, uniform=uniform),
+        exchange_rounds(plan.positions, flat, plan.seqlen, uniform=uniform),
     )

@@ -23,7 +23,7 @@ import numpy as np
 from attn_masks import MODES
 
 from .comm import FP32_BYTES
-from .exchange import Exchange, plan_exchanges
+from .exchange import ExchangeRounds, plan_exchange_rounds
 from .plan import CPPlan
 from .schedules import group_by_outer, inner_perm, outer_perm
 from .strategies import ALLGATHER_CORE
@@ -338,7 +338,7 @@ def _core(b: _Builder, direction: str, sizes: dict[str, float]) -> None:
 
 
 def _exchange_phase(
-    b: _Builder, name: str, direction: str, ex: Exchange, items, reverse: bool = False
+    b: _Builder, name: str, direction: str, ex: ExchangeRounds, items, reverse: bool = False
 ) -> None:
     """A phase of the executor's ppermute rounds between the contiguous split and the layout,
     for each (what, elements per token) in items; reverse: the transposed rounds (backward)."""
@@ -416,7 +416,7 @@ def _dispatch_edges(b: _Builder, sizes: dict[str, float]):
     its transpose out; the backward runs them transposed), else the collectives XLA makes of
     gathering global arrays."""
     plan = b.plan
-    exchanges = plan_exchanges(plan)
+    exchanges = plan_exchange_rounds(plan)
     tq, tkv = plan.num_heads_q * plan.head_dim, plan.num_heads_kv * plan.head_dim
     gq, gkv = sizes["global_q"], sizes["global_kv"]
     # name: direction, exchange (0 in, 1 out), its items, transposed, then the gather form

@@ -275,3 +275,55 @@ def test_a_new_strategy_record_plans_by_its_fields(monkeypatch):
     assert ss.make_plan(mask, 16, "usp_copy", "zigzag").ulysses_size == 8
     with pytest.raises(ValueError, match="double_ring, windowed_copy only"):
         ss.make_plan(mask, 16, "ring", "zigzag", num_windows=2)
+
+
+def _scattered_placement(rng, n: int, seqlen: int, padding: int) -> np.ndarray:
+    """Positions 0..seqlen-1 split over n ranks in random order and uneven shares, each rank's
+    row padded (positions >= seqlen) to one length, the padding anywhere in the row."""
+    cuts = np.sort(rng.choice(np.arange(1, seqlen), n - 1, replace=False))
+    shares = np.split(rng.permutation(seqlen), cuts)
+    width = max(map(len, shares)) + padding
+    out = np.full((n, width), seqlen, np.int64)
+    for rank, share in enumerate(shares):
+        out[rank, : len(share)] = share
+        out[rank] = rng.permutation(out[rank])
+    return out
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("n", [2, 3, 8, 16])
+def test_exchange_delivers_every_token_and_its_rounds_alone_agree(n, uniform):
+    """make_exchange between random placements (uneven shares, padding anywhere): applied to
+    tokens it delivers each destination row its token (padding rows zero), each round's pairs
+    form a partial permutation whose sends cover exactly the rows that change rank, and
+    exchange_rounds gives the same rounds and sizes without the tables."""
+    from shard_strategies.exchange import exchange_rounds, make_exchange
+
+    rng = np.random.default_rng(n * 2 + uniform)
+    for seqlen in (n * 11, 517):
+        src = _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
+        dst = _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
+        ex = make_exchange(src, dst, seqlen, uniform=uniform)
+        tokens = np.where(src < seqlen, src + 1, 0).astype(np.float64)
+        got = ex.apply(tokens[..., None])[..., 0]
+        np.testing.assert_array_equal(got, np.where(dst < seqlen, dst + 1, 0))
+        owner = np.full(seqlen + 1, -1)  # the source rank of each position, -1: padding
+        owner[src[src < seqlen]] = np.nonzero(src < seqlen)[0]
+        from_rank = owner[np.minimum(dst, seqlen)]
+        needed = {
+            (int(j), i): int((from_rank[i] == j).sum())
+            for i in range(n)
+            for j in np.unique(from_rank[i])
+            if j not in (-1, i)
+        }
+        carried = [pair for pairs in ex.rounds for pair in pairs]
+        assert len(set(carried)) == len(carried) and set(needed) <= set(carried)
+        if not uniform:  # the fewest rounds: only pairs that move something
+            assert set(carried) == set(needed)
+        for pairs, size in zip(ex.rounds, ex.sizes):
+            senders, receivers = zip(*pairs)
+            assert len(set(senders)) == len(senders) and len(set(receivers)) == len(receivers)
+            assert size >= max(needed.get(pair, 0) for pair in pairs)
+        shape = exchange_rounds(src, dst, seqlen, uniform=uniform)
+        assert (shape.rounds, shape.sizes) == (ex.rounds, ex.sizes)
+        assert (shape.num_ranks, shape.src_len, shape.dst_len) == (n, src.shape[1], dst.shape[1])
