@@ -108,7 +108,7 @@ class _Moves:
     from_rank: np.ndarray  # (N, Ld) the source rank of each row (-1: padding)
     from_row: np.ndarray  # (N, Ld) its row there
     moving: np.ndarray  # (N, Ld) rows that change rank
-    shape: ExchangeRounds
+    carried: ExchangeRounds  # the rounds that carry them
 
 
 def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Moves:
@@ -137,18 +137,23 @@ def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Mov
     if uniform:
         rounds = _shift_rounds(n) if most else []
         common = min(1 << (most - 1).bit_length(), src.shape[1], dst.shape[1])
+        if most > common:
+            raise ValueError(
+                f"a rank needs {most} rows from one peer, more than a uniform round carries "
+                f"({common}): the destination placement repeats positions"
+            )
         sizes = [common] * len(rounds)
     else:
         rounds = _rounds(counts)
         sizes = [max(int(counts[j, i]) for j, i in pairs) for pairs in rounds]
-    shape = ExchangeRounds(
+    carried = ExchangeRounds(
         num_ranks=n,
         src_len=int(src.shape[1]),
         dst_len=int(dst.shape[1]),
         rounds=tuple(tuple(p) for p in rounds),
         sizes=tuple(sizes),
     )
-    return _Moves(pad, from_rank, from_row, moving, shape)
+    return _Moves(pad, from_rank, from_row, moving, carried)
 
 
 def exchange_rounds(
@@ -156,7 +161,7 @@ def exchange_rounds(
 ) -> ExchangeRounds:
     """make_exchange's rounds and sizes alone (its tables are most of its cost: 64 ranks on
     uniform rounds fill 63 padded tables)."""
-    return _moves(src, dst, seqlen, uniform).shape
+    return _moves(src, dst, seqlen, uniform).carried
 
 
 def make_exchange(
@@ -172,9 +177,9 @@ def make_exchange(
     cost of padding; otherwise the fewest rounds the counts need (greedy edge colouring).
     """
     m = _moves(src, dst, seqlen, uniform)
-    n, shape = m.shape.num_ranks, m.shape
+    n, carried = m.carried.num_ranks, m.carried
     round_of = np.full((n, n), -1, np.int64)
-    for r, pairs in enumerate(shape.rounds):
+    for r, pairs in enumerate(carried.rounds):
         round_of[tuple(np.array(pairs).T)] = r
     # every moving destination row, grouped by its (source rank, destination rank) pair in
     # destination order: its place in the pair's send table and in the receiving pool
@@ -185,19 +190,19 @@ def make_exchange(
     pair = src_rank * n + dst_rank
     first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
     place = np.arange(pair.size) - np.repeat(first, np.diff(np.r_[first, pair.size]))
-    column = np.cumsum([0, *shape.sizes])  # each round's first column of the stacked tables
+    column = np.cumsum([0, *carried.sizes])  # each round's first column of the stacked tables
     r = round_of[src_rank, dst_rank]
     tables = np.zeros((n, column[-1]), np.int32)
     tables[src_rank, column[r] + place] = m.from_row[dst_rank, slot]
     gather = np.where(m.pad, 0, m.from_row)  # own rows: their local index
-    gather[dst_rank, slot] = shape.src_len + column[r] + place
-    gather[m.pad] = shape.src_len + column[-1]  # the zero row
+    gather[dst_rank, slot] = carried.src_len + column[r] + place
+    gather[m.pad] = carried.src_len + column[-1]  # the zero row
     return Exchange(
         num_ranks=n,
-        src_len=shape.src_len,
-        dst_len=shape.dst_len,
-        rounds=shape.rounds,
-        send=tuple(tables[:, column[k] : column[k + 1]] for k in range(len(shape.rounds))),
+        src_len=carried.src_len,
+        dst_len=carried.dst_len,
+        rounds=carried.rounds,
+        send=tuple(tables[:, column[k] : column[k + 1]] for k in range(len(carried.rounds))),
         gather=gather.astype(np.int32),
     )
 

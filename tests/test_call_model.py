@@ -8,11 +8,12 @@ import pytest
 from tile_lists import list_spans
 
 from attn_masks import make_mask
+from attn_masks.tiles import BLOCK_EMPTY as EMPTY
+from attn_masks.tiles import BLOCK_FULL as FULL
+from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
 from attn_masks.tiles import block_map
 from experiments.runners import call_model
 from jax_attn.mask_arrays import prepare_mask, stack_mask_arrays
-
-FULL, PARTIAL = 2, 1  # attn_masks tile kinds (EMPTY is 0)
 
 
 def _stepped_span(works: list[int], slots: int) -> int:
@@ -179,3 +180,16 @@ def test_map_stats_count_rows_columns_and_their_longest():
     nothing = np.zeros((3, 4), np.int8)
     empty = call_model.work_stats(nothing.shape, call_model.map_work(nothing))
     assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0
+
+
+def test_map_work_counts_each_rows_and_columns_full_and_partial_tiles():
+    """Per row and per column, map_work's (full, partial) are the tiles of each kind, counted
+    one by one, for the block maps' own dtype (int8) and a wider one."""
+    rng = np.random.default_rng(11)
+    for dtype in (np.int8, np.int64):
+        kinds = rng.choice([EMPTY, PARTIAL, FULL], size=(37, 23)).astype(dtype)
+        (row_full, row_partial), (col_full, col_partial) = call_model.map_work(kinds)
+        for i, row in enumerate(kinds.tolist()):
+            assert (row_full[i], row_partial[i]) == (row.count(FULL), row.count(PARTIAL))
+        for j, col in enumerate(kinds.T.tolist()):
+            assert (col_full[j], col_partial[j]) == (col.count(FULL), col.count(PARTIAL))

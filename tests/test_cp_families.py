@@ -165,6 +165,47 @@ def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy)
     assert len(set(digests)) == len(digests)
 
 
+def test_plans_holding_one_piece_read_its_tile_map_once(monkeypatch):
+    """Pure Ulysses' three layouts are one sequence order, so their plans hold the same piece:
+    the run reads its tile map once for all three, and each plan's layout (and spans) equal
+    those read afresh."""
+    from attn_masks.mask import Mask
+    from experiments.runners import cp_ranks_jax
+    from experiments.runners.cp_ranks_jax import PlanPieces
+    from shard_strategies import jax_cp
+
+    mask = make_mask("causal_document", 4096, seqlens=[1000, 2000, 1096])
+    plans = [
+        jax_cp.executor_plan(
+            mask,
+            4,
+            "ulysses",
+            layout,
+            impl="pallas",
+            num_heads_q=4,
+            num_heads_kv=4,
+            head_dim=64,
+            dtype=np.float32,
+        )  # fmt: skip
+        for layout in ("contiguous", "zigzag", "balanced")
+    ]
+    reads = []
+    real_block_map = Mask.block_map
+    monkeypatch.setattr(
+        Mask, "block_map", lambda self, *t: reads.append(t) or real_block_map(self, *t)
+    )
+    monkeypatch.setattr(cp_ranks_jax, "_layouts_kept", type(cp_ranks_jax._layouts_kept)())
+    layouts = [PlanPieces(plan, "pallas", 64, np.float32).layouts() for plan in plans]
+    assert len(reads) == len(layouts[0]) == 1
+    monkeypatch.setattr(cp_ranks_jax, "_layouts_kept", type(cp_ranks_jax._layouts_kept)())
+    fresh = PlanPieces(plans[2], "pallas", 64, np.float32)
+    for (stats, work), (want_stats, want_work) in zip(layouts[1], fresh.layouts()):
+        assert stats == want_stats
+        for got, want in zip(np.concatenate(work), np.concatenate(want_work)):
+            np.testing.assert_array_equal(got, want)
+    assert len(reads) == 2
+
+
 def _preset_problem(strategy: str, layout: str, devices: int = 4):
     """A GPU-preset point (forward, 8K tokens a device, causal_document) and its mask."""
     from experiments.runners import frameworks

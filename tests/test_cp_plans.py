@@ -291,7 +291,7 @@ def _scattered_placement(rng, n: int, seqlen: int, padding: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("uniform", [False, True])
-@pytest.mark.parametrize("n", [2, 3, 8, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 16])
 def test_exchange_delivers_every_token_and_its_rounds_alone_agree(n, uniform):
     """make_exchange between random placements (uneven shares, padding anywhere): applied to
     tokens it delivers each destination row its token (padding rows zero), each round's pairs
@@ -300,9 +300,9 @@ def test_exchange_delivers_every_token_and_its_rounds_alone_agree(n, uniform):
     from shard_strategies.exchange import exchange_rounds, make_exchange
 
     rng = np.random.default_rng(n * 2 + uniform)
-    for seqlen in (n * 11, 517):
+    for seqlen, same in ((n * 11, False), (517, False), (517, True)):
         src = _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
-        dst = _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
+        dst = src.copy() if same else _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
         ex = make_exchange(src, dst, seqlen, uniform=uniform)
         tokens = np.where(src < seqlen, src + 1, 0).astype(np.float64)
         got = ex.apply(tokens[..., None])[..., 0]
@@ -320,10 +320,26 @@ def test_exchange_delivers_every_token_and_its_rounds_alone_agree(n, uniform):
         assert len(set(carried)) == len(carried) and set(needed) <= set(carried)
         if not uniform:  # the fewest rounds: only pairs that move something
             assert set(carried) == set(needed)
+        most = max(needed.values(), default=0)
+        assert (len(ex.rounds) == 0) == (most == 0)  # nothing moves: no rounds
         for pairs, size in zip(ex.rounds, ex.sizes):
             senders, receivers = zip(*pairs)
             assert len(set(senders)) == len(senders) and len(set(receivers)) == len(receivers)
-            assert size >= max(needed.get(pair, 0) for pair in pairs)
+            if uniform:  # one size, the largest count rounded up to a power of two
+                assert size == min(1 << (most - 1).bit_length(), *src.shape[1:], *dst.shape[1:])
+            else:
+                assert size == max(needed.get(pair, 0) for pair in pairs)
         shape = exchange_rounds(src, dst, seqlen, uniform=uniform)
         assert (shape.rounds, shape.sizes) == (ex.rounds, ex.sizes)
         assert (shape.num_ranks, shape.src_len, shape.dst_len) == (n, src.shape[1], dst.shape[1])
+
+
+def test_uniform_exchange_refuses_a_destination_that_repeats_positions():
+    """A destination holding one position many times would need more rows from one peer than a
+    uniform round carries: refused by name, never written past its round."""
+    from shard_strategies.exchange import make_exchange
+
+    src = np.array([[0, 1], [2, 3], [4, 5]])
+    dst = np.array([[2, 3, 4, 5], [0, 0, 0, 0], [1, 1, 3, 3]])
+    with pytest.raises(ValueError, match="repeats positions"):
+        make_exchange(src, dst, 6, uniform=True)

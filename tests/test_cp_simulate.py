@@ -464,6 +464,8 @@ def test_device_reference_on_a_gpu_compiles_once_for_any_keys_and_heads(monkeypa
     """On a GPU every pass of the row reference takes one whole chunk and every K/V head, so
     rows seeing fewer keys than a chunk and checks of heads reading one or two K/V heads share
     one program per pass; elsewhere the chunk follows the keys."""
+    import jax
+
     from experiments.runners import cp_ranks_jax
 
     chunk_of = cp_ranks_jax.reference_chunk
@@ -471,7 +473,13 @@ def test_device_reference_on_a_gpu_compiles_once_for_any_keys_and_heads(monkeypa
     assert (chunk_of(100, "cpu"), chunk_of(129, "cpu")) == (128, 256)
     assert chunk_of(10**7, "cpu") == cp_ranks_jax.REFERENCE_CHUNK
     monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", 64)
-    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", lambda keys, _: chunk_of(keys, "gpu"))
+    platforms = []  # the device platform each reference passes
+
+    def as_on_a_gpu(keys, platform):
+        platforms.append(platform)
+        return chunk_of(keys, "gpu")
+
+    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", as_on_a_gpu)
     point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
     mask = named_mask("causal", point.seqlen_total)
     ranks = _jax_ranks(point, mask)
@@ -481,6 +489,7 @@ def test_device_reference_on_a_gpu_compiles_once_for_any_keys_and_heads(monkeypa
         ranks.reference_rows(mask, [np.arange(last - 5, last + 1)], 0, np.array(heads), True, 0.3)
         sizes.append((passes["out"]._cache_size(), passes["dq"]._cache_size()))
     assert sizes[0] == sizes[1] == sizes[2], sizes
+    assert platforms == [jax.devices()[0].platform] * 3
 
 
 def test_row_references_are_shared_between_a_problems_points(monkeypatch):
@@ -1689,7 +1698,7 @@ def test_jax_host_draws_convert_inside_the_draw(caplog):
     ranks = JaxRanks(
         JaxRanks.executor_plan(point, mask, "reference"), "reference", point, 0, JaxRunner()
     )
-    rows, heads = np.arange(3, point.seqlen_total, 13), np.array([0, 3])
+    rows, heads = np.arange(3, point.seqlen_total, 13), np.array([1])
     ranks.host("k", rows[:5], heads)  # the key and other per-process programs, another shape
     with caplog.at_level(logging.WARNING), jax.log_compiles():
         got = ranks.host("k", rows, heads)
@@ -1719,6 +1728,22 @@ def test_jax_draws_share_one_program_across_head_counts():
         on_host = ranks.host("q", rows, np.array(heads))
         np.testing.assert_array_equal(on_host, whole[:, :, heads])
     assert _rows_at()._cache_size() - before <= 1  # the host's float32 draw
+
+
+def test_jax_draws_of_a_whole_sequence_keep_only_their_heads(monkeypatch):
+    """A draw larger than DRAW_ALL_HEADS values over all heads holds only the asked heads (at
+    2M tokens a rank's whole sequence of 64 heads would be 32 GiB), with the same values."""
+    from experiments.runners import cp_ranks_jax
+
+    point = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=256)
+    ranks = _jax_ranks(point, named_mask("causal", point.seqlen_total))
+    rows, heads = np.arange(0, point.seqlen_total, 3), np.array([2, 1])
+    small = ranks._draw("q", rows, heads, np.float32)[0]
+    monkeypatch.setattr(cp_ranks_jax, "DRAW_ALL_HEADS", len(rows) * HQ * D - 1)
+    large = ranks._draw("q", rows, heads, np.float32)[0]
+    assert small.shape[2] == HQ and large.shape[2] == len(heads)
+    np.testing.assert_array_equal(np.asarray(large), np.asarray(small)[:, :, : len(heads)])
+    np.testing.assert_array_equal(ranks.host("q", rows, heads), np.asarray(large))
 
 
 def test_jax_timing_inputs_share_one_random_program(caplog):

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attn_masks.tiles import BLOCK_FULL as FULL
-from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
 from experiments.core.flags import MIN_TIMED_CALLS
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
@@ -102,10 +100,16 @@ def area_features(area: np.ndarray, heads_q: int) -> np.ndarray:
 
 def map_work(kinds: np.ndarray) -> PieceWork:
     """((full, partial) tiles per query-tile row, the same per key-tile column) of a piece's
-    tile map (attn_masks block_map), the source of its tile lists."""
-    kinds = np.asarray(kinds)
-    full, partial = kinds == FULL, kinds == PARTIAL
-    return tuple((np.count_nonzero(full, a), np.count_nonzero(partial, a)) for a in (1, 0))
+    tile map (attn_masks block_map), the source of its tile lists. Two sums an axis (of the
+    kinds, partial + 2 full, and of their low bit, partial), no boolean map: at 64 GPUs a
+    piece's map holds 268M tiles."""
+    kinds = np.asarray(kinds)  # EMPTY, PARTIAL, FULL = 0, 1, 2 (attn_masks.tiles)
+    out = []
+    for axis in (1, 0):
+        both = np.add.reduce(kinds, axis=axis, dtype=np.int64)
+        partial = np.add.reduce(kinds & 1, axis=axis, dtype=np.int64)
+        out.append(((both - partial) // 2, partial))
+    return tuple(out)
 
 
 def work_stats(shape: tuple[int, int], work: PieceWork) -> dict[str, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Container
 from functools import cache
 from types import SimpleNamespace
@@ -94,12 +95,10 @@ class PlanPieces:
 
     def layouts(self) -> list[tuple[dict, call_model.PieceWork]]:
         """(call_model.work_stats, call_model.map_work) of each distinct piece, from its tile
-        map, read once (an impl with tile lists)."""
+        map, read once for all plans of a run that hold the piece (_piece_layout)."""
         if not self._layouts:
-            for piece in self.pieces:
-                kinds = piece.block_map(*self.tiles)
-                work = call_model.map_work(kinds)
-                self._layouts.append((call_model.work_stats(kinds.shape, work), work))
+            for i, piece in enumerate(self.pieces):
+                self._layouts.append(_piece_layout(self.digest(i), piece, self.tiles))
         return self._layouts
 
     def stats(self, r: int, t: int) -> dict[str, int] | None:
@@ -107,6 +106,26 @@ class PlanPieces:
         if self.tiles is None:
             return None
         return self.layouts()[int(self.index[r, t])][0]
+
+
+# Distinct pieces whose tile layout a run keeps across plans: the three layouts of pure Ulysses
+# are one plan of one 2M x 2M piece at 64 GPUs (a 268M-tile map, seconds to read).
+LAYOUTS_KEPT = 512
+_layouts_kept: OrderedDict[str, tuple[dict, call_model.PieceWork]] = OrderedDict()
+
+
+def _piece_layout(digest: str, piece, tiles: tuple[int, int]) -> tuple[dict, call_model.PieceWork]:
+    """(work_stats, map_work) of a piece from its tile map, kept for the last LAYOUTS_KEPT
+    pieces by digest (PlanPieces.digest: its slices, tiles and interval count)."""
+    layout = _layouts_kept.pop(digest, None)
+    if layout is None:
+        kinds = piece.block_map(*tiles)
+        work = call_model.map_work(kinds)
+        layout = (call_model.work_stats(kinds.shape, work), work)
+    _layouts_kept[digest] = layout
+    while len(_layouts_kept) > LAYOUTS_KEPT:
+        _layouts_kept.popitem(last=False)
+    return layout
 
 
 @cache
@@ -163,6 +182,15 @@ def _rows_at():
         return jnp.moveaxis(x, 0, 1)[:, :, heads].astype(out_dtype)
 
     return jax.jit(rows_at, static_argnums=(4, 5, 6, 7, 8))
+
+
+# Values a draw may hold beyond its asked heads (_draw): 1 GiB in float32.
+DRAW_ALL_HEADS = 1 << 28
+
+
+def _asked_heads(rows, asked: int):
+    """The first `asked` heads of a device draw (_draw), copied only when it holds more."""
+    return rows if asked == rows.shape[2] else rows[:, :, :asked]
 
 
 # Values of one timing input's random draw: odd, so a token's values start at another offset
@@ -426,14 +454,16 @@ class JaxRanks(Ranks):
         seqlen = self._shapes["k"][1]
 
         def draw(name, positions, heads):
-            return self._draw(name, self.padded_positions(name, positions), heads, self.jnp.float32)
+            return _asked_heads(
+                *self._draw(name, self.padded_positions(name, positions), heads, self.jnp.float32)
+            )
 
         def chunks():
             """(k, v, global positions) of each chunk of the keys the rows see (padded)."""
             for start in range(0, len(cols), chunk):
                 part = np.full(chunk, seqlen, np.int64)
                 part[: len(cols[start : start + chunk])] = cols[start : start + chunk]
-                keys = (self._draw(x, part, None, self.jnp.float32) for x in ("k", "v"))
+                keys = (self._draw(x, part, None, self.jnp.float32)[0] for x in ("k", "v"))
                 yield (*keys, np.where(part < seqlen, part, -1).astype(np.int32))
 
         q = draw("q", rows, gq)
@@ -474,25 +504,29 @@ class JaxRanks(Ranks):
         return _repeat()(pool, tuple(shape))
 
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
-        return self._draw(name, positions, heads, self.dtype)
+        return _asked_heads(*self._draw(name, positions, heads, self.dtype))
 
     def host_draw(self, name: str, positions: np.ndarray | None, heads) -> np.ndarray:
         """Drawn and converted to float32 in one program (no eager conversion compiled per
-        shape)."""
-        return np.asarray(self._draw(name, positions, heads, self.jnp.float32))
+        shape), the asked heads kept on the host."""
+        rows, asked = self._draw(name, positions, heads, self.jnp.float32)
+        return np.asarray(rows)[:, :, :asked]
 
-    def _draw(self, name: str, positions: np.ndarray | None, heads, out_dtype):
-        """Every draw takes at least all the input's heads (rows_at draws them all anyway), the
-        asked ones first, then keeps those: one random program per length whatever heads a
-        rank takes, and a copy program where it takes fewer."""
+    def _draw(self, name: str, positions: np.ndarray | None, heads, out_dtype) -> tuple:
+        """(the values at the positions of the asked heads, then of the input's others where
+        that draw holds at most DRAW_ALL_HEADS values; how many heads were asked): rows_at
+        draws every head anyway, so draws of one length share one program whatever heads a
+        rank takes, and a draw of a rank's whole sequence (pure Ulysses at 2M tokens) keeps
+        only its own heads."""
         b, s, h, d = self._shapes[name]
         positions = np.arange(s) if positions is None else np.asarray(positions)
         heads = np.arange(h) if heads is None else np.asarray(heads)
+        width = h if b * len(positions) * h * d <= DRAW_ALL_HEADS else len(heads)
+        padded = np.resize(heads, max(width, len(heads))).astype(np.int32)
         key = self.jax.random.key(inputs.device_seed(name, *self._source))
-        padded = np.resize(heads, max(h, len(heads))).astype(np.int32)
         rows = _rows_at()(key, positions.astype(np.int32), padded, np.int32(s), b, h, d,
                           self.dtype, out_dtype)  # fmt: skip
-        return rows if len(heads) == len(padded) else rows[:, :, : len(heads)]
+        return rows, len(heads)
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float32))
