@@ -11,6 +11,7 @@ inputs); the simulator charges the same rounds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,36 +215,27 @@ def is_fixed(plan: CPPlan) -> bool:
     return name == "contiguous" or (name == "zigzag" and plan.mask.params.get("cu_seqlens") is None)
 
 
-def _plan_placements(plan: CPPlan) -> tuple[np.ndarray, bool] | None:
-    """(the contiguous split of the plan's sequence, whether its exchanges take uniform
-    rounds), or None when the length does not split evenly over the ranks."""
+def _both_ways(plan: CPPlan, build: Callable) -> tuple | None:
+    """build(src, dst, seqlen, uniform=...) from the contiguous split of the plan's sequence to
+    its layout and back, or None when the length does not split evenly over the ranks.
+    Placements that depend on the mask use the uniform form (a few static parts for all masks
+    of a length, not one each)."""
     n, s = plan.world_size, plan.seqlen
     if s % n:
         return None
-    return contiguous_positions(s, n), not is_fixed(plan)
+    flat, uniform = contiguous_positions(s, n), not is_fixed(plan)
+    return (
+        build(flat, plan.positions, s, uniform=uniform),
+        build(plan.positions, flat, s, uniform=uniform),
+    )
 
 
 def plan_exchanges(plan: CPPlan) -> tuple[Exchange, Exchange] | None:
     """(dispatch, undispatch) between the contiguous split of the sequence over the plan's ranks
-    and its layout, or None when the length does not split evenly. Placements that depend on the
-    mask use the uniform form (a few static parts for all masks of a length, not one each)."""
-    split = _plan_placements(plan)
-    if split is None:
-        return None
-    flat, uniform = split
-    return (
-        make_exchange(flat, plan.positions, plan.seqlen, uniform=uniform),
-        make_exchange(plan.positions, flat, plan.seqlen, uniform=uniform),
-    )
+    and its layout, or None when the length does not split evenly (_both_ways)."""
+    return _both_ways(plan, make_exchange)
 
 
 def plan_exchange_rounds(plan: CPPlan) -> tuple[ExchangeRounds, ExchangeRounds] | None:
     """plan_exchanges' rounds and sizes alone, for the simulator."""
-    split = _plan_placements(plan)
-    if split is None:
-        return None
-    flat, uniform = split
-    return (
-        exchange_rounds(flat, plan.positions, plan.seqlen, uniform=uniform),
-        exchange_rounds(plan.positions, flat, plan.seqlen, uniform=uniform),
-    )
+    return _both_ways(plan, exchange_rounds)
