@@ -199,6 +199,15 @@ TIMING_POOL = (1 << 22) - 1
 
 
 @cache
+def _timing_pool(seed: int, dtype):
+    """TIMING_POOL normal values drawn from the seed, drawn once a run: every point's ranks
+    number their timing inputs from 0, and a CPU takes tens of milliseconds a draw."""
+    import jax
+
+    return jax.random.normal(jax.random.key(seed), (TIMING_POOL,), dtype)
+
+
+@cache
 def _repeat():
     """jitted (pool, shape) -> the pool's values repeated to fill the shape: every timing input
     from one compiled random draw and a small copy program per shape, where drawing each shape
@@ -499,9 +508,8 @@ class JaxRanks(Ranks):
         return {name: np.moveaxis(np.asarray(x), 0, 2)[:, : len(rows)] for name, x in refs.items()}
 
     def normal(self, shape: tuple[int, ...], seed: int):
-        """TIMING_POOL values drawn from the seed, repeated to the shape (_repeat)."""
-        pool = self.jax.random.normal(self.jax.random.key(seed), (TIMING_POOL,), self.dtype)
-        return _repeat()(pool, tuple(shape))
+        """The seed's TIMING_POOL values (_timing_pool), repeated to the shape (_repeat)."""
+        return _repeat()(_timing_pool(seed, self.dtype), tuple(shape))
 
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
         return _asked_heads(*self._draw(name, positions, heads, self.dtype))
