@@ -33,7 +33,7 @@ class PlanPieces:
         self.plan, self.impl, self.head_dim, self.dtype = plan, impl, head_dim, dtype
         self.pieces, index = jax_cp.distinct_pieces(plan)
         self.index = np.array(index).reshape(plan.ring_size, plan.num_steps)
-        self.intervals = jax_cp.interval_count(plan)
+        self.intervals = jax_cp.interval_count(plan, self.pieces)
         self.tiles = jax_cp.piece_tiles(impl, head_dim, dtype)
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}

@@ -241,15 +241,16 @@ def distinct_pieces(plan: CPPlan) -> tuple[list, list[int]]:
     return distinct, index
 
 
-def interval_count(plan: CPPlan) -> int:
+def interval_count(plan: CPPlan, pieces: list | None = None) -> int:
     """Key intervals per row in the executor's stacked mask arrays (an array shape of every
     kernel call): the widest piece's, rounded up to a power of two, at least MIN_INTERVALS.
+    pieces: the plan's distinct pieces where the caller has them (distinct_pieces).
 
     A mask whose rows see many key runs (random blocks) gives counts that vary between masks;
     rounded up, plans share a few counts and their compiled programs. The extra intervals are
     empty (lo == hi == 0).
     """
-    return _interval_count(distinct_pieces(plan)[0])
+    return _interval_count(distinct_pieces(plan)[0] if pieces is None else pieces)
 
 
 def _interval_count(pieces: list) -> int:
