@@ -194,6 +194,14 @@ class Mask:
         out_hi[g_rows, slot] = g_hi
         return out_lo, out_hi
 
+    def slice_depth(self) -> int:
+        """The most slices any query row lies in, in O(slices + seqlen_q): a bound on the K of
+        row_intervals (a row's touching intervals merge) that costs no per-row pass."""
+        q0, q1 = self.q_ranges[:, 0], self.q_ranges[:, 1]
+        n = self.seqlen_q + 1
+        starts = np.bincount(q0, minlength=n) - np.bincount(q1, minlength=n)
+        return int(np.cumsum(starts).max(initial=0))
+
     def row_intervals(self) -> tuple[np.ndarray, np.ndarray]:
         """Per query row, K visible key intervals [lo, hi) (sorted, merged; unused slots lo=hi=0).
 

@@ -112,32 +112,37 @@ class _Moves:
     carried: ExchangeRounds  # the rounds that carry them
 
 
-def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Moves:
-    """The moves from placement src to dst and the rounds that carry them (make_exchange)."""
-    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-    n = src.shape[0]
-    if dst.shape[0] != n:
-        raise ValueError(f"placements over {n} and {dst.shape[0]} ranks")
-    owner = np.full(seqlen, -1, np.int64)
+def _owners(src: np.ndarray, seqlen: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, row) holding each position < seqlen in placement src, checked to hold each once."""
+    at = np.flatnonzero(_holds_once(src, seqlen).ravel())
+    owner = np.zeros(seqlen, np.int64)
     row_of = np.zeros(seqlen, np.int64)
+    owner[src.ravel()[at]], row_of[src.ravel()[at]] = np.divmod(at, src.shape[1])
+    return owner, row_of
+
+
+def _holds_once(src: np.ndarray, seqlen: int) -> np.ndarray:
+    """The real (< seqlen) entries of a source placement, checked to hold each position once."""
     real = src < seqlen
-    ranks = np.broadcast_to(np.arange(n)[:, None], src.shape)
-    rows = np.broadcast_to(np.arange(src.shape[1])[None, :], src.shape)
     if np.bincount(src[real], minlength=seqlen).max(initial=1) != 1 or real.sum() != seqlen:
         raise ValueError("the source placement must hold every position < seqlen exactly once")
-    owner[src[real]] = ranks[real]
-    row_of[src[real]] = rows[real]
-    pad = dst >= seqlen
-    safe = np.where(pad, 0, dst)
-    from_rank = np.where(pad, -1, owner[safe])
-    from_row = row_of[safe]
-    moving = (from_rank >= 0) & (from_rank != np.arange(n)[:, None])
-    counts = np.zeros((n, n), np.int64)
-    np.add.at(counts, (from_rank[moving], np.nonzero(moving)[0]), 1)
+    return real
+
+
+def _placements(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    if dst.shape[0] != src.shape[0]:
+        raise ValueError(f"placements over {src.shape[0]} and {dst.shape[0]} ranks")
+    return src, dst
+
+
+def _carried(counts: np.ndarray, src_len: int, dst_len: int, uniform: bool) -> ExchangeRounds:
+    """The rounds that carry counts[j, i] rows from rank j to rank i (make_exchange)."""
+    n = counts.shape[0]
     most = int(counts.max(initial=0))
     if uniform:
         rounds = _shift_rounds(n) if most else []
-        common = min(1 << (most - 1).bit_length(), src.shape[1], dst.shape[1])
+        common = min(1 << (most - 1).bit_length(), src_len, dst_len)
         if most > common:
             raise ValueError(
                 f"a rank needs {most} rows from one peer, more than a uniform round carries "
@@ -147,22 +152,65 @@ def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Mov
     else:
         rounds = _rounds(counts)
         sizes = [max(int(counts[j, i]) for j, i in pairs) for pairs in rounds]
-    carried = ExchangeRounds(
+    return ExchangeRounds(
         num_ranks=n,
-        src_len=int(src.shape[1]),
-        dst_len=int(dst.shape[1]),
+        src_len=src_len,
+        dst_len=dst_len,
         rounds=tuple(tuple(p) for p in rounds),
         sizes=tuple(sizes),
     )
+
+
+def _pair_counts(from_rank: np.ndarray, dst_rank: np.ndarray, n: int) -> np.ndarray:
+    """(N, N) rows going from rank j to rank i != j."""
+    moving = from_rank != dst_rank
+    pairs = from_rank[moving] * n + dst_rank[moving]
+    return np.bincount(pairs, minlength=n * n).reshape(n, n)
+
+
+def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Moves:
+    """The moves from placement src to dst and the rounds that carry them (make_exchange)."""
+    src, dst = _placements(src, dst)
+    n = src.shape[0]
+    owner, row_of = _owners(src, seqlen)
+    pad = dst >= seqlen
+    safe = np.where(pad, 0, dst)
+    from_rank = np.where(pad, -1, owner[safe])
+    from_row = row_of[safe]
+    moving = (from_rank >= 0) & (from_rank != np.arange(n)[:, None])
+    dst_rank = np.broadcast_to(np.arange(n)[:, None], dst.shape)
+    counts = _pair_counts(from_rank[moving], dst_rank[moving], n)
+    carried = _carried(counts, int(src.shape[1]), int(dst.shape[1]), uniform)
     return _Moves(pad, from_rank, from_row, moving, carried)
 
 
 def exchange_rounds(
     src: np.ndarray, dst: np.ndarray, seqlen: int, *, uniform: bool = False
 ) -> ExchangeRounds:
-    """make_exchange's rounds and sizes alone (its tables are most of its cost: 64 ranks on
-    uniform rounds fill 63 padded tables)."""
-    return _moves(src, dst, seqlen, uniform).carried
+    """make_exchange's rounds and sizes alone, from the (source rank, destination rank) counts
+    (its tables are most of its cost: 64 ranks on uniform rounds fill 63 padded tables). When
+    one side is the contiguous split (a dispatch or its inverse), a position's rank there is
+    its index over the split's length: no owner table."""
+    src, dst = _placements(src, dst)
+    n = src.shape[0]
+    if _is_split(dst, seqlen):
+        real = _holds_once(src, seqlen)
+        from_rank = np.broadcast_to(np.arange(n)[:, None], src.shape)[real]
+        counts = _pair_counts(from_rank, src[real] // dst.shape[1], n)
+    else:
+        owner = src.ravel() // src.shape[1] if _is_split(src, seqlen) else _owners(src, seqlen)[0]
+        real = dst < seqlen
+        dst_rank = np.broadcast_to(np.arange(n)[:, None], dst.shape)[real]
+        counts = _pair_counts(owner[dst[real]], dst_rank, n)
+    return _carried(counts, int(src.shape[1]), int(dst.shape[1]), uniform)
+
+
+def _is_split(placement: np.ndarray, seqlen: int) -> bool:
+    """Whether a placement is the contiguous split of the sequence (contiguous_positions)."""
+    n, length = placement.shape
+    return n * length == seqlen and bool(
+        (placement == np.arange(seqlen, dtype=np.int64).reshape(n, length)).all()
+    )
 
 
 def make_exchange(

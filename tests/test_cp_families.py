@@ -52,6 +52,28 @@ def test_interval_count_is_the_executors_array_shape():
     assert arrays.num_intervals == jax_cp.interval_count(plan) == 1 << widest.bit_length()
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_interval_count_reads_rows_only_where_needed_and_agrees(seed):
+    """interval_count skips pieces whose slice depth cannot raise it; the count is still the
+    widest piece's row intervals, rounded up to a power of two, at least MIN_INTERVALS."""
+    from shard_strategies import jax_cp
+    from shard_strategies.jax_cp._api import MIN_INTERVALS, distinct_pieces
+
+    rng = np.random.default_rng(40 + seed)
+    n = 96
+    stripes = int(rng.integers(1, 12))  # rows see up to this many stripes of keys
+    width = n // stripes
+    k0 = np.arange(stripes) * width
+    k1 = k0 + rng.integers(1, width + 1, stripes)
+    mask = from_slices([[0, n]] * stripes, np.stack([k0, k1], 1), [0] * stripes, n)
+    plan = ss.make_plan(
+        mask, int(rng.choice([2, 4])), "ring", str(rng.choice(["contiguous", "zigzag"]))
+    )
+    pieces = distinct_pieces(plan)[0]
+    widest = max(p.row_intervals()[0].shape[1] for p in pieces)
+    assert jax_cp.interval_count(plan) == max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
 def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy, mode):

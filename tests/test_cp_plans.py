@@ -297,12 +297,21 @@ def test_exchange_delivers_every_token_and_its_rounds_alone_agree(n, uniform):
     tokens it delivers each destination row its token (padding rows zero), each round's pairs
     form a partial permutation whose sends cover exactly the rows that change rank, and
     exchange_rounds gives the same rounds and sizes without the tables."""
-    from shard_strategies.exchange import exchange_rounds, make_exchange
+    from shard_strategies.exchange import contiguous_positions, exchange_rounds, make_exchange
 
     rng = np.random.default_rng(n * 2 + uniform)
-    for seqlen, same in ((n * 11, False), (517, False), (517, True)):
+    cases = ((n * 11, "random"), (517, "random"), (517, "same"), (n * 8, "in"), (n * 8, "out"))
+    for seqlen, case in cases:  # in/out: from/to the contiguous split (dispatch, undispatch)
         src = _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
-        dst = src.copy() if same else _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
+        dst = (
+            src.copy()
+            if case == "same"
+            else _scattered_placement(rng, n, seqlen, int(rng.integers(0, 4)))
+        )
+        if case == "in":
+            src = contiguous_positions(seqlen, n)
+        elif case == "out":
+            src, dst = dst, contiguous_positions(seqlen, n)
         ex = make_exchange(src, dst, seqlen, uniform=uniform)
         tokens = np.where(src < seqlen, src + 1, 0).astype(np.float64)
         got = ex.apply(tokens[..., None])[..., 0]

@@ -61,13 +61,11 @@ def random_slices(rng, sq, sk, max_cuts=4):
 
 
 def brute_block_map(dense, bq, bk):
-    nq, nk = -(-dense.shape[0] // bq), -(-dense.shape[1] // bk)
-    out = np.zeros((nq, nk), np.int8)
-    for i in range(nq):
-        for j in range(nk):
-            t = dense[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
-            out[i, j] = BLOCK_FULL if t.all() else (BLOCK_PARTIAL if t.any() else BLOCK_EMPTY)
-    return out
+    """Each tile's visible cells counted on the dense mask, against its real cells."""
+    rows, cols = np.arange(0, dense.shape[0], bq), np.arange(0, dense.shape[1], bk)
+    seen = np.add.reduceat(np.add.reduceat(dense.astype(np.int64), rows, 0), cols, 1)
+    real = np.outer(np.diff(np.r_[rows, dense.shape[0]]), np.diff(np.r_[cols, dense.shape[1]]))
+    return np.where(seen == real, BLOCK_FULL, np.where(seen > 0, BLOCK_PARTIAL, BLOCK_EMPTY))
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -212,7 +210,7 @@ TILES = [(1, 1), (4, 8), (16, 16), (7, 5), (64, 32), (3, 100)]
 
 @pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("seed", range(40))
-def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
+def test_block_map_matches_brute(seed, chunk, monkeypatch):
     if chunk is not None:
         monkeypatch.setattr(tiles, "CHUNK_ENTRIES", chunk)
     rng = np.random.default_rng(500 + seed)
@@ -222,22 +220,23 @@ def test_block_map_from_slices_matches_rows_and_brute(seed, chunk, monkeypatch):
     dense = brute_dense(qr, kr, ty, sq, sk)
     for bq, bk in TILES:
         expected = brute_block_map(dense, bq, bk)
-        np.testing.assert_array_equal(tiles.block_map_from_slices(mask, bq, bk), expected)
-        np.testing.assert_array_equal(tiles.block_map_from_rows(mask, bq, bk), expected)
+        np.testing.assert_array_equal(tiles.block_map(mask, bq, bk), expected)
+
+
+def _assert_block_maps_brute(mask, tile_shapes, err_msg=""):
+    dense = brute_dense(mask.q_ranges, mask.k_ranges, mask.types, mask.seqlen_q, mask.seqlen_k)
+    for bq, bk in tile_shapes:
+        expected = brute_block_map(dense, bq, bk)
+        np.testing.assert_array_equal(tiles.block_map(mask, bq, bk), expected, err_msg=err_msg)
 
 
 @pytest.mark.parametrize("compat", [False, True])
 @pytest.mark.parametrize("name", MASK_NAMES)
-def test_block_map_routes_agree_on_every_mask(name, compat):
+def test_block_map_matches_brute_on_every_mask(name, compat):
     for n in (1024, 3072):
         params = {"block_size": 64} if name == "block_causal_document" and n % 1024 else {}
         m = make_mask(name, n, seed=n, window=37, reference_compat=compat, **params)
-        for bq, bk in [(128, 128), (64, 128), (128, 32), (100, 70)]:
-            np.testing.assert_array_equal(
-                tiles.block_map_from_slices(m, bq, bk),
-                tiles.block_map_from_rows(m, bq, bk),
-                err_msg=name,
-            )
+        _assert_block_maps_brute(m, [(128, 128), (64, 128), (128, 32), (100, 70)], name)
 
 
 @pytest.mark.parametrize(
@@ -249,23 +248,32 @@ def test_block_map_routes_agree_on_every_mask(name, compat):
     ],
     ids=["uniform64", "uniform48_ragged", "variable"],
 )
-def test_block_map_routes_agree_on_block_sparse(mask):
-    for bq, bk in [(128, 128), (64, 64), (64, 128), (32, 96), (100, 70)]:
-        np.testing.assert_array_equal(
-            tiles.block_map_from_slices(mask, bq, bk), tiles.block_map_from_rows(mask, bq, bk)
-        )
+def test_block_map_matches_brute_on_block_sparse(mask):
+    _assert_block_maps_brute(mask, [(128, 128), (64, 64), (64, 128), (32, 96), (100, 70)])
 
 
-def test_fragmented_mask_never_builds_row_intervals():
-    m = uniform_block_sparse(1024, 16, 0.5)
-    bm = m.block_map(32, 32)
-    bl = m.block_lists(32, 32)
-    assert "_row_intervals" not in m.__dict__
-    np.testing.assert_array_equal(bm, tiles.block_map_from_rows(m, 32, 32))
-    assert bl.kv.count.sum() == (bm > 0).sum()
-    doc = make_mask("causal_document", 4096)
-    doc.block_map(128, 128)
-    assert "_row_intervals" in doc.__dict__
+@pytest.mark.parametrize("seed", range(30))
+def test_slice_depth_counts_slices_per_row_and_bounds_intervals(seed):
+    rng = np.random.default_rng(900 + seed)
+    sq, sk = int(rng.integers(1, 90)), int(rng.integers(1, 90))
+    qr, kr, ty = random_slices(rng, sq, sk, max_cuts=8)
+    whole = from_slices(qr, kr, ty, sq, sk)
+    keep = np.sort(rng.choice(sq, size=int(rng.integers(1, sq + 1)), replace=False))
+    for mask in (whole, whole.restrict(rng.permutation(keep), np.arange(sk))):
+        per_row = np.zeros(mask.seqlen_q, np.int64)
+        for a, b in mask.q_ranges:
+            per_row[a:b] += 1
+        assert mask.slice_depth() == per_row.max(initial=0)
+        assert mask.row_intervals()[0].shape[1] <= max(mask.slice_depth(), 1)
+
+
+def test_block_map_never_builds_row_intervals():
+    for m in (uniform_block_sparse(1024, 16, 0.5), make_mask("causal_document", 4096)):
+        m.__dict__.pop("_row_intervals", None)  # from_slices reads them to validate the slices
+        bm = m.block_map(32, 32)
+        bl = m.block_lists(32, 32)
+        assert "_row_intervals" not in m.__dict__
+        assert bl.kv.count.sum() == (bm > 0).sum()
 
 
 def test_block_sparse_131k_block_map_is_fast_and_exact():

@@ -254,8 +254,13 @@ def interval_count(plan: CPPlan, pieces: list | None = None) -> int:
 
 
 def _interval_count(pieces: list) -> int:
-    widest = max(p.row_intervals()[0].shape[1] for p in pieces)
-    return max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
+    """Reads a piece's rows only where its slice depth could raise the count so far."""
+    count = MIN_INTERVALS
+    for piece in pieces:
+        if piece.slice_depth() > count:
+            widest = piece.row_intervals()[0].shape[1]
+            count = max(count, 1 << (widest - 1).bit_length())
+    return count
 
 
 def distinct_mask_arrays(
