@@ -379,6 +379,22 @@ def test_report_skips_corrupt_lines_and_says_where(tmp_path):
     assert [r.split(",")[0] for r in rows] == [r["key"] for r in good]
 
 
+def test_a_gzipped_results_file_reads_as_the_plain_one(tmp_path, capsys):
+    """A results file kept compressed (name ending .gz) gives the same records and the same
+    skipped lines as the plain file."""
+    import gzip
+
+    from experiments.core.results import read_json_lines
+
+    good = [_fake_record("pallas", n, "ok") for n in (1024, 2048)]
+    text = "\n".join([json.dumps(good[0]), '{"torn', json.dumps(good[1])]) + "\n"
+    plain, packed = tmp_path / "results.jsonl", tmp_path / "results.jsonl.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    assert read_json_lines(packed) == read_json_lines(plain) == good
+    assert capsys.readouterr().err.count("): line 2") == 2
+
+
 def test_a_sweep_says_once_which_lines_it_skips_and_reruns_their_points(tmp_path, capsys):
     """Every read of a run (resume, statuses, report) skips the lines; one line says so."""
     args = ["--framework=jax", "--impl=reference", "--mask=full", "--mode=fwd", *TINY[1:-1]]

@@ -64,6 +64,61 @@ def test_jax_chains_subtract_the_flushes_and_divide_by_the_chain():
     assert 0.7 * CALL_S * 1e3 < np.median(times) < (CALL_S + FLUSH_S / 2) * 1e3
 
 
+class JitteryFlush(SleepyFlush):
+    """A flush that is slow when it follows another flush (the chains of flushes alone) while
+    `slow_chains` of them are left: host jitter that makes a chain of calls look shorter than
+    its flushes."""
+
+    def __init__(self, slow_chains: float) -> None:
+        super().__init__()
+        self.slow_chains, self.after_flush = slow_chains, False
+
+    def enqueue(self) -> None:
+        if self.after_flush and self.slow_chains > 0:
+            time.sleep(FLUSH_S)
+        self.after_flush = True
+        self.count += 1
+
+    def mark_call(self) -> None:
+        if self.after_flush is True and self.slow_chains > 0:
+            self.slow_chains -= 1  # a chain of calls has begun: one slow measurement is over
+        self.after_flush = False
+
+
+def test_jax_chains_measure_again_when_jitter_makes_a_time_negative():
+    """The first measurement's flush chains are slow (times below zero): the call is measured
+    again with chains twice as long, and what comes back is the call's time."""
+    flush, calls = JitteryFlush(slow_chains=1), []
+
+    def fn(*args):
+        flush.mark_call()
+        time.sleep(CALL_S)
+        calls.append(1)
+        return np.ones(3, np.float32)
+
+    times = timing.jax_time_calls(fn, (), warmup=1, iters=2, flush=flush, chain_ms=20)
+    n = timing.chain_length(CALL_S * 1e3, 20)
+    assert len(calls) in {1 + 2 * n + 2 * 2 * n, 1 + 2 * (n - 1) + 2 * 2 * (n - 1)}
+    assert all(0.7 * CALL_S * 1e3 < t < (CALL_S + FLUSH_S / 2) * 1e3 for t in times)
+
+
+def test_jax_chains_raise_when_every_measurement_stays_negative():
+    """Flush chains always slower than the calls' (3 calls a chain, then 6, then 12): after
+    CHAIN_TRIES measurements the timing raises instead of returning a time below zero."""
+    flush, calls = JitteryFlush(slow_chains=float("inf")), []
+
+    def fn(*args):
+        flush.mark_call()
+        time.sleep(CALL_S)
+        calls.append(1)
+        return np.ones(3, np.float32)
+
+    with pytest.raises(RuntimeError, match="took no longer than its flushes alone"):
+        timing.jax_time_calls(fn, (), warmup=1, iters=1, flush=flush, chain_ms=25)
+    n = timing.chain_length(CALL_S * 1e3, 25)
+    assert len(calls) in {1 + n * 7, 1 + (n - 1) * 7}  # chains of n, 2n and 4n calls
+
+
 def test_jax_one_call_at_a_time_flushes_outside_the_clock():
     calls, flush = [], SleepyFlush()
     times = timing.jax_time_calls(_sleepy_call(calls), (), warmup=2, iters=4, flush=flush)

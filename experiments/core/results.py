@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import json
 import math
 import os
@@ -135,12 +136,13 @@ def read_json_lines(
     path: str | os.PathLike, keep: Callable[[dict], bool] = is_results_line
 ) -> list[dict]:
     """The JSON-object lines of a file that `keep` accepts (none if it does not exist); the
-    others (torn by a kill, corrupt, missing fields) are skipped and reported once on stderr."""
+    others (torn by a kill, corrupt, missing fields) are skipped and reported once on stderr.
+    A name ending in .gz is read through gzip (large committed runs are kept compressed)."""
     path = Path(path)
     if not path.exists():
         return []
     kept, skipped = [], []
-    with path.open("rb") as f:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
         for number, raw in enumerate(f, 1):
             line = _json_object(raw)
             if line is not None and keep(line):
