@@ -19,7 +19,7 @@ import numpy as np
 from .plan import CPPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExchangeRounds:
     """The shape of an exchange: its rounds' (source rank, destination rank) pairs and the rows
     each sending rank sends a round; what the simulator charges, without the tables."""
@@ -32,7 +32,7 @@ class ExchangeRounds:
 
 
 @dataclass(frozen=True, eq=False)
-class Exchange:
+class Exchange(ExchangeRounds):
     """Rounds of point-to-point sends that turn one placement into another.
 
     rounds[r]: the (source rank, destination rank) pairs of round r (each rank sends at most once
@@ -43,17 +43,8 @@ class Exchange:
     sent, and padding rows of the destination read the zero row.
     """
 
-    num_ranks: int
-    src_len: int
-    dst_len: int
-    rounds: tuple[tuple[tuple[int, int], ...], ...]
     send: tuple[np.ndarray, ...]
     gather: np.ndarray
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Rows each sending rank sends in each round (the pairs' counts, padded to the largest)."""
-        return tuple(int(s.shape[1]) for s in self.send)
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """(N, src_len, ...) -> (N, dst_len, ...) on the host: what the collective rounds do."""
@@ -251,6 +242,7 @@ def make_exchange(
         src_len=carried.src_len,
         dst_len=carried.dst_len,
         rounds=carried.rounds,
+        sizes=carried.sizes,
         send=tuple(tables[:, column[k] : column[k + 1]] for k in range(len(carried.rounds))),
         gather=gather.astype(np.int32),
     )
