@@ -227,7 +227,7 @@ class Mask:
     def block_map(self, block_q: int, block_k: int) -> np.ndarray:
         """Per (q tile, k tile): 0 empty, 1 partial, 2 fully visible (over the real rows/cols).
 
-        Built from per-row intervals or the slices, never from an Sq x Sk matrix; cached per tile
+        Built from the slice geometry, never from an Sq x Sk matrix; cached per tile
         shape.
         """
         cache = self.__dict__.setdefault("_block_map_cache", {})

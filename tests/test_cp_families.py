@@ -70,8 +70,13 @@ def test_interval_count_reads_rows_only_where_needed_and_agrees(seed):
         mask, int(rng.choice([2, 4])), "ring", str(rng.choice(["contiguous", "zigzag"]))
     )
     pieces = distinct_pieces(plan)[0]
+    for piece in pieces:  # nothing read yet: restricted pieces are built from slices
+        assert "_row_intervals" not in piece.__dict__
+    count = jax_cp.interval_count(plan, pieces)
+    shallow = [p for p in pieces if p.slice_depth() <= MIN_INTERVALS]
+    assert not any("_row_intervals" in p.__dict__ for p in shallow)  # skipped: never read
     widest = max(p.row_intervals()[0].shape[1] for p in pieces)
-    assert jax_cp.interval_count(plan) == max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
+    assert count == max(MIN_INTERVALS, 1 << (widest - 1).bit_length())
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])

@@ -393,6 +393,11 @@ def test_a_gzipped_results_file_reads_as_the_plain_one(tmp_path, capsys):
     packed.write_bytes(gzip.compress(text.encode()))
     assert read_json_lines(packed) == read_json_lines(plain) == good
     assert capsys.readouterr().err.count("): line 2") == 2
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in good * 200).encode())
+    packed.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    first = read_json_lines(packed)
+    assert 0 < len(first) < 400 and all(r in good for r in first)
+    assert "is cut short" in capsys.readouterr().err
 
 
 def test_a_sweep_says_once_which_lines_it_skips_and_reruns_their_points(tmp_path, capsys):

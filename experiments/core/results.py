@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -137,18 +138,22 @@ def read_json_lines(
 ) -> list[dict]:
     """The JSON-object lines of a file that `keep` accepts (none if it does not exist); the
     others (torn by a kill, corrupt, missing fields) are skipped and reported once on stderr.
-    A name ending in .gz is read through gzip (large committed runs are kept compressed)."""
+    A name ending in .gz is read through gzip (large committed runs are kept compressed); a
+    compressed file cut short gives its lines up to the cut, and says so on stderr."""
     path = Path(path)
     if not path.exists():
         return []
     kept, skipped = [], []
     with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            line = _json_object(raw)
-            if line is not None and keep(line):
-                kept.append(line)
-            elif raw.strip():
-                skipped.append(number)
+        try:
+            for number, raw in enumerate(f, 1):
+                line = _json_object(raw)
+                if line is not None and keep(line):
+                    kept.append(line)
+                elif raw.strip():
+                    skipped.append(number)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            print(f"{path} is cut short ({e}): read its lines before the cut", file=sys.stderr)
     _skipped_lines.report(path, skipped)
     return kept
 

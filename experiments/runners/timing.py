@@ -12,8 +12,9 @@ frameworks' terms:
   subtracted and the rest divided by n. The host's launch and synchronisation are paid once a
   chain, so both frameworks measure the device's time per call. A sample that comes out at
   or below zero (host jitter longer than the call: once in 3630 timed calls of a CP predictor
-  run) has the call measured again with chains twice as long, up to CHAIN_TRIES measurements,
-  then raises; runs whose ranks share a barrier measure once, as all ranks must.
+  run) has the call measured again with chains twice as long (past MAX_CHAIN), CHAIN_TRIES
+  measurements in all, then raises. Runs whose ranks share a barrier measure once and keep what
+  they measure: a rank that measured again, or raised, alone would leave the others waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 GIB = float(1 << 30)
-MAX_CHAIN = 64  # calls in one chain at most (a chain of short calls)
+MAX_CHAIN = 64  # calls in a chain of short calls at most (a measurement again doubles it)
 FLUSH_SAMPLES = 3  # chains of flushes alone, whose median is subtracted
 CHAIN_TRIES = 3  # measurements of a call, each chain twice as long, until its times are > 0
 
@@ -170,7 +171,8 @@ def _jax_chains(
 def _positive_times(measure: Callable[[int], tuple], n: int, tries: int) -> tuple:
     """measure(n) -> (per-call ms, extra), measured again with chains twice as long while a
     time is not positive (the flushes' own chains took longer than the calls': host jitter),
-    at most `tries` times in all; raises when the last measurement still has one."""
+    at most `tries` times in all; with tries > 1, raises when the last measurement still has
+    one (tries == 1: a barrier's ranks, which must all measure alike, keep it)."""
     for _ in range(tries - 1):
         times, extra = measure(n)
         if min(times, default=1.0) > 0:

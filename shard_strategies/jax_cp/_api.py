@@ -254,10 +254,11 @@ def interval_count(plan: CPPlan, pieces: list | None = None) -> int:
 
 
 def _interval_count(pieces: list) -> int:
-    """Reads a piece's rows only where its slice depth could raise the count so far."""
+    """Reads a piece's rows only where its slice depth, rounded up as the count is, could
+    raise the count so far."""
     count = MIN_INTERVALS
     for piece in pieces:
-        if piece.slice_depth() > count:
+        if 1 << (max(piece.slice_depth(), 1) - 1).bit_length() > count:
             widest = piece.row_intervals()[0].shape[1]
             count = max(count, 1 << (widest - 1).bit_length())
     return count
