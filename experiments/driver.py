@@ -268,15 +268,18 @@ def _is_writer(settings: Settings) -> bool:
     return jax is None or jax.process_index() == 0
 
 
-def _lazy_runner(make, points: list[Point]):
+def _lazy_runner(make, points: list[Point], store: ResultsStore | None = None):
     """A runner_for(point) that builds one runner on first use (imports happen then) and tells
-    it the points it will be given (the CP predictor compiles a problem's programs at once)."""
+    it the points it will be given (the CP predictor compiles a problem's programs at once) and,
+    where a simulated point is among them, the records of `store` (a resumed CP prediction
+    takes its single-device baselines from them instead of running them again)."""
     cache: list = []
 
     def runner_for(point: Point):
         if not cache:
             cache.append(make())
-            cache[0].expect(points)
+            simulated = store is not None and any(p.simulated for p in points)
+            cache[0].expect(points, store.records() if simulated else ())
         return cache[0]
 
     return runner_for
@@ -358,7 +361,7 @@ def _run_torch(
     if here:
         sweep.run_points(
             here,
-            _lazy_runner(lambda: _torch_runner(settings), here),
+            _lazy_runner(lambda: _torch_runner(settings), here, store),
             store=store,
             progress=progress,
             provenance=prov,
@@ -524,7 +527,7 @@ def _sweep(settings: Settings, run_plan: Plan, writer: bool, say) -> None:
     jax_points = [p for p in todo if p.framework == "jax"]
     sweep.run_points(
         jax_points,
-        _lazy_runner(lambda: _jax_runner(settings), jax_points),
+        _lazy_runner(lambda: _jax_runner(settings), jax_points, store),
         store=store if writer else None,
         progress=progress,
         provenance=prov,

@@ -1853,3 +1853,61 @@ def test_a_long_call_is_sampled_once(first_ms, samples):
     assert times == [first_ms] * samples
     assert made == [("call",)]  # made ready (and run untimed) once
     assert sum(n for _, n in asked) == samples and asked[0] == (2, 1)
+
+
+def test_a_resumed_prediction_takes_its_baselines_from_the_records(tmp_path, monkeypatch):
+    """A run resumed in the same folder states the single-device baseline its records hold
+    (same key and TFLOP/s, no seconds charged) instead of running the kernel point again."""
+    from experiments import run
+    from experiments.core.results import read_records
+    from experiments.runners.jax_runner import JaxRunner
+
+    kernel_runs = []
+    real = JaxRunner.run
+
+    def recording(self, point):
+        kernel_runs.extend([] if point.simulated else [point.key])
+        return real(self, point)
+
+    monkeypatch.setattr(JaxRunner, "run", recording)
+    args = [
+        "--framework=jax", "--cp=ring", "--mask=causal", "--seqlen=16", "--heads_q=2",
+        "--heads_kv=1", "--head_dim=16", "--dtype=fp32", "--mode=fwd", "--warmup=0",
+        "--iters=1", "--simulate_devices=2", f"--out_dir={tmp_path}", "--report=false",
+    ]  # fmt: skip
+    assert run.run_cli([*args, "--layout=contiguous"]) == 0
+    assert len(kernel_runs) == 1
+    assert run.run_cli([*args, "--layout=contiguous,zigzag"]) == 0
+    assert len(kernel_runs) == 1, "the resumed run ran no baseline"
+    recs = {r["point"]["layout"]: r for r in read_records(tmp_path / "results.jsonl")}
+    first, resumed = (recs[lay]["masks"][0]["simulation"] for lay in ("contiguous", "zigzag"))
+    assert resumed["single_device"] == first["single_device"]
+    assert first["single_device"]["status"] == "ok" and resumed["wall_s"]["baseline"] == 0
+    assert recs["zigzag"]["metrics"]["efficiency_pct"] == pytest.approx(
+        100 * recs["zigzag"]["metrics"]["tflops"]["median"] / first["single_device"]["tflops"]
+    )
+
+
+def test_recorded_baselines_keep_what_records_state_in_full():
+    from experiments.runners.cp_simulate import recorded_baselines
+
+    def rec(*singles):
+        return {"masks": [{"index": i, "simulation": {"single_device": s}} for i, s in singles]}
+
+    ok = {"key": "k1", "status": "ok", "reason": None, "seqlen": 64}
+    two = rec(
+        (1, {**ok, "time_ms": 2.0, "tflops": 5.0}), (0, {**ok, "time_ms": 1.0, "tflops": 4.0})
+    )
+    oom = rec((0, {"key": "k2", "status": "oom", "reason": "too big", "seqlen": 99}))
+    scaled = rec(
+        (0, {"key": "k3", "status": "scaled", "reason": "cap", "seqlen": 64, "tflops": 3.0})
+    )
+    error = rec((0, {"key": "k4", "status": "error", "reason": "crash", "seqlen": 64}))
+    partial = rec((0, {"key": "k5", "status": "ok", "reason": None, "seqlen": 64, "tflops": 1.0}))
+    got = recorded_baselines([two, oom, scaled, error, partial, {"masks": []}, {}])
+    assert set(got) == {"k1", "k2"}
+    assert got["k1"]["result"]["masks"] == [
+        {"time_ms": {"median": 1.0}, "tflops": {"median": 4.0}},
+        {"time_ms": {"median": 2.0}, "tflops": {"median": 5.0}},
+    ]
+    assert got["k2"] == {"key": "k2", "status": "oom", "reason": "too big", "seqlen": 99}

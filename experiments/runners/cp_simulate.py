@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
 from experiments.core.flags import COMPILE_THREADS
-from experiments.core.outcomes import SCALED, UNSUPPORTED, WRONG, PointFailure
+from experiments.core.outcomes import ERROR, SCALED, UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
@@ -62,6 +63,38 @@ def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
         link="",
         grid=f"{point.grid}_single_device",
     )
+
+
+def recorded_baselines(records: Iterable[dict]) -> dict[str, dict]:
+    """The single-device baselines that simulated records state in full, by kernel point key,
+    as CPSimulator.baseline gives them: those run at their own length ("ok", with each mask's
+    time and TFLOP/s; a checked run, or the record would not say ok) and those that could not
+    run (status and reason; an error is tried again). Records of a baseline scaled from a cap
+    leave no time of the cap's run; the record of a point at the cap's length states it."""
+    found: dict[str, dict] = {}
+    for rec in records:
+        singles = [(m.get("index", 0), (m.get("simulation") or {}).get("single_device"))
+                   for m in rec.get("masks") or []]  # fmt: skip
+        if not singles or any(not s or "key" not in s for _, s in singles):
+            continue
+        first = singles[0][1]
+        entry = {k: first.get(k) for k in ("key", "status", "reason", "seqlen")}
+        if first["status"] == "ok":
+            by_index = dict(singles)
+            if sorted(by_index) != list(range(len(by_index))) or any(
+                "time_ms" not in s or "tflops" not in s for s in by_index.values()
+            ):
+                continue
+            entry["result"] = {
+                "masks": [
+                    {"time_ms": {"median": s["time_ms"]}, "tflops": {"median": s["tflops"]}}
+                    for _, s in sorted(by_index.items())
+                ]
+            }
+        elif first["status"] in (SCALED, ERROR):
+            continue
+        found[first["key"]] = entry
+    return found
 
 
 def _digest(x: tuple) -> str:
@@ -137,12 +170,15 @@ class CPSimulator:
         self._masks: list = []
         self._plans: dict[tuple, tuple] = {}
 
-    def expect(self, points: list[Point]) -> None:
+    def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
         """The points this simulator will be given, in order: a problem's first point then
         compiles the new step programs of the points right after it of the same problem (its
-        other strategies, layouts and modes) side by side with its own."""
+        other strategies, layouts and modes) side by side with its own. `recorded`: the run's
+        records so far, whose single-device baselines a resumed run takes instead of running
+        them again (recorded_baselines)."""
         self._expected = [p for p in points if p.simulated]
         self._position = {p.key: i for i, p in enumerate(self._expected)}
+        self._baselines.update(recorded_baselines(recorded))
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +238,10 @@ class JaxRunner:
             point, mask, index, times, peak, source, check.as_dict(), extra, dispatch
         )
 
-    def expect(self, points: list[Point]) -> None:
-        """The points this runner will be given, in order (the CP predictor looks ahead)."""
-        self.simulator.expect(points)
+    def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
+        """The points this runner will be given, in order (the CP predictor looks ahead), and
+        the run's records so far (whose single-device baselines it takes)."""
+        self.simulator.expect(points, recorded)
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""

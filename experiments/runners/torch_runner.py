@@ -9,7 +9,7 @@ rank instead of hanging the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -252,9 +252,10 @@ class TorchRunner:
             point, mask, index, slowest, peak_max, source, check, extra, dispatch
         )
 
-    def expect(self, points: list[Point]) -> None:
-        """The points this runner will be given, in order (the CP predictor looks ahead)."""
-        self.simulator.expect(points)
+    def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
+        """The points this runner will be given, in order (the CP predictor looks ahead), and
+        the run's records so far (whose single-device baselines it takes)."""
+        self.simulator.expect(points, recorded)
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
