@@ -365,6 +365,14 @@ def main(argv: list[str]) -> None:
             "pieces not in today's plans)"
         )
     calls = timed_calls(records)
+    faults = [c for c in calls if c.get("median", 1.0) <= 0]
+    if faults:
+        calls = [c for c in calls if c not in faults]
+        print(
+            f"left out: {len(faults)} timed calls whose median is at or below zero (a chained "
+            "timing's flushes outlasting its calls, from before that was measured again): "
+            + ", ".join(f"{c.get('call')} {c.get('median')} ms" for c in faults[:3])
+        )
     if not calls:
         raise app.UsageError(
             f"--results={','.join(FLAGS.results)}: no timed calls listed (records from before "

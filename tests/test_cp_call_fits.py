@@ -211,3 +211,20 @@ def test_calibrated_calls_plot_one_panel_per_feature_set(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cp_call_fits.plot_calibrated(calls[:10], str(tmp_path / "none.png")) is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_timed_call_below_zero_is_left_out_and_named(tmp_path):
+    """A timing fault (a median at or below zero) is said and left out: the exact calls beside
+    it still score 0% (with it, its class's fits would go wrong and its error be unbounded)."""
+    rng = np.random.default_rng(3)
+    law = lambda c: 20.0 + c["heads"] * (0.1 * c["full"] + 0.3 * c["partial"])  # noqa: E731
+    calls = _calls(rng, 10, law, cls="a") + _calls(rng, 10, law, cls="b", heads=16)
+    fault = {**_calls(rng, 1, law, cls="a")[0], "id": "a-fault", "median": -0.5}
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_record("p", {"timed_calls": [*calls, fault]})) + "\n")
+    cmd = [sys.executable, "experiments/cp_call_fits.py", f"--results={results}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "left out: 1 timed calls whose median is at or below zero" in out
+    assert "attend -0.5 ms" in out and "20 distinct timed calls" in out
+    exact = "0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
+    assert f"| spans | {exact}" in out
