@@ -92,17 +92,6 @@ def _shift_rounds(n: int) -> list[list[tuple[int, int]]]:
     return [[(j, (j + s) % n) for j in range(n)] for s in range(1, n)]
 
 
-@dataclass(frozen=True, eq=False)
-class _Moves:
-    """Where every destination row of a placement change comes from (make_exchange)."""
-
-    pad: np.ndarray  # (N, Ld) destination rows that are padding
-    from_rank: np.ndarray  # (N, Ld) the source rank of each row (-1: padding)
-    from_row: np.ndarray  # (N, Ld) its row there
-    moving: np.ndarray  # (N, Ld) rows that change rank
-    carried: ExchangeRounds  # the rounds that carry them
-
-
 def _owners(src: np.ndarray, seqlen: int) -> tuple[np.ndarray, np.ndarray]:
     """(rank, row) holding each position < seqlen in placement src, checked to hold each once."""
     at = np.flatnonzero(_holds_once(src, seqlen).ravel())
@@ -128,7 +117,7 @@ def _placements(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _carried(counts: np.ndarray, src_len: int, dst_len: int, uniform: bool) -> ExchangeRounds:
-    """The rounds that carry counts[j, i] rows from rank j to rank i (make_exchange)."""
+    """The rounds that carry counts[j, i] rows from rank j to rank i."""
     n = counts.shape[0]
     most = int(counts.max(initial=0))
     if uniform:
@@ -157,22 +146,6 @@ def _pair_counts(from_rank: np.ndarray, dst_rank: np.ndarray, n: int) -> np.ndar
     moving = from_rank != dst_rank
     pairs = from_rank[moving] * n + dst_rank[moving]
     return np.bincount(pairs, minlength=n * n).reshape(n, n)
-
-
-def _moves(src: np.ndarray, dst: np.ndarray, seqlen: int, uniform: bool) -> _Moves:
-    """The moves from placement src to dst and the rounds that carry them (make_exchange)."""
-    src, dst = _placements(src, dst)
-    n = src.shape[0]
-    owner, row_of = _owners(src, seqlen)
-    pad = dst >= seqlen
-    safe = np.where(pad, 0, dst)
-    from_rank = np.where(pad, -1, owner[safe])
-    from_row = row_of[safe]
-    moving = (from_rank >= 0) & (from_rank != np.arange(n)[:, None])
-    dst_rank = np.broadcast_to(np.arange(n)[:, None], dst.shape)
-    counts = _pair_counts(from_rank[moving], dst_rank[moving], n)
-    carried = _carried(counts, int(src.shape[1]), int(dst.shape[1]), uniform)
-    return _Moves(pad, from_rank, from_row, moving, carried)
 
 
 def exchange_rounds(
@@ -216,15 +189,24 @@ def make_exchange(
     rounds and, but for that size, the shapes (a few compilations, not one per mask), at the
     cost of padding; otherwise the fewest rounds the counts need (greedy edge colouring).
     """
-    m = _moves(src, dst, seqlen, uniform)
-    n, carried = m.carried.num_ranks, m.carried
+    src, dst = _placements(src, dst)
+    n = src.shape[0]
+    owner, row_of = _owners(src, seqlen)
+    pad = dst >= seqlen
+    safe = np.where(pad, 0, dst)
+    from_rank = np.where(pad, -1, owner[safe])
+    from_row = row_of[safe]
+    moving = (from_rank >= 0) & (from_rank != np.arange(n)[:, None])
+    # every moving destination row: its (source rank, destination rank) pair
+    dst_rank, slot = np.nonzero(moving)
+    src_rank = from_rank[dst_rank, slot]
+    counts = _pair_counts(src_rank, dst_rank, n)
+    carried = _carried(counts, int(src.shape[1]), int(dst.shape[1]), uniform)
     round_of = np.full((n, n), -1, np.int64)
     for r, pairs in enumerate(carried.rounds):
         round_of[tuple(np.array(pairs).T)] = r
-    # every moving destination row, grouped by its (source rank, destination rank) pair in
-    # destination order: its place in the pair's send table and in the receiving pool
-    dst_rank, slot = np.nonzero(m.moving)
-    src_rank = m.from_rank[dst_rank, slot]
+    # the moving rows grouped by pair in destination order: each one's place in its pair's
+    # send table and in the receiving pool
     order = np.lexsort((slot, dst_rank, src_rank))
     dst_rank, slot, src_rank = dst_rank[order], slot[order], src_rank[order]
     pair = src_rank * n + dst_rank
@@ -233,16 +215,12 @@ def make_exchange(
     column = np.cumsum([0, *carried.sizes])  # each round's first column of the stacked tables
     r = round_of[src_rank, dst_rank]
     tables = np.zeros((n, column[-1]), np.int32)
-    tables[src_rank, column[r] + place] = m.from_row[dst_rank, slot]
-    gather = np.where(m.pad, 0, m.from_row)  # own rows: their local index
+    tables[src_rank, column[r] + place] = from_row[dst_rank, slot]
+    gather = np.where(pad, 0, from_row)  # own rows: their local index
     gather[dst_rank, slot] = carried.src_len + column[r] + place
-    gather[m.pad] = carried.src_len + column[-1]  # the zero row
+    gather[pad] = carried.src_len + column[-1]  # the zero row
     return Exchange(
-        num_ranks=n,
-        src_len=carried.src_len,
-        dst_len=carried.dst_len,
-        rounds=carried.rounds,
-        sizes=carried.sizes,
+        **vars(carried),
         send=tuple(tables[:, column[k] : column[k + 1]] for k in range(len(carried.rounds))),
         gather=gather.astype(np.int32),
     )
