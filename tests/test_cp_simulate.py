@@ -1834,25 +1834,80 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
     assert not bad.ok and "dk" in bad.message, bad.message
 
 
-@pytest.mark.parametrize("first_ms,samples", [(250.0, 1), (3.0, 3)])
-def test_a_long_call_is_sampled_once(first_ms, samples):
+@pytest.mark.parametrize(
+    "first_ms, warm, warmup, samples, by_first_run",
+    [(250.0, False, 2, 1, False), (3.0, False, 2, 3, False), (30.0, True, 0, 1, True),
+     (30.0, True, 2, 3, False), (3.0, True, 0, 3, False), (250.0, True, 0, 1, True)],
+)  # fmt: skip
+def test_a_long_call_is_sampled_once(first_ms, warm, warmup, samples, by_first_run):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
-    long, and `iters` of a shorter one, each after one untimed run of the call."""
+    long, and `iters` of a shorter one, each after one run of the call; a warm call (its
+    program ran before) asked for no warm-up is timed by that first run where it takes
+    FIRST_RUN_MS or more, and samples nothing more."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import LONG_CALL_MS, Ranks
+    from experiments.runners.cp_ranks import FIRST_RUN_MS, LONG_CALL_MS, Ranks
 
-    assert first_ms >= LONG_CALL_MS or first_ms * 10 < LONG_CALL_MS
+    for t in (LONG_CALL_MS, FIRST_RUN_MS):
+        assert first_ms >= t or first_ms * 3 < t
     made, asked = [], []
 
     def timer(call):
         made.append(call)
-        return lambda warmup, iters: asked.append((warmup, iters)) or [first_ms] * iters
+        return first_ms, lambda w, iters: asked.append((w, iters)) or [first_ms] * iters
 
-    times = Ranks.time(SimpleNamespace(timer=timer), ("call",), 2, 3)
-    assert times == [first_ms] * samples
-    assert made == [("call",)]  # made ready (and run untimed) once
-    assert sum(n for _, n in asked) == samples and asked[0] == (2, 1)
+    times = Ranks.time(SimpleNamespace(timer=timer), ("call",), warmup, 3, warm=warm)
+    assert times.ms == [first_ms] * samples and times.by_first_run == by_first_run
+    assert made == [("call",)]  # made ready (and run) once
+    if by_first_run:
+        assert asked == []
+    else:
+        assert sum(n for _, n in asked) == samples and asked[0] == (warmup, 1)
+
+
+def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplog):
+    """Where every warm call may be timed by its first run (FIRST_RUN_MS 0), those first runs
+    trace and compile no program (their class's program ran before: one program a class), the
+    first call of each class is not timed so, and the records say which calls were."""
+    import logging
+
+    import jax
+
+    from experiments.runners import cp_ranks, cp_ranks_jax
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(cp_ranks, "FIRST_RUN_MS", 0.0)
+    real_first, runs = cp_ranks_jax.timing.jax_first_ms, []
+
+    def first_ms(fn, args, flush=None):
+        before = len(caplog.records)
+        ms = real_first(fn, args, flush)
+        logged = [r.getMessage() for r in caplog.records[before:]]
+        runs.append([m for m in logged if "compil" in m.lower() or "trac" in m.lower()])
+        return ms
+
+    monkeypatch.setattr(cp_ranks_jax.timing, "jax_first_ms", first_ms)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), seqlen=64)
+    logged = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            jax.jit(lambda x: x * 3)(np.ones(3))  # the instrument hears a compile
+            assert any("compil" in r.getMessage().lower() for r in caplog.records)
+            caplog.clear()
+            result = JaxRunner().run(point)
+    finally:
+        jax.config.update("jax_log_compiles", logged)
+    assert result["check"]["ok"]
+    calls = result["masks"][0]["simulation"]["timed_calls"]
+    assert len(calls) == len(runs) and len(calls) > len({c["class"] for c in calls})
+    seen = set()
+    for call, logged in zip(calls, runs):
+        assert call["first_run"] == (call["class"] in seen), call
+        assert call["n"] == (1 if call["first_run"] else 2)
+        if call["first_run"]:
+            assert not logged, logged
+        seen.add(call["class"])
 
 
 def test_a_resumed_prediction_takes_its_baselines_from_the_records(tmp_path, monkeypatch):

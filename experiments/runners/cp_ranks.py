@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,15 @@ from experiments.runners import call_model, checks, frameworks, inputs
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
 LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
+# a call whose program has run before, at least this long, is timed by its first run (Ranks.time)
+FIRST_RUN_MS = 20.0
+
+
+class CallTimes(NamedTuple):
+    """A timed call's per-sample milliseconds; by_first_run: its one sample is its first run."""
+
+    ms: list[float]
+    by_first_run: bool
 
 
 def draw_length(n: int) -> int:
@@ -251,18 +261,24 @@ class Ranks(ABC):
         compiles on first use (COMPILES_AHEAD says which ranks do compile ahead)."""
         return [None] * len(calls), {}
 
-    def time(self, call: tuple, warmup: int, iters: int) -> list[float]:
+    def time(self, call: tuple, warmup: int, iters: int, *, warm: bool = False) -> CallTimes:
         """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
         first, then with the timing loop: `iters` samples, or one where that one takes at least
         LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
-        or Ulysses call takes seconds)."""
-        sample = self.timer(call)
+        or Ulysses call takes seconds). A `warm` call (its compiled program has run before, as
+        an earlier call of its class) asked for no warm-up is timed by its first run alone
+        where that run takes FIRST_RUN_MS or more: the host's share of so long a call is under
+        half a percent, and an untimed run and a second sample would triple its device time."""
+        first_ms, sample = self.timer(call)
+        if warm and warmup == 0 and first_ms >= FIRST_RUN_MS:
+            return CallTimes([first_ms], by_first_run=True)
         times = sample(warmup, 1)
         if iters > 1 and times[0] < LONG_CALL_MS:
             times += sample(0, iters - 1)
-        return times
+        return CallTimes(times, by_first_run=False)
 
     @abstractmethod
-    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
-        """One call made ready and run once untimed: (warmup, iters) -> its per-call
-        milliseconds from the timing loop."""
+    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
+        """One call made ready and run once, that run measured as one sample of the timing loop
+        is (timing.jax_first_ms): (its ms, (warmup, iters) -> per-call milliseconds from the
+        timing loop)."""

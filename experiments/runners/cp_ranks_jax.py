@@ -605,10 +605,10 @@ class JaxRanks(Ranks):
         self._timing_inputs = kept  # the timing draws its inputs after the check, as before
         return programs, lowered
 
-    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
+    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
         fn, args = self.call(*call)
-        first_ms = timing.wall_ms(lambda: self.jax.block_until_ready(fn(*args)))
-        return lambda warmup, iters: timing.jax_time_calls(
+        first_ms = timing.jax_first_ms(fn, args, self.flush)
+        return first_ms, lambda warmup, iters: timing.jax_time_calls(
             fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms,
             known_ms=first_ms,
         )  # fmt: skip

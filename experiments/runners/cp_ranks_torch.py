@@ -208,10 +208,10 @@ class TorchRanks(Ranks):
 
         return backward
 
-    def timer(self, call: tuple) -> Callable[[int, int], list[float]]:
+    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
         fn = self.call(*call)
-        first_ms = timing.wall_ms(timing.torch_synchronised(fn, self.device))
-        return lambda warmup, iters: timing.torch_time_calls(
+        first_ms = timing.torch_first_ms(fn, self.device)
+        return first_ms, lambda warmup, iters: timing.torch_time_calls(
             fn, warmup=warmup, iters=iters, device=self.device, chain_ms=self.chain_ms,
             known_ms=first_ms,
         )[0]  # fmt: skip

@@ -151,6 +151,7 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
+        self._ran: set[tuple] = set()  # classes of calls timed, so their programs have run
         self._expected: list[Point] = []  # the points of the run, in order (expect)
         self._position: dict[str, int] = {}  # a point's index in _expected
         self._looked_ahead: set[int] = set()  # mask indices of this problem looked ahead for
@@ -415,8 +416,9 @@ class CPSimulator:
     def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> None:
         """Time one distinct call (run once untimed first) into self._timings, and log it
         (self._timed_log, the record's timed_calls) with what it was timed for (`role`)."""
-        times = ranks.time(call, point.warmup, point.iters)
-        stats = self._timings[key] = timing.time_stats(times)
+        times = ranks.time(call, point.warmup, point.iters, warm=key[:-1] in self._ran)
+        self._ran.add(key[:-1])
+        stats = self._timings[key] = timing.time_stats(times.ms)
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
         layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
@@ -442,6 +444,7 @@ class CPSimulator:
                 **spans,
                 **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
                 "n": int(stats["n"]),
+                "first_run": times.by_first_run,
             }
         )
 

@@ -46,6 +46,17 @@ def wall_ms(call: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def jax_first_ms(fn: Callable, args: Sequence, flush: Callable[[], None] | None = None) -> float:
+    """Milliseconds of a run of fn(*args) measured as one sample of the loop is: its inputs
+    ready and the L2 flushed before the clock starts, stopped at its result."""
+    import jax
+
+    jax.block_until_ready(args)
+    if flush is not None:
+        flush()
+    return wall_ms(lambda: jax.block_until_ready(fn(*args)))
+
+
 def _warm_chain_length(
     call: Callable[[], None], warmup: int, chain_ms: float, known_ms: float | None = None
 ) -> int:
@@ -290,6 +301,18 @@ def torch_time_calls(
         events.append((start, end))
     torch.cuda.synchronize(device)
     return [s.elapsed_time(e) for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
+
+
+def torch_first_ms(fn: Callable[[], object], device) -> float:
+    """Milliseconds of a run of fn, measured as jax_first_ms measures one: the device idle and
+    its L2 flushed (CUDA) before the clock starts, stopped when the device has finished fn."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device).zero_()
+        torch.cuda.synchronize(device)
+    return wall_ms(torch_synchronised(fn, device))
 
 
 def torch_synchronised(fn: Callable[[], object], device) -> Callable[[], None]:
