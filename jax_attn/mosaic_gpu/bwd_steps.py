@@ -298,10 +298,10 @@ def dkv_step(
     shape = (k_s.shape[0], q.shape[0])
 
     def probabilities(s_t: jax.Array) -> jax.Array:
-        s_t = s_t * kern.qk_scale
-        if masked:
+        s_t = s_t * kern.qk_scale - broadcast(row_vector(lse_s, kern, 0), shape, 0)
+        if masked:  # selects after the LSE, so the scale and the LSE fuse in one FFMA
             s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
-        return jnp.exp2(s_t - broadcast(row_vector(lse_s, kern, 0), shape, 0))
+        return jnp.exp2(s_t)
 
     p_t, dp_t = two_matmuls(
         k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
@@ -332,10 +332,10 @@ def dq_step(
     shape = lse.shape
 
     def probabilities(s: jax.Array) -> jax.Array:
-        s = s * kern.qk_scale
-        if masked:
+        s = s * kern.qk_scale - lse
+        if masked:  # selects after the LSE, so the scale and the LSE fuse in one FFMA
             s = jnp.where(visible(lo_s, hi_s, key0, shape, 1, kern), s, -jnp.inf)
-        return jnp.exp2(s - lse)
+        return jnp.exp2(s)
 
     p, dp = two_matmuls(
         q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape,
