@@ -89,6 +89,7 @@ def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy
 
     from experiments.core.points import Grid, expand
     from experiments.runners import cp_simulate, frameworks
+    from experiments.runners.cp_ranks import CallTimes
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from shard_strategies import simulate
@@ -109,7 +110,7 @@ def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy
     names = {id(fn): name for name, fn in vars(ranks.steps).items()}
     timed = {}  # (fn, argument structure and shapes) -> (fn, query rows, keys)
 
-    def record(self, call, warmup, iters):
+    def record(self, call, warmup, iters, warm=False):
         fn, args = self.call(*call)
         leaves, tree = jax.tree.flatten(args)
         shapes = tuple(tuple(x.shape) for x in leaves if hasattr(x, "shape"))
@@ -119,7 +120,7 @@ def test_families_are_the_programs_the_timed_calls_compile(monkeypatch, strategy
         else:
             query_rows = args[0].shape[1]
         timed[names[id(fn)], str(tree), shapes] = (names[id(fn)], query_rows, max(rows))
-        return [1.0] * iters
+        return CallTimes([1.0] * iters, by_first_run=False)
 
     monkeypatch.setattr(JaxRanks, "time", record)
     sched = simulate.schedule(plan, mode, itemsize=4, batch=point.batch, entry=simulate.EXCHANGE)
