@@ -550,6 +550,43 @@ def test_row_references_are_shared_between_a_problems_points(monkeypatch):
     assert store.of(("causal 64", 1)) == {} and store.values == {}
 
 
+def test_row_references_are_shared_between_a_problems_modes(monkeypatch):
+    """A forward point takes the out values a forward+backward point of its problem computed
+    (it draws nothing, and its errors are a fresh reference's); a forward+backward point after a
+    forward computes its rows again (it needs their dq), with a fresh reference's errors; the
+    simulator keys both modes' values alike, other masks of the problem apart."""
+    from experiments.runners import checks, cp_simulate
+    from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    drawn = []
+    real_reference = JaxRanks.reference_rows
+
+    def reference(self, mask, rows_of, *args):
+        drawn.append(sum(map(len, rows_of)))
+        return real_reference(self, mask, rows_of, *args)
+
+    monkeypatch.setattr(JaxRanks, "reference_rows", reference)
+    mask = named_mask("causal", 64)
+    modes = {m: _point("ring", 4, m, sim.LinkModel(), mask="causal", seqlen=64) for m in sim.MODES}
+    keys = {m: cp_simulate.reference_problem(p, "reference", 0) for m, p in modes.items()}
+    assert keys["fwd"] == keys["fwd_bwd"] != cp_simulate.reference_problem(
+        modes["fwd"], "reference", 1
+    )
+    for order in (("fwd_bwd", "fwd"), ("fwd", "fwd_bwd")):
+        store = ReferenceRows()
+        for i, mode in enumerate(order):
+            ranks = _jax_ranks(modes[mode], mask)
+            fresh, _ = check_ranks(ranks, modes[mode], mask, 0, rtol=1e-4)
+            drawn.clear()
+            shared, _ = check_ranks(ranks, modes[mode], mask, 0, rtol=1e-4, known=store.of("p"))
+            assert fresh.ok and shared.ok and set(shared.errors) == set(fresh.errors)
+            for name, err in fresh.errors.items():
+                assert shared.errors[name] == pytest.approx(err, rel=1e-6, abs=1e-12), name
+            assert (drawn == []) == (i == 1 and mode == "fwd"), (order, mode, drawn)
+
+
 def _span_time(args) -> float:
     """Fake kernel time of a call: 0.5 ms + 0.01 per full-tile unit of its query-tile kernels'
     span + 0.03 per unit of its key-tile kernel's (from the piece's forward tile lists, for the

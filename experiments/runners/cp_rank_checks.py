@@ -89,9 +89,11 @@ Known = dict[tuple[int, int], dict[str, np.ndarray]]  # (global row, global q he
 @dataclass
 class ReferenceRows:
     """Float64 reference values kept between the points that draw the same inputs (one mask
-    instance with its shapes, seed and mode: a problem's strategies and layouts, which a sweep
+    instance with its shapes and seed: a problem's strategies, layouts and modes, which a sweep
     runs one after another), per (global query row, global query head), so a row an earlier
-    point compared is neither drawn nor computed again. Holds one problem at a time."""
+    point compared is neither drawn nor computed again (a forward's out is a forward+backward's
+    too; a forward+backward computes dq for rows a forward compared). Holds one problem at a
+    time."""
 
     problem: object = None
     values: Known = field(default_factory=dict)
@@ -121,13 +123,21 @@ def _compare_rows(
     heads = members[0].plan.heads
     global_heads = [int(h) for h in ranks.q_heads[u][heads]]
     scale = 1.0 / np.sqrt(members[0].got["out"].shape[-1])
+    names = ("out", "dq") if grads else ("out",)
+    wanted = set(names)
     missing = [
-        np.array([r for r in m.plan.rows if any((int(r), h) not in known for h in global_heads)])
+        np.array(
+            [
+                r
+                for r in m.plan.rows
+                if any(not wanted <= known.get((int(r), h), {}).keys() for h in global_heads)
+            ]
+        )
         for m in members
     ]
     if any(rows.size for rows in missing):
-        known.update(_reference_rows(ranks, mask, u, missing, heads, grads, scale))
-    names = ("out", "dq") if grads else ("out",)
+        for at, values in _reference_rows(ranks, mask, u, missing, heads, grads, scale).items():
+            known[at] = {**known.get(at, {}), **values}
     return [
         checks.compare(
             mask,

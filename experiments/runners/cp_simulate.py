@@ -65,6 +65,12 @@ def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
     )
 
 
+def reference_problem(point: Point, impl: str, index: int) -> tuple:
+    """What the row checks' float64 values of mask `index` depend on: the problem's inputs and
+    mask, in either mode (ReferenceRows shares them between a problem's points)."""
+    return (kernel_point(dataclasses.replace(point, mode="fwd_bwd"), impl).key, index)
+
+
 def recorded_baselines(records: Iterable[dict]) -> dict[str, dict]:
     """The single-device baselines that simulated records state in full, by kernel point key,
     as CPSimulator.baseline gives them: those run at their own length ("ok", with each mask's
@@ -576,7 +582,7 @@ class CPSimulator:
             point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
         )
         start = time.perf_counter()
-        known = self._references.of((kernel_point(point, impl).key, index))
+        known = self._references.of(reference_problem(point, impl, index))
         check, checked = check_ranks(ranks, point, mask, index, rtol, known)
         wall["emulate"] = ranks.emulate_seconds  # the check's runs of the ranks
         wall["reference"] = time.perf_counter() - start - wall["emulate"]  # draws, float64
