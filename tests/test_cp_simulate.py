@@ -571,8 +571,10 @@ def test_row_references_are_shared_between_a_problems_modes(monkeypatch):
     mask = named_mask("causal", 64)
     modes = {m: _point("ring", 4, m, sim.LinkModel(), mask="causal", seqlen=64) for m in sim.MODES}
     keys = {m: cp_simulate.reference_problem(p, "reference", 0) for m, p in modes.items()}
-    assert keys["fwd"] == keys["fwd_bwd"] != cp_simulate.reference_problem(
-        modes["fwd"], "reference", 1
+    assert (
+        keys["fwd"]
+        == keys["fwd_bwd"]
+        != cp_simulate.reference_problem(modes["fwd"], "reference", 1)
     )
     for order in (("fwd_bwd", "fwd"), ("fwd", "fwd_bwd")):
         store = ReferenceRows()
