@@ -280,5 +280,5 @@ class Ranks(ABC):
     @abstractmethod
     def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
         """One call made ready and run once, that run measured as one sample of the timing loop
-        is (timing.jax_first_ms): (its ms, (warmup, iters) -> per-call milliseconds from the
-        timing loop)."""
+        is (timing.jax_first_ms, timing.torch_first_ms): (its ms, (warmup, iters) -> per-call
+        milliseconds from the timing loop)."""
