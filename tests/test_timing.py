@@ -201,3 +201,28 @@ def test_chain_ms_reaches_the_timing_and_the_point_key(tmp_path, monkeypatch, ch
     assert rec["point"]["chain_ms"] == (chain_ms or 0)
     suffix = "/r1:2" + (f"c{chain_ms}" if chain_ms else "")
     assert rec["key"].endswith(suffix)
+
+
+def test_a_first_run_is_timed_with_its_inputs_ready_and_the_l2_flushed():
+    """jax_first_ms waits for the call's inputs and runs the flush before the clock starts:
+    a call on inputs still being computed would wait for them inside its time, and a flush
+    inside it would add FLUSH_S."""
+
+    class Pending:
+        """An input still being computed: CALL_S * 20 until it is ready."""
+
+        ready = False
+
+        def block_until_ready(self):
+            time.sleep(CALL_S * 20)
+            self.ready = True
+            return self
+
+    def fn(x):
+        time.sleep(CALL_S if x.ready else CALL_S * 21)
+        return np.ones(3, np.float32)
+
+    flush = SleepyFlush()
+    ms = timing.jax_first_ms(fn, (Pending(),), flush)
+    assert flush.count == 1
+    assert CALL_S * 1e3 <= ms < (CALL_S + FLUSH_S) * 1e3 * 0.8, ms

@@ -188,7 +188,7 @@ def _cp_predict(on_gpu: bool) -> Preset:
             # forward+backward first: a problem's forward points then take their row checks'
             # float64 out values from its forward+backward points' (ReferenceRows)
             modes=("fwd_bwd", "fwd"),
-            warmup=0,  # every distinct call runs once untimed before its timing
+            warmup=0,  # a distinct call's first run is its warm-up, or its time (Ranks.time)
             iters=2,
             # each sample a chain of calls: the device's time a call, as in a CP program, not
             # the host's dispatch and wait, the likely cause (to be confirmed on the H200) of

@@ -267,10 +267,11 @@ class Ranks(ABC):
         LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
         or Ulysses call takes seconds). A `warm` call (its compiled program has run before, as
         an earlier call of its class) asked for no warm-up is timed by its first run alone
-        where that run takes FIRST_RUN_MS or more: the host's share of so long a call is under
-        half a percent, and an untimed run and a second sample would triple its device time."""
+        where that run takes FIRST_RUN_MS or more and compiled nothing: the host's share of so
+        long a call is under half a percent, and an untimed run and one or two samples would
+        double or triple its device time."""
         first_ms, sample = self.timer(call)
-        if warm and warmup == 0 and first_ms >= FIRST_RUN_MS:
+        if warm and warmup == 0 and first_ms is not None and first_ms >= FIRST_RUN_MS:
             return CallTimes([first_ms], by_first_run=True)
         times = sample(warmup, 1)
         if iters > 1 and times[0] < LONG_CALL_MS:
@@ -278,7 +279,7 @@ class Ranks(ABC):
         return CallTimes(times, by_first_run=False)
 
     @abstractmethod
-    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
+    def timer(self, call: tuple) -> tuple[float | None, Callable[[int, int], list[float]]]:
         """One call made ready and run once, that run measured as one sample of the timing loop
-        is (timing.jax_first_ms, timing.torch_first_ms): (its ms, (warmup, iters) -> per-call
-        milliseconds from the timing loop)."""
+        is (timing.jax_first_ms, timing.torch_first_ms): (its ms, None where the framework saw
+        it compile, (warmup, iters) -> per-call milliseconds from the timing loop)."""

@@ -605,9 +605,14 @@ class JaxRanks(Ranks):
         self._timing_inputs = kept  # the timing draws its inputs after the check, as before
         return programs, lowered
 
-    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
+    def timer(self, call: tuple) -> tuple[float | None, Callable[[int, int], list[float]]]:
+        """A first run that traced or compiled (the jitted step's cache grew) has no time."""
         fn, args = self.call(*call)
+        programs = getattr(fn, "_cache_size", lambda: 0)
+        before = programs()
         first_ms = timing.jax_first_ms(fn, args, self.flush)
+        if programs() != before:
+            first_ms = None
         return first_ms, lambda warmup, iters: timing.jax_time_calls(
             fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms,
             known_ms=first_ms,

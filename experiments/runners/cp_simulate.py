@@ -420,8 +420,9 @@ class CPSimulator:
         return compute, counts
 
     def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> None:
-        """Time one distinct call (run once untimed first) into self._timings, and log it
-        (self._timed_log, the record's timed_calls) with what it was timed for (`role`)."""
+        """Time one distinct call (Ranks.time; warm where a call of its class ran before) into
+        self._timings, and log it (self._timed_log, the record's timed_calls) with what it was
+        timed for (`role`)."""
         times = ranks.time(call, point.warmup, point.iters, warm=key[:-1] in self._ran)
         self._ran.add(key[:-1])
         stats = self._timings[key] = timing.time_stats(times.ms)
