@@ -367,7 +367,7 @@ def main(argv: list[str]) -> None:
     calls = timed_calls(records)
     faults = [c for c in calls if c.get("median", 1.0) <= 0]
     if faults:
-        calls = [c for c in calls if c not in faults]
+        calls = [c for c in calls if c.get("median", 1.0) > 0]
         print(
             f"left out: {len(faults)} timed calls whose median is at or below zero (a chained "
             "timing's flushes outlasting its calls, from before that was measured again): "

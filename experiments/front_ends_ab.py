@@ -94,7 +94,7 @@ def _point(mask_name: str, heads: str) -> dict:
     }
     if any(differ.values()) or not check.ok:
         return {**record, "status": "wrong"}
-    flush = torch.empty(timing.L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = timing.torch_flush_buffer("cuda")
     times = {f: [] for f in calls}
     for _ in range(FLAGS.rounds):
         for f, fn in calls.items():

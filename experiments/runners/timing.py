@@ -284,7 +284,7 @@ def torch_time_calls(
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return times, None
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    flush = torch_flush_buffer(device)
     peak, events = 0, []
     for _ in range(iters):
         if barrier is not None:
@@ -303,6 +303,13 @@ def torch_time_calls(
     return [s.elapsed_time(e) for s, e in events], (peak - L2_FLUSH_BYTES) / GIB
 
 
+def torch_flush_buffer(device):
+    """The L2 flush of a CUDA device: an L2_FLUSH_BYTES tensor, zeroed before a timed call."""
+    import torch
+
+    return torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+
 def torch_first_ms(fn: Callable[[], object], device) -> float:
     """Milliseconds of a run of fn, measured as jax_first_ms measures one: the device idle and
     its L2 flushed (CUDA) before the clock starts, stopped when the device has finished fn."""
@@ -310,7 +317,7 @@ def torch_first_ms(fn: Callable[[], object], device) -> float:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device).zero_()
+        torch_flush_buffer(device).zero_()
         torch.cuda.synchronize(device)
     return wall_ms(torch_synchronised(fn, device))
 
@@ -348,7 +355,7 @@ def _torch_chains(
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / n)
         return times, None
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    flush = torch_flush_buffer(device)
 
     def chain(n: int, call: bool) -> tuple:
         if barrier is not None:
