@@ -870,6 +870,45 @@ def test_row_checks_emulate_whole_query_tiles(
         assert not check.ok and "rank" in check.message
 
 
+def test_row_pieces_are_built_once_per_distinct_piece_and_rows(monkeypatch):
+    """A row check's restricted pieces are built once per (distinct piece, rows) in a point and
+    equal a fresh build at every (rank, step) and for two row sets: a cache keyed without the
+    piece or without the rows would hand one step another's piece."""
+    import jax
+
+    from experiments.runners import cp_ranks, frameworks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import jax_cp
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), "causal_document", "contiguous", 512)
+    mask = named_mask("causal_document", point.seqlen_total)
+    dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
+    plan = jax_cp.executor_plan(mask, impl="pallas", dtype=dtype, **settings)
+    runner = JaxRunner()
+    ranks = JaxRanks(plan, "pallas", point, 0, runner)
+    built = []
+    real = JaxRanks._rows_only
+    monkeypatch.setattr(
+        JaxRanks, "_rows_only", lambda self, i, rows: built.append(self) or real(self, i, rows)
+    )
+    first = ranks.check_rows(0, mask.seqlen_q)
+    row_sets = (first, first[: len(first) // 2])
+    cells = [(r, t) for r in range(plan.ring_size) for t in range(plan.num_steps)]
+    for rows in row_sets:
+        for r, t in cells:
+            got = jax.tree.leaves(ranks.row_piece(r, t, rows))
+            fresh = jax.tree.leaves(JaxRanks(plan, "pallas", point, 0, runner)._rows_only(
+                int(ranks.pieces.index[r, t]), rows))  # fmt: skip
+            assert len(got) == len(fresh)
+            for a, b in zip(got, fresh):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    distinct = len({int(ranks.pieces.index[r, t]) for r, t in cells})
+    assert distinct < len(cells)
+    assert built.count(ranks) == len(row_sets) * distinct
+
+
 def _row_checks_and_constant_timing(monkeypatch) -> None:
     """Row checks on two query tiles at any size, and every timed call 1 ms without running."""
     from experiments.runners import checks, cp_ranks, cp_simulate
@@ -1820,23 +1859,31 @@ def test_jax_timing_inputs_share_one_random_program(caplog):
     assert np.mean(other == drawn[0]) < 0.01
 
 
-def test_jax_draws_share_one_program_across_sequence_lengths():
-    """The same positions drawn for two sequence lengths compile one program (the length is
-    traced): values agree below the shorter length, zeros at and past it."""
+def test_jax_draws_share_one_program_across_sequence_lengths_and_seeds():
+    """The same positions drawn for two sequence lengths and two seeds compile one program (both
+    traced): values agree below the shorter length, zeros at and past it; each token's values
+    are the normals of the seed's key folded with its position, another seed's differ."""
     import jax
 
     from experiments.runners.cp_ranks_jax import _rows_at
 
-    key = jax.random.key(11)
+    seed = np.uint32(3_000_000_011)  # past int32: the device seeds are any 32-bit value
     positions = np.array([5, 299, 300, 301, 777, 1500], np.int32)
     heads = np.array([1, 2], np.int32)
     draw = _rows_at()
     before = draw._cache_size()
     short, long = (
-        np.asarray(draw(key, positions, heads, np.int32(s), 1, 4, D, np.float32, np.float32))
+        np.asarray(draw(seed, positions, heads, np.int32(s), 1, 4, D, np.float32, np.float32))
         for s in (300, 1200)
     )
+    other = np.asarray(
+        draw(np.uint32(12), positions, heads, np.int32(1200), 1, 4, D, np.float32, np.float32)
+    )
     assert draw._cache_size() - before <= 1
+    token = jax.random.fold_in(jax.random.key(int(seed)), 777)
+    expected = np.asarray(jax.random.normal(token, (1, 4, D), np.float32))[:, heads]
+    np.testing.assert_array_equal(long[:, 4], expected)
+    assert np.mean(other[:, 4] == long[:, 4]) < 0.01
     seen = positions < 300
     np.testing.assert_array_equal(short[:, seen], long[:, seen])
     assert not short[:, ~seen].any() and np.abs(short[:, seen]).max(axis=(0, 2, 3)).all()

@@ -163,16 +163,18 @@ def _steps(impl: str, scale: float) -> SimpleNamespace:
 
 @cache
 def _rows_at():
-    """jitted (key, positions, heads, seqlen, batch, heads_total, head_dim, dtype, out_dtype) ->
+    """jitted (seed, positions, heads, seqlen, batch, heads_total, head_dim, dtype, out_dtype) ->
     the values at those positions and heads (B, n, len(heads), D) in out_dtype: each token's
-    (B, H, D) values drawn in dtype from the key folded with its position, zeros past seqlen.
-    One compilation per shape, whatever the positions (a rank's shard, a key block, sampled
-    rows) and the sequence length (traced, so a preset's device counts and lengths share the
-    check's draws)."""
+    (B, H, D) values drawn in dtype from the seed's key folded with its position, zeros past
+    seqlen. One compilation per shape, whatever the positions (a rank's shard, a key block,
+    sampled rows), the sequence length and the seed (traced: a preset's device counts and
+    lengths share the check's draws, and no key is made eagerly, a dispatch per draw)."""
     import jax
     import jax.numpy as jnp
 
-    def rows_at(key, positions, heads, seqlen, batch, num_heads, head_dim, dtype, out_dtype):
+    def rows_at(seed, positions, heads, seqlen, batch, num_heads, head_dim, dtype, out_dtype):
+        key = jax.random.key(seed)
+
         def token(p):
             token_key = jax.random.fold_in(key, p)
             return jax.random.normal(token_key, (batch, num_heads, head_dim), dtype)
@@ -330,6 +332,7 @@ class JaxRanks(Ranks):
         self.steps = _steps(impl, 1.0 / math.sqrt(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
         self.pieces = PlanPieces.of(plan, impl, d, self.dtype)  # shared by a plan's points
+        self._row_pieces: dict[tuple[int, bytes], object] = {}  # row_piece's, this point's
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -386,11 +389,21 @@ class JaxRanks(Ranks):
     def row_piece(self, r: int, t: int, rows: np.ndarray):
         """The piece of ring rank r at kept step t with only the shard's local `rows` seeing
         keys, in the shapes of the point's pieces (its interval count, full-width tile lists),
-        so it runs the timed calls' compiled programs; on the device."""
+        so it runs the timed calls' compiled programs; on the device. Built once per distinct
+        piece and rows in a point: a checked rank's steps repeat pieces (a ring's full blocks),
+        and building one is milliseconds of host work, its emulation's largest share."""
+        i = int(self.pieces.index[r, t])
+        key = (i, np.ascontiguousarray(rows).tobytes())
+        if key not in self._row_pieces:
+            self._row_pieces[key] = self.jax.device_put(self._rows_only(i, rows))
+        return self._row_pieces[key]
+
+    def _rows_only(self, i: int, rows: np.ndarray):
+        """Host arrays of distinct piece i with only the local `rows` seeing keys (row_piece)."""
         from attn_masks import from_slices
         from shard_strategies.jax_cp import stacked_piece_arrays
 
-        piece = self.plan.pieces[r][t]
+        piece = self.pieces.pieces[i]
         n = piece.seqlen_q
         # below the piece, a copy of its rows that see nothing: the other rows are mapped there
         slices = (piece.q_ranges, piece.k_ranges, piece.types)
@@ -398,10 +411,9 @@ class JaxRanks(Ranks):
         local = np.arange(n)
         kept = np.isin(local, rows)
         sub = taller.restrict(np.where(kept, local, n + local), np.arange(piece.seqlen_k))
-        arrays = stacked_piece_arrays(
+        return stacked_piece_arrays(
             sub, self.impl, self.plan.head_dim, self.dtype, self.pieces.intervals
         )
-        return self.jax.device_put(arrays)
 
     def call_shape(self, r: int, t: int) -> tuple:
         """The key block's length (every step of every rank makes its call) and the pieces'
@@ -531,8 +543,8 @@ class JaxRanks(Ranks):
         heads = np.arange(h) if heads is None else np.asarray(heads)
         width = h if b * len(positions) * h * d <= DRAW_ALL_HEADS else len(heads)
         padded = np.resize(heads, max(width, len(heads))).astype(np.int32)
-        key = self.jax.random.key(inputs.device_seed(name, *self._source))
-        rows = _rows_at()(key, positions.astype(np.int32), padded, np.int32(s), b, h, d,
+        seed = np.uint32(inputs.device_seed(name, *self._source))
+        rows = _rows_at()(seed, positions.astype(np.int32), padded, np.int32(s), b, h, d,
                           self.dtype, out_dtype)  # fmt: skip
         return rows, len(heads)
 
