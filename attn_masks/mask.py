@@ -236,6 +236,11 @@ class Mask:
             cache[key] = tiles.block_map(self, block_q, block_k)
         return cache[key]
 
+    def tile_counts(self, block_q: int, block_k: int) -> tuple[tuple[np.ndarray, ...], ...]:
+        """((FULL, PARTIAL) tiles per q-tile row, the same per k-tile column) of block_map,
+        without building the map (attn_masks.tiles.tile_counts)."""
+        return tiles.tile_counts(self, block_q, block_k)
+
     def block_lists(self, block_q: int, block_k: int) -> tiles.BlockLists:
         """Per-q-tile and per-k-tile lists of the non-empty tiles (see attn_masks.tiles)."""
         return tiles.block_lists(self.block_map(block_q, block_k), block_q, block_k)

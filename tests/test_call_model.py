@@ -8,7 +8,6 @@ import pytest
 from tile_lists import list_spans
 
 from attn_masks import make_mask
-from attn_masks.tiles import BLOCK_EMPTY as EMPTY
 from attn_masks.tiles import BLOCK_FULL as FULL
 from attn_masks.tiles import BLOCK_PARTIAL as PARTIAL
 from attn_masks.tiles import block_map
@@ -87,14 +86,14 @@ def test_features_are_the_spans_of_the_kernels_schedule():
         cols = [heads_q // heads_kv * sum(r[j] for r in cost) for j in range(len(cost[0]))]
         want = [1.0, _stepped_span(rows, slots), _stepped_span(cols * heads_kv, slots)]
         assert row.tolist() == want, m.name
-        work = call_model.map_work(m.block_map(32, 16))
+        work = m.tile_counts(32, 16)
         assert call_model.span_features(*work, heads_q, heads_kv, slots).tolist() == want
     assert len(set(x[:, 2].tolist())) > 2  # the pieces' column spans differ
     area = np.array([m.area() for m in masks], np.float64).reshape(2, 2)
     dense = call_model.area_features(area, heads_q)
     assert dense.shape == (2, 2, 2) and (dense[..., 1] == heads_q * area).all()
     with pytest.raises(ValueError, match="heads_q=6 must be a positive multiple of heads_kv=4"):
-        call_model.span_features(*call_model.map_work(masks[0].block_map(32, 16)), 6, 4)
+        call_model.span_features(*masks[0].tile_counts(32, 16), 6, 4)
 
 
 def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():
@@ -187,7 +186,7 @@ def test_map_stats_count_rows_columns_and_their_longest():
     kinds = rng.choice([0, 0, 1, 2], size=(9, 13))
     kinds[4] = 0  # a row without tiles
     kinds[:, 7] = 0  # a column without tiles
-    stats = call_model.work_stats(kinds.shape, call_model.map_work(kinds))
+    stats = call_model.work_stats(kinds.shape, _counted(kinds))
     rows = [sum(1 for v in row if v) for row in kinds.tolist()]
     cols = [sum(1 for row in kinds.tolist() if row[j]) for j in range(13)]
     assert stats["q_tiles"] == 9 and stats["k_tiles"] == 13
@@ -195,18 +194,14 @@ def test_map_stats_count_rows_columns_and_their_longest():
     assert stats["cols"] == sum(1 for n in cols if n) == 12 and stats["col_max"] == max(cols)
     assert stats["full"] == (kinds == FULL).sum() and stats["partial"] == (kinds == PARTIAL).sum()
     nothing = np.zeros((3, 4), np.int8)
-    empty = call_model.work_stats(nothing.shape, call_model.map_work(nothing))
+    empty = call_model.work_stats(nothing.shape, _counted(nothing))
     assert empty["rows"] == empty["row_max"] == empty["cols"] == empty["col_max"] == 0
 
 
-def test_map_work_counts_each_rows_and_columns_full_and_partial_tiles():
-    """Per row and per column, map_work's (full, partial) are the tiles of each kind, counted
-    one by one, for the block maps' own dtype (int8) and a wider one."""
-    rng = np.random.default_rng(11)
-    for dtype in (np.int8, np.int64):
-        kinds = rng.choice([EMPTY, PARTIAL, FULL], size=(37, 23)).astype(dtype)
-        (row_full, row_partial), (col_full, col_partial) = call_model.map_work(kinds)
-        for i, row in enumerate(kinds.tolist()):
-            assert (row_full[i], row_partial[i]) == (row.count(FULL), row.count(PARTIAL))
-        for j, col in enumerate(kinds.T.tolist()):
-            assert (col_full[j], col_partial[j]) == (col.count(FULL), col.count(PARTIAL))
+def _counted(kinds: np.ndarray) -> call_model.PieceWork:
+    """(FULL, PARTIAL) tiles per row and per column of a tile map, counted one by one."""
+    rows, cols = kinds.tolist(), kinds.T.tolist()
+    return tuple(
+        (np.array([v.count(FULL) for v in vs]), np.array([v.count(PARTIAL) for v in vs]))
+        for vs in (rows, cols)
+    )

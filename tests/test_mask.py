@@ -221,6 +221,14 @@ def test_block_map_matches_brute(seed, chunk, monkeypatch):
     for bq, bk in TILES:
         expected = brute_block_map(dense, bq, bk)
         np.testing.assert_array_equal(tiles.block_map(mask, bq, bk), expected)
+        _assert_counts(tiles.tile_counts(mask, bq, bk), expected)
+
+
+def _assert_counts(counts, kinds, err_msg=""):
+    """tile_counts' (FULL, PARTIAL) per row and per column are those of the tile map `kinds`."""
+    for axis, (full, partial) in zip((1, 0), counts):
+        np.testing.assert_array_equal(full, (kinds == BLOCK_FULL).sum(axis), err_msg=err_msg)
+        np.testing.assert_array_equal(partial, (kinds == BLOCK_PARTIAL).sum(axis), err_msg=err_msg)
 
 
 def _assert_block_maps_brute(mask, tile_shapes, err_msg=""):
@@ -228,6 +236,7 @@ def _assert_block_maps_brute(mask, tile_shapes, err_msg=""):
     for bq, bk in tile_shapes:
         expected = brute_block_map(dense, bq, bk)
         np.testing.assert_array_equal(tiles.block_map(mask, bq, bk), expected, err_msg=err_msg)
+        _assert_counts(mask.tile_counts(bq, bk), expected, err_msg)
 
 
 @pytest.mark.parametrize("compat", [False, True])
@@ -276,6 +285,18 @@ def test_block_map_never_builds_row_intervals():
         np.testing.assert_array_equal(bm, brute_block_map(dense, 32, 32))
 
 
+def test_tile_counts_never_build_the_block_map():
+    """A 2M-token causal mask's counts (a 268M-tile map if built): no map cached on the mask,
+    and the counts a causal mask's tiles have (row t: t FULL and its diagonal PARTIAL)."""
+    m = make_mask("causal", 1 << 21)
+    (row_full, row_partial), (col_full, col_partial) = m.tile_counts(128, 128)
+    assert "_block_map_cache" not in m.__dict__
+    n = (1 << 21) // 128
+    np.testing.assert_array_equal(row_full, np.arange(n))
+    np.testing.assert_array_equal(col_full, n - 1 - np.arange(n))
+    assert (row_partial == 1).all() and (col_partial == 1).all()
+
+
 def test_block_sparse_131k_block_map_is_fast_and_exact():
     m = uniform_block_sparse(131072, 64, 0.5)
     start = time.perf_counter()
@@ -289,6 +310,7 @@ def test_block_sparse_131k_block_map_is_fast_and_exact():
     expected = np.where(per_tile == 4, BLOCK_FULL, np.where(per_tile > 0, BLOCK_PARTIAL, 0))
     np.testing.assert_array_equal(bm, expected)
     assert elapsed < 5.0
+    _assert_counts(m.tile_counts(128, 128), expected)
 
 
 def test_random_slices_are_reproducible_and_varied():

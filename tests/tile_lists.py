@@ -1,5 +1,5 @@
 """The CP cost model's spans from a piece's forward tile lists (what the kernels walk), for
-tests to hold the predictor's spans from tile maps (call_model.map_work) to."""
+tests to hold the predictor's spans from tile counts (Mask.tile_counts) to."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across
 LONG_VALIDATION_CALLS = 1  # further timed calls of such a class, held out
 SIGNIFICANT = 4  # significant digits of the held-out times a record lists
 TileWork = tuple[np.ndarray, np.ndarray]  # (full, partial) tiles per query-tile row or key column
-PieceWork = tuple[TileWork, TileWork]  # a piece's rows' and columns' (map_work)
+PieceWork = tuple[TileWork, TileWork]  # a piece's rows' and columns' (Mask.tile_counts)
 
 # PARTIAL_WEIGHT and SLOTS: of 1, 1.5, 2, 3 and 4 weights and 66, 132, 198 and 264 slots, 2 and
 # 132 predicted the H200's timed calls best (results/h200/cp_predict, runs 12 and 13, scored by
@@ -126,25 +126,11 @@ def area_features(area: np.ndarray, heads_q: int) -> np.ndarray:
     return np.stack([np.ones(area.shape), area * heads_q], axis=-1)
 
 
-def map_work(kinds: np.ndarray) -> PieceWork:
-    """((full, partial) tiles per query-tile row, the same per key-tile column) of a piece's
-    tile map (attn_masks block_map), the source of its tile lists. Two sums an axis (of the
-    kinds, partial + 2 full, and of their low bit, partial), no boolean map: at 64 GPUs a
-    piece's map holds 268M tiles."""
-    kinds = np.asarray(kinds)  # EMPTY, PARTIAL, FULL = 0, 1, 2 (attn_masks.tiles)
-    out = []
-    for axis in (1, 0):
-        both = np.add.reduce(kinds, axis=axis, dtype=np.int64)
-        partial = np.add.reduce(kinds & 1, axis=axis, dtype=np.int64)
-        out.append(((both - partial) // 2, partial))
-    return tuple(out)
-
-
 def work_stats(shape: tuple[int, int], work: PieceWork) -> dict[str, int]:
-    """How a piece's work is laid out beyond the model's spans, from its map_work: its size in
-    tiles, its full and partial tiles, the query-tile rows and key-tile columns holding any
-    tile and the most tiles in one row and in one column. Recorded with every timed call, so
-    other models can be fitted from a run."""
+    """How a piece's work is laid out beyond the model's spans, from its tiles per row and column
+    (Mask.tile_counts): its size in tiles, its full and partial tiles, the query-tile rows and
+    key-tile columns holding any tile and the most tiles in one row and in one column. Recorded
+    with every timed call, so other models can be fitted from a run."""
     (row_full, row_partial), (col_full, col_partial) = work
     per_row, per_col = row_full + row_partial, col_full + col_partial
     return {

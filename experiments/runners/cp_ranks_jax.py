@@ -94,8 +94,8 @@ class PlanPieces:
         return self._features[key]
 
     def layouts(self) -> list[tuple[dict, call_model.PieceWork]]:
-        """(call_model.work_stats, call_model.map_work) of each distinct piece, from its tile
-        map, read once for all plans of a run that hold the piece (_piece_layout)."""
+        """(call_model.work_stats, tiles per row and column) of each distinct piece, from its
+        tile geometry, read once for all plans of a run that hold the piece (_piece_layout)."""
         if not self._layouts:
             for i, piece in enumerate(self.pieces):
                 self._layouts.append(_piece_layout(self.digest(i), piece, self.tiles))
@@ -108,20 +108,22 @@ class PlanPieces:
         return self.layouts()[int(self.index[r, t])][0]
 
 
-# Distinct pieces whose tile layout a run keeps across plans: the three layouts of pure Ulysses
-# are one plan of one 2M x 2M piece at 64 GPUs (a 268M-tile map, seconds to read).
+# Distinct pieces whose tile layout a run keeps across plans: a 64-GPU plan has thousands, and
+# the points of a problem's strategies and layouts share many.
 LAYOUTS_KEPT = 512
 _layouts_kept: OrderedDict[str, tuple[dict, call_model.PieceWork]] = OrderedDict()
 
 
 def _piece_layout(digest: str, piece, tiles: tuple[int, int]) -> tuple[dict, call_model.PieceWork]:
-    """(work_stats, map_work) of a piece from its tile map, kept for the last LAYOUTS_KEPT
-    pieces by digest (PlanPieces.digest: its slices, tiles and interval count)."""
+    """(work_stats, tiles per row and column) of a piece from its tile geometry (its tile map is
+    built only where a call runs it: a 2M-token piece's holds 268M tiles, seconds to build),
+    kept for the last LAYOUTS_KEPT pieces by digest (PlanPieces.digest: its slices, tiles and
+    interval count)."""
     layout = _layouts_kept.pop(digest, None)
     if layout is None:
-        kinds = piece.block_map(*tiles)
-        work = call_model.map_work(kinds)
-        layout = (call_model.work_stats(kinds.shape, work), work)
+        work = piece.tile_counts(*tiles)
+        shape = (len(work[0][0]), len(work[1][0]))
+        layout = (call_model.work_stats(shape, work), work)
     _layouts_kept[digest] = layout
     while len(_layouts_kept) > LAYOUTS_KEPT:
         _layouts_kept.popitem(last=False)
