@@ -909,6 +909,57 @@ def test_row_pieces_are_built_once_per_distinct_piece_and_rows(monkeypatch):
     assert built.count(ranks) == len(row_sets) * distinct
 
 
+def test_timed_calls_make_their_residuals_once_per_shapes():
+    """A later forward step's and a backward step's inputs from earlier steps (out, LSE, the
+    row dot) come from one run per step and shapes in a point, every call keeping its own
+    piece; a new point makes them again. Without the sharing each call runs the forward once
+    more (counted)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from experiments.runners import frameworks
+    from experiments.runners.cp_ranks import plan_settings
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+    from shard_strategies import jax_cp
+
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), "causal_document", "zigzag", 64)
+    mask = named_mask("causal_document", point.seqlen_total)
+    dtype = frameworks.framework_dtype("jax", "fp32")
+    plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **plan_settings(point))
+    runner = JaxRunner()
+
+    def counted(ranks):
+        runs = []
+
+        def count(name, fn):
+            return lambda *args: runs.append(name) or fn(*args)
+
+        ranks.steps = SimpleNamespace(**{n: count(n, f) for n, f in vars(ranks.steps).items()})
+        return runs
+
+    cells = [(r, t) for r in range(plan.ring_size) for t in range(1, plan.num_steps)]
+    ranks = JaxRanks(plan, "reference", point, 0, runner)
+    runs = counted(ranks)
+    pieces = []
+    for kind in (sim.ATTEND, sim.ATTEND_BWD):
+        for r, t in cells:
+            fn, args = ranks.call(kind, r, t, group_start=False)
+            assert fn is ranks.steps.fwd if kind == sim.ATTEND else fn is ranks.steps.bwd
+            pieces.append(args[3])
+    assert runs.count("fwd") == 1 and runs.count("start") == 1
+    distinct = {int(ranks.pieces.index[r, t]) for r, t in cells}
+    assert len(distinct) > 1
+    for (r, t), a in zip(cells * 2, pieces):  # each call's own piece
+        for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(ranks.piece(r, t))):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    again = JaxRanks(plan, "reference", point, 0, runner)
+    runs_again = counted(again)
+    again.call(sim.ATTEND_BWD, *cells[0], group_start=False)
+    assert runs_again.count("fwd") == 1
+
+
 def _row_checks_and_constant_timing(monkeypatch) -> None:
     """Row checks on two query tiles at any size, and every timed call 1 ms without running."""
     from experiments.runners import checks, cp_ranks, cp_simulate
