@@ -33,7 +33,7 @@ class SlicedMask(Protocol):
 
 
 BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2
-# (slice, tile) entries block_map handles at once.
+# (slice, tile) entries _tile_geometry (block_map, tile_counts) handles at once.
 CHUNK_ENTRIES = 1 << 22
 
 

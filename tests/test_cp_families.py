@@ -158,7 +158,7 @@ def test_distinct_mask_arrays_index_every_pieces_own_arrays():
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "usp"])
 def test_plan_pieces_build_the_stacks_arrays_one_piece_at_a_time(impl, strategy):
     """The predictor's PlanPieces: each distinct piece's arrays, built alone, equal its slice of
-    jax_cp.distinct_mask_arrays' stack; the spans read from the tile maps equal those from the
+    jax_cp.distinct_mask_arrays' stack; the spans read from the tile counts equal those from the
     stack's tile lists (the area times the heads without lists); equal digests only for equal
     arrays."""
     import jax

@@ -909,55 +909,89 @@ def test_row_pieces_are_built_once_per_distinct_piece_and_rows(monkeypatch):
     assert built.count(ranks) == len(row_sets) * distinct
 
 
-def test_timed_calls_make_their_residuals_once_per_shapes():
-    """A later forward step's and a backward step's inputs from earlier steps (out, LSE, the
-    row dot) come from one run per step and shapes in a point, every call keeping its own
-    piece; a new point makes them again. Without the sharing each call runs the forward once
-    more (counted)."""
-    from types import SimpleNamespace
-
-    import jax
-
+def _ring_ranks(mask_name: str = "causal_document", layout: str = "zigzag"):
+    """JaxRanks of a 4-rank ring forward+backward point (reference impl, fp32, 64 tokens a
+    rank) and its plan."""
     from experiments.runners import frameworks
     from experiments.runners.cp_ranks import plan_settings
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from shard_strategies import jax_cp
 
-    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), "causal_document", "zigzag", 64)
-    mask = named_mask("causal_document", point.seqlen_total)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask_name, layout, 64)
+    mask = named_mask(mask_name, point.seqlen_total)
     dtype = frameworks.framework_dtype("jax", "fp32")
     plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **plan_settings(point))
-    runner = JaxRunner()
+    return JaxRanks(plan, "reference", point, 0, JaxRunner()), plan
 
-    def counted(ranks):
-        runs = []
 
-        def count(name, fn):
-            return lambda *args: runs.append(name) or fn(*args)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])  # contiguous: empty pieces first
+def test_timed_calls_share_finite_residuals_once_per_shapes(layout):
+    """A later forward step's and a backward step's inputs from earlier steps (out, LSE, the
+    row dot) are made once per shapes in a point, every call keeping its own piece: finite,
+    the LSE near log(keys) as a softmax's (an empty piece's forward would give -inf and zero
+    probabilities to every backward call), no forward step run for them; a new point makes
+    them again."""
+    from types import SimpleNamespace
 
-        ranks.steps = SimpleNamespace(**{n: count(n, f) for n, f in vars(ranks.steps).items()})
-        return runs
+    import jax
 
+    ranks, plan = _ring_ranks("causal", layout)
+    starts = []
+    real_start = ranks.steps.start  # the jitted steps are shared: wrapped on this ranks only
+    counted = lambda *a: starts.append(1) or real_start(*a)  # noqa: E731
+    ranks.steps = SimpleNamespace(**{**vars(ranks.steps), "start": counted})
     cells = [(r, t) for r in range(plan.ring_size) for t in range(1, plan.num_steps)]
-    ranks = JaxRanks(plan, "reference", point, 0, runner)
-    runs = counted(ranks)
-    pieces = []
-    for kind in (sim.ATTEND, sim.ATTEND_BWD):
-        for r, t in cells:
-            fn, args = ranks.call(kind, r, t, group_start=False)
-            assert fn is ranks.steps.fwd if kind == sim.ATTEND else fn is ranks.steps.bwd
-            pieces.append(args[3])
-    assert runs.count("fwd") == 1 and runs.count("start") == 1
-    distinct = {int(ranks.pieces.index[r, t]) for r, t in cells}
-    assert len(distinct) > 1
-    for (r, t), a in zip(cells * 2, pieces):  # each call's own piece
-        for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(ranks.piece(r, t))):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    again = JaxRanks(plan, "reference", point, 0, runner)
-    runs_again = counted(again)
-    again.call(sim.ATTEND_BWD, *cells[0], group_start=False)
-    assert runs_again.count("fwd") == 1
+    empty = [plan.piece_area[r, t] == 0 for r, t in cells]
+    assert any(empty) == (layout == "contiguous") and not all(empty)
+    made = []
+    for r, t in cells:
+        _, fwd_args = ranks.call(sim.ATTEND, r, t, group_start=False)
+        _, bwd_args = ranks.call(sim.ATTEND_BWD, r, t, group_start=False)
+        for args in (fwd_args, bwd_args):
+            for got, want in zip(jax.tree.leaves(args[3]), jax.tree.leaves(ranks.piece(r, t))):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        (out, lse, _, _, rowdot), dq = bwd_args[4:6]  # the dLSE and dout: synthetic, as before
+        made.append((*fwd_args[4:], out, lse, rowdot, dq))
+    assert all(x is y for m in made[1:] for x, y in zip(m, made[0]))
+    out, lse = (np.asarray(x) for x in made[0][:2])
+    keys = len(plan.key_positions(0, 1))
+    assert np.isfinite(out).all() and out.std() > 0.5
+    assert np.isfinite(lse).all() and abs(lse.mean() - np.log(keys)) < 0.5 and lse.std() > 0.5
+    assert len(starts) == 1
+    again, _ = _ring_ranks("causal", layout)
+    assert again.call(sim.ATTEND, *cells[0], group_start=False)[1][4] is not made[0][0]
+
+
+def test_made_once_runs_a_step_once_per_argument_shapes():
+    ranks, _ = _ring_ranks()
+    runs = []
+
+    def step(x):
+        runs.append(x.shape)
+        return x + 1
+
+    small, large = (np.ones(n, np.float32) for n in (3, 5))
+    first = ranks._made_once(step, small)
+    assert ranks._made_once(step, np.zeros(3, np.float32)) is first
+    ranks._made_once(step, large)
+    assert runs == [(3,), (5,)]
+
+
+def test_lowering_the_calls_runs_no_step_and_keeps_the_timing_inputs(monkeypatch):
+    """Precompiling lowers every call from shapes alone: no residual made or step run, and the
+    timing inputs (drawn after the check) are as before."""
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    ranks, plan = _ring_ranks()
+    made = []
+    monkeypatch.setattr(JaxRanks, "_made_once", lambda self, *a: made.append(a))
+    monkeypatch.setattr(JaxRanks, "_residuals", lambda self, *a: made.append(a))
+    before = dict(ranks._timing_inputs)
+    calls = [(kind, 1, 2, False) for kind in (sim.ATTEND, sim.ATTEND_BWD)]
+    programs, lowered = ranks.lower_calls(calls)
+    assert len(programs) == 2 and len(lowered) == 2 and not made
+    assert ranks._timing_inputs.keys() == before.keys()
 
 
 def _row_checks_and_constant_timing(monkeypatch) -> None:

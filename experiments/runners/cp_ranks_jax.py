@@ -23,7 +23,7 @@ from shard_strategies.strategies import RING_CORE
 class PlanPieces:
     """A plan's distinct mask pieces as the predictor's JAX ranks use them: the (R, T) index of
     each ring rank's piece at each kept step, each piece's work features and digest read from
-    its slices and tile map, and its MaskArrays in the executor's stacked shapes built only
+    its slices and tile counts, and its MaskArrays in the executor's stacked shapes built only
     when a call runs it (at 2M tokens a piece's arrays take a third of a second and a point
     runs a few of the 65)."""
 
@@ -76,8 +76,8 @@ class PlanPieces:
     def features(self, heads_q: int, heads_kv: int, slots: int) -> np.ndarray:
         """(R, T, F) work features of every (ring rank, kept step) piece run for heads_q query
         and heads_kv K/V heads (times the batch): its kernels' spans on `slots` (call_model.
-        span_features, from its tile map: what its tile lists hold), or its area times the
-        heads for an impl without tile lists; the maps read once for the plan's points."""
+        span_features, from its tiles per row and column: what its tile lists hold), or its
+        area times the heads for an impl without tile lists; read once for the plan's points."""
         key = (heads_q, heads_kv, slots)
         if key not in self._features:
             if self.tiles is None:
@@ -400,7 +400,7 @@ class JaxRanks(Ranks):
         piece and rows in a point: a checked rank's steps repeat pieces (a ring's full blocks),
         and building one is milliseconds of host work, its emulation's largest share."""
         i = int(self.pieces.index[r, t])
-        key = (i, np.ascontiguousarray(rows).tobytes())
+        key = (i, np.asarray(rows, np.int64).tobytes())
         if key not in self._row_pieces:
             self._row_pieces[key] = self.jax.device_put(self._rows_only(i, rows))
         return self._row_pieces[key]
@@ -579,27 +579,28 @@ class JaxRanks(Ranks):
     def call(self, call: str, r: int, t: int, group_start: bool, run: Callable | None = None):
         """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
 
-        A later forward step merges into, and a backward step takes as residuals, the output and
-        LSE of a forward step of the same shapes, run once a point for all its calls of those
-        shapes (_made_once): the kernels' work depends on the mask tiles and shapes, not on these
-        values. run(fn, *args) makes those inputs: by default it runs the steps; jax.eval_shape
-        gives their shapes alone (precompile). The all-gather's pullback holds its own piece, so
-        it is made per call.
+        A later forward step merges into, and a backward step takes as residuals, an output and
+        LSE of a forward step's shapes (_residuals) and what the steps before it make of them,
+        once a point for all its calls of those shapes (_made_once): the kernels' work depends
+        on the mask tiles and shapes, not on these values. run(fn, *args) makes those inputs: by
+        default it runs the steps; jax.eval_shape gives their shapes alone (precompile). The
+        all-gather's pullback holds its own piece, so it is made per call.
         """
         from shard_strategies import simulate
 
-        made = run or self._made_once
-        run = run or (lambda fn, *args: fn(*args))
         s = self.steps
+        made = run or self._made_once
+        forward = self._residuals if run is None else lambda *x: run(s.fwd, *x, None, None)
+        run = run or (lambda fn, *args: fn(*args))
         q, (k, v) = self.timed_queries("q", r), self.timed_keys(r, t)
         a = self.piece(r, t)
         if call == simulate.ATTEND:
             if t == 0:
                 return s.fwd, (q, k, v, a, None, None)
-            return s.fwd, (q, k, v, a, *made(s.fwd, q, k, v, a, None, None))
+            return s.fwd, (q, k, v, a, *forward(q, k, v, a))
         dout = self.timed_queries("dout", r)
         if call == simulate.ATTEND_BWD:
-            out, lse = made(s.fwd, q, k, v, a, None, None)
+            out, lse = forward(q, k, v, a)
             out = made(_cast_like, out, q)
             dlse = self._zero_lse(q)
             if t == 0:
@@ -611,6 +612,21 @@ class JaxRanks(Ranks):
             return (s.once if self.mode == "fwd" else s.once_vjp), (q, k, v, a)
         _, pullback = run(s.once_vjp, q, k, v, a)
         return s.pullback, (pullback, (dout, self._zero_lse(q)))
+
+    def _residuals(self, q, k, v, a) -> tuple:
+        """(out, LSE) of a forward step's shapes for the timed calls after it: normal values,
+        the LSE near log(keys) as a softmax's is, once per shapes in a point. Not a forward run:
+        the one piece it ran on could be empty (LSE -inf everywhere), and every backward call
+        after it would multiply zero probabilities, which a power-limited GPU runs faster."""
+        key = ("residuals", q.shape, str(q.dtype), k.shape)
+        if key not in self._timing_inputs:
+            shapes = self.jax.eval_shape(self.steps.fwd, q, k, v, a, None, None)
+            out, lse = (
+                _repeat()(_timing_pool(i + 1, x.dtype), tuple(x.shape))
+                for i, x in enumerate(shapes)
+            )
+            self._timing_inputs[key] = (out, lse + np.float32(math.log(k.shape[1])))
+        return self._timing_inputs[key]
 
     def _made_once(self, fn: Callable, *args):
         """fn(*args), run once per step function and argument shapes in this point (call)."""
