@@ -1337,6 +1337,32 @@ def _dense_out(q, k, v, mask) -> np.ndarray:
     return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+def test_torch_flex_calls_of_other_interval_widths_are_other_classes():
+    """FlexAttention compiles its mask_mod for a piece's interval columns (interval_width), so
+    the PyTorch ranks' call shape (a class: one compiled program) holds them: a block-sparse
+    mask's untrimmed flex pieces share rows and columns but not widths, and each class holds one
+    width."""
+    from attn_masks import uniform_block_sparse
+    from experiments.runners.cp_ranks_torch import TorchRanks
+    from experiments.runners.torch_runner import TorchRunner
+    from torch_attn.flex import interval_width
+
+    point = _torch_point("ring", "fwd", "full", layout="contiguous")
+    mask = uniform_block_sparse(point.seqlen_total, 8, 0.5, seed=4)
+    plan = TorchRanks.executor_plan(point, mask, "flex")
+    ranks = TorchRanks(plan, "flex", point, 0, TorchRunner())
+    by_span: dict[tuple, set[int]] = {}  # (rows, columns, fresh) -> widths
+    by_class: dict[tuple, set[int]] = {}  # call shape -> widths
+    for r, row in enumerate(ranks.pieces):
+        for t, piece in enumerate(row):
+            if piece is not None:
+                shape, width = ranks.call_shape(r, t), interval_width(piece.mask)
+                by_span.setdefault(shape[:3], set()).add(width)
+                by_class.setdefault(shape, set()).add(width)
+    assert any(len(widths) > 1 for widths in by_span.values())
+    assert all(len(widths) == 1 for widths in by_class.values())
+
+
 def test_torch_ranks_are_the_torch_executors_work(monkeypatch):
     """Every rank of ring, all-gather, Ulysses and USP on 4 simulated devices, causal and a
     document mask, forward and backward: the record's check of the whole problem against float64

@@ -98,24 +98,32 @@ class TorchRanks(Ranks):
         return self.plan.core == LOCAL_CORE
 
     def call_shape(self, r: int, t: int) -> tuple | None:
-        """(rows, columns, fresh merge) of the piece's call; the local core calls its kernel
-        on an empty shard too."""
+        """(rows, columns, fresh merge) of the piece's call, and for FlexAttention the interval
+        columns its mask_mod unrolls (torch_attn.flex.interval_width: compiled in, so pieces of
+        other widths are other programs); the local core calls its kernel on an empty shard
+        too."""
         piece = self.pieces[r][t]
         if piece is None:
             n = self.plan.shard_len
             return (n, n, True) if self._local else None
         fresh = all(p is None for p in self.pieces[r][:t])
-        return (_span(piece.rows), _span(piece.cols), fresh)
+        shape = (_span(piece.rows), _span(piece.cols), fresh)
+        if self.impl == "flex":
+            from torch_attn.flex import interval_width
+
+            return (*shape, interval_width(piece.mask))
+        return shape
 
     def call_tokens(self, r: int, t: int) -> tuple[int, int]:
         """(rows, columns) the call computes: its piece trimmed (call_shape)."""
-        rows, cols, _ = self.call_shape(r, t)
+        rows, cols = self.call_shape(r, t)[:2]
         return rows, cols
 
     def call_kind(self, r: int, t: int) -> tuple:
-        """Whether the call starts the rank's merge (its cost differs from a merging one)."""
+        """Whether the call starts the rank's merge (its cost differs from a merging one) and
+        flex's interval columns (a partial tile tests each)."""
         shape = self.call_shape(r, t)
-        return () if shape is None else (shape[2],)
+        return () if shape is None else shape[2:]
 
     def fingerprint(self, r: int, t: int) -> str:
         """A digest of the piece's rows, columns and typed slices."""
