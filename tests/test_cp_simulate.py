@@ -870,59 +870,53 @@ def test_row_checks_emulate_whole_query_tiles(
         assert not check.ok and "rank" in check.message
 
 
-def test_row_pieces_are_built_once_per_distinct_piece_and_rows(monkeypatch):
-    """A row check's restricted pieces are built once per (distinct piece, rows) in a point and
-    equal a fresh build at every (rank, step) and for two row sets: a cache keyed without the
-    piece or without the rows would hand one step another's piece."""
-    import jax
-
-    from experiments.runners import cp_ranks, frameworks
-    from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
-    from shard_strategies import jax_cp
-
-    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
-    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), "causal_document", "contiguous", 512)
-    mask = named_mask("causal_document", point.seqlen_total)
-    dtype, settings = frameworks.framework_dtype("jax", "fp32"), cp_ranks.plan_settings(point)
-    plan = jax_cp.executor_plan(mask, impl="pallas", dtype=dtype, **settings)
-    runner = JaxRunner()
-    ranks = JaxRanks(plan, "pallas", point, 0, runner)
-    built = []
-    real = JaxRanks._rows_only
-    monkeypatch.setattr(
-        JaxRanks, "_rows_only", lambda self, i, rows: built.append(self) or real(self, i, rows)
-    )
-    first = ranks.check_rows(0, mask.seqlen_q)
-    row_sets = (first, first[: len(first) // 2])
-    cells = [(r, t) for r in range(plan.ring_size) for t in range(plan.num_steps)]
-    for rows in row_sets:
-        for r, t in cells:
-            got = jax.tree.leaves(ranks.row_piece(r, t, rows))
-            fresh = jax.tree.leaves(JaxRanks(plan, "pallas", point, 0, runner)._rows_only(
-                int(ranks.pieces.index[r, t]), rows))  # fmt: skip
-            assert len(got) == len(fresh)
-            for a, b in zip(got, fresh):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    distinct = len({int(ranks.pieces.index[r, t]) for r, t in cells})
-    assert distinct < len(cells)
-    assert built.count(ranks) == len(row_sets) * distinct
-
-
-def _ring_ranks(mask_name: str = "causal_document", layout: str = "zigzag"):
-    """JaxRanks of a 4-rank ring forward+backward point (reference impl, fp32, 64 tokens a
-    rank) and its plan."""
+def _ring_ranks(
+    mask_name: str = "causal_document", layout: str = "zigzag", impl="reference", per_device=64
+):
+    """JaxRanks of a 4-rank ring forward+backward point (fp32) and its plan."""
     from experiments.runners import frameworks
     from experiments.runners.cp_ranks import plan_settings
     from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from shard_strategies import jax_cp
 
-    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask_name, layout, 64)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask_name, layout, per_device)
     mask = named_mask(mask_name, point.seqlen_total)
     dtype = frameworks.framework_dtype("jax", "fp32")
-    plan = jax_cp.executor_plan(mask, impl="reference", dtype=dtype, **plan_settings(point))
-    return JaxRanks(plan, "reference", point, 0, JaxRunner()), plan
+    plan = jax_cp.executor_plan(mask, impl=impl, dtype=dtype, **plan_settings(point))
+    return JaxRanks(plan, impl, point, 0, JaxRunner()), plan
+
+
+def test_row_pieces_are_built_once_per_distinct_piece_and_rows(monkeypatch):
+    """A row check's restricted pieces are built once per (distinct piece, rows) in a point and
+    equal a fresh build at every (rank, step) and for two row sets: a cache keyed without the
+    piece or without the rows would hand one step another's piece."""
+    import jax
+
+    from experiments.runners import cp_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    monkeypatch.setattr(cp_ranks, "CHECK_TILES", 2)
+    ranks, plan = _ring_ranks("causal_document", "contiguous", "pallas", 512)
+    other, _ = _ring_ranks("causal_document", "contiguous", "pallas", 512)  # builds afresh
+    built = []
+    real = JaxRanks._rows_only
+    monkeypatch.setattr(
+        JaxRanks, "_rows_only", lambda self, i, rows: built.append(self) or real(self, i, rows)
+    )
+    first = ranks.check_rows(0, 4 * 512)
+    row_sets = (first, first[: len(first) // 2])
+    cells = [(r, t) for r in range(plan.ring_size) for t in range(plan.num_steps)]
+    for rows in row_sets:
+        for r, t in cells:
+            got = jax.tree.leaves(ranks.row_piece(r, t, rows))
+            fresh = jax.tree.leaves(other._rows_only(int(ranks.pieces.index[r, t]), rows))
+            assert len(got) == len(fresh)
+            for a, b in zip(got, fresh):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    distinct = len({int(ranks.pieces.index[r, t]) for r, t in cells})
+    assert distinct < len(cells)
+    assert built.count(ranks) == len(row_sets) * distinct
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])  # contiguous: empty pieces first

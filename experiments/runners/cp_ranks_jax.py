@@ -188,6 +188,13 @@ def _rows_at():
     return jax.jit(rows_at, static_argnums=(4, 5, 6, 7, 8))
 
 
+def _program_key(jax, fn: Callable, args: tuple) -> tuple:
+    """What picks fn's compiled program for args: fn, the arguments' structure, shapes and
+    dtypes (not their values)."""
+    leaves, tree = jax.tree.flatten(args)
+    return (id(fn), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+
+
 def _cast_like(x, like):
     """x in like's dtype: a forward step's output as a backward step's input (JaxRanks.call)."""
     return x.astype(like.dtype)
@@ -630,8 +637,7 @@ class JaxRanks(Ranks):
 
     def _made_once(self, fn: Callable, *args):
         """fn(*args), run once per step function and argument shapes in this point (call)."""
-        leaves, tree = self.jax.tree.flatten(args)
-        key = ("made", fn, tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+        key = ("made", *_program_key(self.jax, fn, args))
         if key not in self._timing_inputs:
             self._timing_inputs[key] = fn(*args)
         return self._timing_inputs[key]
@@ -644,8 +650,7 @@ class JaxRanks(Ranks):
         programs, lowered = [], {}
         for c in calls:
             fn, args = self.call(*c, run=jax.eval_shape)
-            leaves, tree = jax.tree.flatten(args)
-            key = (id(fn), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+            key = _program_key(jax, fn, args)
             if key not in lowered and key not in skip:
                 lowered[key] = fn.lower(*args)
             programs.append(key)
