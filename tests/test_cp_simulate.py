@@ -1086,6 +1086,64 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
     assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
 
 
+@pytest.mark.parametrize("strategy, shared", [("ring", True), ("allgather", False)])
+def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
+    monkeypatch, strategy, shared
+):
+    """After a plan's forward+backward point, its forward point emulates no rank where the
+    forward steps are the same in both modes (a ring core): it takes the outs that point
+    emulated, equal to what its own emulation gives, and judges them (made wrong, the point
+    fails). An all-gather core's forward runs other programs: its forward point emulates its
+    own ranks."""
+    from experiments.core.outcomes import WRONG, PointFailure
+    from experiments.runners import cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    emulations = []
+    real_emulate = JaxRanks.emulate
+
+    def emulate(self, r, u, rows=None):
+        emulations.append(self.mode)
+        return real_emulate(self, r, u, rows)
+
+    monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    runner = JaxRunner()
+    points = {m: _point(strategy, 4, m, sim.LinkModel(), seqlen=512) for m in ("fwd", "fwd_bwd")}
+
+    def after_forward_and_backward() -> tuple[cp_simulate.CPSimulator, dict]:
+        simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        assert simulator.run(points["fwd_bwd"])["check"]["ok"]
+        (store,) = simulator._forwards.values()
+        return simulator, store
+
+    simulator, store = after_forward_and_backward()
+    checked = emulations.count("fwd_bwd")
+    assert checked >= 1 and len(store) == (checked if shared else 0)
+    (mask,) = simulator._masks
+    impl = JaxRanks.resolve_impl(points["fwd"], runner)
+    plan = simulator._plans_of(points["fwd"], 0, impl)[1]
+    own = JaxRanks(plan, impl, points["fwd"], 0, runner)  # no store: its own emulations
+    for (r, u, rows), out in store.items():
+        fresh = own.emulated(r, u, None if rows is None else np.frombuffer(rows, np.int64))
+        np.testing.assert_array_equal(fresh["out"], out)
+    emulations.clear()
+    result = simulator.run(points["fwd"])
+    sim_record = result["masks"][0]["simulation"]
+    assert result["check"]["ok"] and set(result["check"]["max_errors"]) == {"out"}
+    assert sim_record["check_forwards_taken"] == (checked if shared else 0)
+    assert len(emulations) == (0 if shared else len(sim_record["check_ranks"]))
+    assert not store  # taken, not kept
+    if shared:
+        simulator, store = after_forward_and_backward()
+        for key, out in store.items():
+            store[key] = out + 1.0
+        with pytest.raises(PointFailure) as e:
+            simulator.run(points["fwd"])
+        assert e.value.status == WRONG
+
+
 def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypatch, caplog):
     """With the points to come expected, a problem's first point compiles the step programs of
     the problem's other points (strategies, layouts) with its own, so they compile none; every
@@ -1400,6 +1458,30 @@ def test_torch_ranks_are_the_torch_executors_work(monkeypatch):
                 want = _dense_out(q, k, v, mask)[:, real][:, :, ranks.q_heads[u]]
                 got = ranks.emulate(r, u)["out"][:, pos < mask.seqlen_q]
                 assert np.abs(got - want).max() < 1e-5, (strategy, mask_name, g)
+
+
+def test_torch_forwards_shared_between_modes_are_equal(monkeypatch):
+    """Where the PyTorch ranks say their forward is the same in both modes (every core but the
+    local one, whose forward+backward runs under autograd), a forward emulation gives the out of
+    the forward+backward one, which a forward point then takes (Ranks.emulated)."""
+    from experiments.runners.cp_ranks_torch import TorchRanks
+    from experiments.runners.torch_runner import TorchRunner
+
+    _documents(monkeypatch)
+    runner = TorchRunner()
+    mask = named_mask("causal_document", 64)
+    for strategy, shared in (("ring", True), ("allgather", True), ("ulysses", False)):
+        ranks = {}
+        for mode in ("fwd", "fwd_bwd"):
+            point = _torch_point(strategy, mode, "causal_document")
+            plan = TorchRanks.executor_plan(point, mask, "naive")
+            ranks[mode] = TorchRanks(plan, "naive", point, 0, runner)
+        assert [r.shares_forward() for r in ranks.values()] == [shared] * 2, strategy
+        if shared:
+            for g in range(plan.world_size):
+                r, u = plan.ring_rank(g), plan.ulysses_rank(g)
+                outs = [ranks[m].emulate(r, u)["out"] for m in ranks]
+                np.testing.assert_array_equal(*outs)
 
 
 def test_torch_rows_check_and_empty_pieces(monkeypatch):

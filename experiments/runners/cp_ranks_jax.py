@@ -389,6 +389,11 @@ class JaxRanks(Ranks):
     def ring_core(self) -> bool:
         return self.plan.core == RING_CORE
 
+    def shares_forward(self) -> bool:
+        """A ring core's forward steps (fwd) are the same in both modes; an all-gather core
+        runs its forward alone (once) or under a VJP (once_vjp): other programs."""
+        return self.ring_core
+
     def _host_piece(self, r: int, t: int):
         """The executor's MaskArrays of ring rank r at kept step t, on the host."""
         return self.pieces.arrays(int(self.pieces.index[r, t]))

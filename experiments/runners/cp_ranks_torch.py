@@ -97,6 +97,11 @@ class TorchRanks(Ranks):
     def _local(self) -> bool:
         return self.plan.core == LOCAL_CORE
 
+    def shares_forward(self) -> bool:
+        """Both modes run the executor's forward steps alike, except a local core, whose
+        forward+backward runs its forward under autograd."""
+        return not self._local
+
     def call_shape(self, r: int, t: int) -> tuple | None:
         """(rows, columns, fresh merge) of the piece's call, and for FlexAttention the interval
         columns its mask_mod unrolls (torch_attn.flex.interval_width: compiled in, so pieces of

@@ -6,8 +6,10 @@ inputs (its query shard and heads, the step's key block, the mask piece as the e
 it): the framework's part is a Ranks (cp_ranks.py). Each distinct call is timed with the timing
 loop; calls of equal shapes and equal mask pieces share one timing. The executor's schedule is
 then replayed with a link model (shard_strategies.simulate). Before any timing, ranks are
-emulated end to end and checked against float64 attention (cp_rank_checks.py); the whole mask
-on this one device is the efficiency baseline (an ordinary kernel point, checked and timed).
+emulated end to end and checked against float64 attention (cp_rank_checks.py; a forward
+point takes the outs its forward+backward point emulated where both run the same forward
+programs, Ranks.shares_forward); the whole mask on this one device is the efficiency baseline
+(an ordinary kernel point, checked and timed).
 Each mask's record says where the point's own seconds went (wall_s: baseline, plan, compiling
 the point's new step programs side by side before anything runs them, the check's emulation of
 the ranks and its float64 reference with the input draws it needs, timed calls), so a slow
@@ -176,6 +178,7 @@ class CPSimulator:
         self._problem: tuple | None = None
         self._masks: list = []
         self._plans: dict[tuple, tuple] = {}
+        self._forwards: dict[tuple, dict] = {}  # per plan: Ranks.forwards, shared by its modes
 
     def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
         """The points this simulator will be given, in order: a problem's first point then
@@ -263,13 +266,19 @@ class CPSimulator:
         problem = self._problem_of(point)
         if problem != self._problem:
             self._problem, self._masks, self._plans = problem, frameworks.make_masks(point), {}
+            self._forwards = {}
             self._ready, self._looked_ahead = {}, set()
         return self._masks
+
+    @staticmethod
+    def _plan_key(point: Point, index: int, impl: str) -> tuple:
+        """What the plans of mask `index` of the current problem depend on (not the mode)."""
+        return (index, impl, point.dtype, *sorted(plan_settings(point).items()))
 
     def _plans_of(self, point: Point, index: int, impl: str) -> tuple:
         """(the executor's plan, the plan its ranks are timed with) of mask `index` of the
         current problem: built once for both modes (a 64-device plan takes seconds)."""
-        settings = (index, impl, point.dtype, *sorted(plan_settings(point).items()))
+        settings = self._plan_key(point, index, impl)
         if settings not in self._plans:
             mask = self._masks[index]
             try:
@@ -322,6 +331,7 @@ class CPSimulator:
             entry=ENTRY[point.framework],
         )
         ranks = self.ranks(timed_plan, impl, point, index, self.runner)
+        ranks.forwards = self._forwards.setdefault(self._plan_key(point, index, impl), {})
         return Prepared(plan, sched, ranks, self._call_classes(ranks, sched, point))
 
     def _peers_prepared(self, point: Point, index: int) -> list[Prepared]:
@@ -604,6 +614,7 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
+        sim["check_forwards_taken"] = ranks.forwards_taken  # ranks' outs from forward+backward
         sim["timed_calls"] = self._timed_log[logged:]  # run() adds a failed point's
         sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
