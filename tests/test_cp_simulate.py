@@ -2120,42 +2120,54 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
 
 
 @pytest.mark.parametrize(
-    "first_ms, warm, warmup, samples, by_first_run",
-    [(250.0, False, 2, 1, False), (3.0, False, 2, 3, False), (30.0, True, 0, 1, True),
-     (30.0, True, 2, 3, False), (3.0, True, 0, 3, False), (250.0, True, 0, 1, True)],
+    "runs, warm, warmup, samples, by_first_run",
+    [((250.0,), False, 2, 1, False), ((3.0,), False, 2, 3, False), ((30.0,), True, 0, 1, True),
+     ((30.0,), True, 2, 3, False), ((3.0,), True, 0, 3, False), ((250.0,), True, 0, 1, True),
+     ((None, 30.0), False, 0, 1, True), ((None, 250.0), False, 0, 1, True),
+     ((None, 3.0), False, 0, 3, False), ((None,), False, 2, 3, False),
+     ((None, None), False, 0, 3, False)],
 )  # fmt: skip
-def test_a_long_call_is_sampled_once(first_ms, warm, warmup, samples, by_first_run):
+def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
     long, and `iters` of a shorter one, each after one run of the call; a warm call (its
     program ran before) asked for no warm-up is timed by that first run where it takes
-    FIRST_RUN_MS or more, and samples nothing more."""
+    FIRST_RUN_MS or more, and samples nothing more. A call whose first run compiled (None) is
+    run once more where no warm-up is asked, and that run counts as a warm call's first; the
+    timing loop's chains learn the last measured run's length."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import FIRST_RUN_MS, LONG_CALL_MS, Ranks
+    from experiments.runners.cp_ranks import FIRST_RUN_MS, LONG_CALL_MS, CallTimer, Ranks
 
+    measured = [ms for ms in runs if ms is not None]
+    ms = measured[-1] if measured else 3.0  # the call's length, as the timing loop finds it
     for t in (LONG_CALL_MS, FIRST_RUN_MS):
-        assert first_ms >= t or first_ms * 3 < t
-    made, asked = [], []
+        assert ms >= t or ms * 3 < t
+    made, asked, left = [], [], list(runs)
 
     def timer(call):
         made.append(call)
-        return first_ms, lambda w, iters: asked.append((w, iters)) or [first_ms] * iters
+        return CallTimer(
+            lambda: left.pop(0),
+            lambda w, iters, known: asked.append((w, iters, known)) or [ms] * iters,
+        )
 
     times = Ranks.time(SimpleNamespace(timer=timer), ("call",), warmup, 3, warm=warm)
-    assert times.ms == [first_ms] * samples and times.by_first_run == by_first_run
-    assert made == [("call",)]  # made ready (and run) once
+    assert times.ms == [ms] * samples and times.by_first_run == by_first_run
+    assert made == [("call",)] and not left  # made ready once, run as often as `runs` says
     if by_first_run:
         assert asked == []
     else:
-        assert sum(n for _, n in asked) == samples and asked[0] == (warmup, 1)
+        assert sum(n for _, n, _ in asked) == samples and asked[0] == (warmup, 1, runs[-1])
+        assert {known for _, _, known in asked} == {runs[-1]}
 
 
 def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplog):
-    """Where every warm call may be timed by its first run (FIRST_RUN_MS 0), those first runs
-    trace and compile no program (their class's program ran before: one program a class), the
-    first call of each class is not timed so, and the records say which calls were. Nothing
-    runs the step programs before the timing (no check, nothing compiled ahead), so a class
-    that spanned two programs would compile in a warm call's first run."""
+    """Where every call may be timed by its first run that compiles nothing (FIRST_RUN_MS 0),
+    the first call of each class runs twice, its first run tracing and compiling its program
+    and the second, its time, compiling nothing; every later call of the class is timed by its
+    first run, which compiles nothing (one program a class); the records say so. Nothing runs
+    the step programs before the timing (no check, nothing compiled ahead), so a class that
+    spanned two programs would compile in a later call's first run."""
     import logging
 
     import jax
@@ -2190,14 +2202,15 @@ def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplo
     finally:
         jax.config.update("jax_log_compiles", logged)
     calls = result["masks"][0]["simulation"]["timed_calls"]
-    assert len(calls) == len(runs) and len(calls) > len({c["class"] for c in calls})
-    seen = set()
-    for call, logged in zip(calls, runs):
-        assert call["first_run"] == (call["class"] in seen), call
-        assert call["n"] == (1 if call["first_run"] else 2)
-        if call["first_run"]:
-            assert not logged, logged
-        seen.add(call["class"])
+    classes = {c["class"] for c in calls}
+    assert len(runs) == len(calls) + len(classes) and len(calls) > len(classes)
+    measured, seen = iter(runs), set()
+    for call in calls:
+        if call["class"] not in seen:
+            assert next(measured), "a class's first run traces and compiles its program"
+            seen.add(call["class"])
+        logged = next(measured)
+        assert call["first_run"] and call["n"] == 1 and not logged, (call, logged)
 
 
 def test_a_resumed_prediction_takes_its_baselines_from_the_records(tmp_path, monkeypatch):

@@ -26,10 +26,20 @@ FIRST_RUN_MS = 20.0
 
 
 class CallTimes(NamedTuple):
-    """A timed call's per-sample milliseconds; by_first_run: its one sample is its first run."""
+    """A timed call's per-sample milliseconds; by_first_run: its one sample is its first run
+    that compiled nothing (Ranks.time)."""
 
     ms: list[float]
     by_first_run: bool
+
+
+class CallTimer(NamedTuple):
+    """One call made ready (Ranks.timer): `run()` runs it once, measured as one sample of the
+    timing loop is (ms, or None where the run traced or compiled); `sample(warmup, iters,
+    known_ms)` times it with the timing loop (known_ms: a measured run's ms, for its chains)."""
+
+    run: Callable[[], float | None]
+    sample: Callable[[int, int, float | None], list[float]]
 
 
 def draw_length(n: int) -> int:
@@ -288,17 +298,23 @@ class Ranks(ABC):
         an earlier call of its class) asked for no warm-up is timed by its first run alone
         where that run takes FIRST_RUN_MS or more and compiled nothing: the host's share of so
         long a call is under half a percent, and an untimed run and one or two samples would
-        double or triple its device time."""
-        first_ms, sample = self.timer(call)
+        double or triple its device time. A call whose first run compiled (its class's first)
+        and is asked for no warm-up is run once more: that run, its program's first warm one,
+        counts as a warm call's first run (at 32K tokens a GPU a class's first call takes
+        0.3-2.4 s, which a warm-up and a sample would spend again)."""
+        timer = self.timer(call)
+        first_ms = timer.run()
+        if first_ms is None and warmup == 0:
+            first_ms, warm = timer.run(), True
         if warm and warmup == 0 and first_ms is not None and first_ms >= FIRST_RUN_MS:
             return CallTimes([first_ms], by_first_run=True)
-        times = sample(warmup, 1)
+        times = timer.sample(warmup, 1, first_ms)
         if iters > 1 and times[0] < LONG_CALL_MS:
-            times += sample(0, iters - 1)
+            times += timer.sample(0, iters - 1, first_ms)
         return CallTimes(times, by_first_run=False)
 
     @abstractmethod
-    def timer(self, call: tuple) -> tuple[float | None, Callable[[int, int], list[float]]]:
-        """One call made ready and run once, that run measured as one sample of the timing loop
-        is (timing.jax_first_ms, timing.torch_first_ms): (its ms, None where the framework saw
-        it compile, (warmup, iters) -> per-call milliseconds from the timing loop)."""
+    def timer(self, call: tuple) -> CallTimer:
+        """One call made ready (its inputs made once), to run and time (CallTimer): a run is
+        measured as one sample of the timing loop is (timing.jax_first_ms,
+        timing.torch_first_ms), None where the framework saw it compile."""

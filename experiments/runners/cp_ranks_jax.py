@@ -16,7 +16,7 @@ import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
-from experiments.runners.cp_ranks import Ranks, draw_length, plan_settings
+from experiments.runners.cp_ranks import CallTimer, Ranks, draw_length, plan_settings
 from shard_strategies.strategies import RING_CORE
 
 
@@ -662,18 +662,23 @@ class JaxRanks(Ranks):
         self._timing_inputs = kept  # the timing draws its inputs after the check, as before
         return programs, lowered
 
-    def timer(self, call: tuple) -> tuple[float | None, Callable[[int, int], list[float]]]:
-        """A first run that traced or compiled (the jitted step's cache grew) has no time."""
+    def timer(self, call: tuple) -> CallTimer:
+        """A run that traced or compiled (the jitted step's cache grew) has no time."""
         fn, args = self.call(*call)
         programs = getattr(fn, "_cache_size", lambda: 0)
-        before = programs()
-        first_ms = timing.jax_first_ms(fn, args, self.flush)
-        if programs() != before:
-            first_ms = None
-        return first_ms, lambda warmup, iters: timing.jax_time_calls(
-            fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms,
-            known_ms=first_ms,
-        )  # fmt: skip
+
+        def run() -> float | None:
+            before = programs()
+            ms = timing.jax_first_ms(fn, args, self.flush)
+            return ms if programs() == before else None
+
+        def sample(warmup: int, iters: int, known_ms: float | None) -> list[float]:
+            return timing.jax_time_calls(
+                fn, args, warmup=warmup, iters=iters, flush=self.flush, chain_ms=self.chain_ms,
+                known_ms=known_ms,
+            )  # fmt: skip
+
+        return CallTimer(run, sample)
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         """Each backward step adds its dK/dV to an empty accumulator and the pullback runs

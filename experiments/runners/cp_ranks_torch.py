@@ -18,7 +18,7 @@ import numpy as np
 
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, frameworks, inputs, timing
-from experiments.runners.cp_ranks import Ranks, plan_settings
+from experiments.runners.cp_ranks import CallTimer, Ranks, plan_settings
 from shard_strategies import simulate
 from shard_strategies.strategies import LOCAL_CORE, RING_CORE
 
@@ -221,13 +221,16 @@ class TorchRanks(Ranks):
 
         return backward
 
-    def timer(self, call: tuple) -> tuple[float, Callable[[int, int], list[float]]]:
+    def timer(self, call: tuple) -> CallTimer:
         fn = self.call(*call)
-        first_ms = timing.torch_first_ms(fn, self.device)
-        return first_ms, lambda warmup, iters: timing.torch_time_calls(
-            fn, warmup=warmup, iters=iters, device=self.device, chain_ms=self.chain_ms,
-            known_ms=first_ms,
-        )[0]  # fmt: skip
+
+        def sample(warmup: int, iters: int, known_ms: float | None) -> list[float]:
+            return timing.torch_time_calls(
+                fn, warmup=warmup, iters=iters, device=self.device, chain_ms=self.chain_ms,
+                known_ms=known_ms,
+            )[0]  # fmt: skip
+
+        return CallTimer(lambda: timing.torch_first_ms(fn, self.device), sample)
 
     def emulate(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         if rows is not None:
