@@ -1086,48 +1086,61 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
     assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
 
 
-@pytest.mark.parametrize("strategy, shared", [("ring", True), ("allgather", False)])
-def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
-    monkeypatch, strategy, shared
-):
-    """After a plan's forward+backward point, its forward point emulates no rank where the
-    forward steps are the same in both modes (a ring core): it takes the outs that point
-    emulated, equal to what its own emulation gives, and judges them (made wrong, the point
-    fails). An all-gather core's forward runs other programs: its forward point emulates its
-    own ranks."""
-    from experiments.core.outcomes import WRONG, PointFailure
-    from experiments.runners import cp_simulate
+def _counting_emulations(monkeypatch) -> list[str]:
+    """The mode of every JAX rank emulation from now on."""
     from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
 
-    _row_checks_and_constant_timing(monkeypatch)
-    emulations = []
-    real_emulate = JaxRanks.emulate
+    emulations, real_emulate = [], JaxRanks.emulate
 
     def emulate(self, r, u, rows=None):
         emulations.append(self.mode)
         return real_emulate(self, r, u, rows)
 
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    return emulations
+
+
+@pytest.mark.parametrize(
+    "strategy, n, rows, shared",
+    [("ring", 4, True, True), ("allgather", 4, True, False), ("usp", 8, False, True)],
+)
+def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
+    monkeypatch, strategy, n, rows, shared
+):
+    """After a plan's forward+backward point, its forward point (expected next) emulates no
+    rank where the forward steps are the same in both modes (a ring core, row checks or a
+    whole check of every rank and Ulysses position): it takes the outs that point emulated,
+    equal to what its own emulation gives, and judges them (made wrong, the point fails). An
+    all-gather core's forward runs other programs: its forward point emulates its own ranks."""
+    from experiments.core.outcomes import WRONG, PointFailure
+    from experiments.runners import checks, cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    if not rows:
+        monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1 << 40)
+    emulations = _counting_emulations(monkeypatch)
     runner = JaxRunner()
-    points = {m: _point(strategy, 4, m, sim.LinkModel(), seqlen=512) for m in ("fwd", "fwd_bwd")}
+    points = {m: _point(strategy, n, m, sim.LinkModel(), seqlen=512) for m in ("fwd_bwd", "fwd")}
 
     def after_forward_and_backward() -> tuple[cp_simulate.CPSimulator, dict]:
         simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        simulator.expect(list(points.values()))
         assert simulator.run(points["fwd_bwd"])["check"]["ok"]
         (store,) = simulator._forwards.values()
         return simulator, store
 
     simulator, store = after_forward_and_backward()
     checked = emulations.count("fwd_bwd")
-    assert checked >= 1 and len(store) == (checked if shared else 0)
+    assert checked >= (1 if rows else n) and len(store) == (checked if shared else 0)
     (mask,) = simulator._masks
     impl = JaxRanks.resolve_impl(points["fwd"], runner)
     plan = simulator._plans_of(points["fwd"], 0, impl)[1]
     own = JaxRanks(plan, impl, points["fwd"], 0, runner)  # no store: its own emulations
-    for (r, u, rows), out in store.items():
-        fresh = own.emulated(r, u, None if rows is None else np.frombuffer(rows, np.int64))
-        np.testing.assert_array_equal(fresh["out"], out)
+    for (r, u, rows_taken), out in store.items():
+        taken = None if rows_taken is None else np.frombuffer(rows_taken, np.int64)
+        np.testing.assert_array_equal(own.emulated(r, u, taken)["out"], out)
     emulations.clear()
     result = simulator.run(points["fwd"])
     sim_record = result["masks"][0]["simulation"]
@@ -1142,6 +1155,36 @@ def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
         with pytest.raises(PointFailure) as e:
             simulator.run(points["fwd"])
         assert e.value.status == WRONG
+
+
+def test_outs_are_kept_only_for_a_forward_point_of_the_same_plan_and_inputs(monkeypatch):
+    """A forward+backward point keeps no emulated out where no forward point of its plan
+    follows it, where the one that follows draws other inputs (another batch, same mask and
+    plan: that point emulates its own ranks and passes), or where an out is larger than
+    FORWARD_KEPT_BYTES."""
+    import dataclasses
+
+    from experiments.runners import cp_ranks, cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    emulations = _counting_emulations(monkeypatch)
+    runner = JaxRunner()
+    both = _point("ring", 4, "fwd_bwd", sim.LinkModel(), seqlen=512)
+    forward = _point("ring", 4, "fwd", sim.LinkModel(), seqlen=512)
+    wider = dataclasses.replace(forward, batch=2)
+    for expected, kept_bytes in (([both], 1 << 30), ([both, forward], 0), ([both, wider], 1 << 30)):
+        monkeypatch.setattr(cp_ranks, "FORWARD_KEPT_BYTES", kept_bytes)
+        simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        simulator.expect(expected)
+        emulations.clear()
+        assert simulator.run(both)["check"]["ok"] and emulations
+        assert not any(simulator._forwards.values())  # no out kept (a forward point's own store)
+    emulations.clear()
+    result = simulator.run(wider)
+    assert result["check"]["ok"] and emulations
+    assert result["masks"][0]["simulation"]["check_forwards_taken"] == 0
 
 
 def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypatch, caplog):
@@ -2125,7 +2168,7 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
      ((30.0,), True, 2, 3, False), ((3.0,), True, 0, 3, False), ((250.0,), True, 0, 1, True),
      ((None, 30.0), False, 0, 1, True), ((None, 250.0), False, 0, 1, True),
      ((None, 3.0), False, 0, 3, False), ((None,), False, 2, 3, False),
-     ((None, None), False, 0, 3, False)],
+     ((None, None), False, 0, 3, False), ((30.0,), False, 0, 3, False)],
 )  # fmt: skip
 def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS

@@ -23,20 +23,26 @@ MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
 LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
 # a call whose program has run before, at least this long, is timed by its first run (Ranks.time)
 FIRST_RUN_MS = 20.0
+# the largest emulated out kept for a forward point (Ranks.emulated): a JAX row check's rows are
+# megabytes, a PyTorch rank's whole shard at 32K tokens and 64 heads 1 GiB
+FORWARD_KEPT_BYTES = 64 << 20
 
 
 class CallTimes(NamedTuple):
     """A timed call's per-sample milliseconds; by_first_run: its one sample is its first run
-    that compiled nothing (Ranks.time)."""
+    that compiled nothing (Ranks.time); after_compile: a run before it compiled the call's
+    program (its class's first call)."""
 
     ms: list[float]
     by_first_run: bool
+    after_compile: bool = False
 
 
 class CallTimer(NamedTuple):
-    """One call made ready (Ranks.timer): `run()` runs it once, measured as one sample of the
-    timing loop is (ms, or None where the run traced or compiled); `sample(warmup, iters,
-    known_ms)` times it with the timing loop (known_ms: a measured run's ms, for its chains)."""
+    """One call made ready (Ranks.timer): `run()` runs it once, its inputs ready and the L2
+    flushed before the clock starts, stopped at its result (ms, or None where the run traced or
+    compiled); `sample(warmup, iters, known_ms)` times it with the timing loop (known_ms: a
+    measured run's ms, from which its chains take their length)."""
 
     run: Callable[[], float | None]
     sample: Callable[[int, int, float | None], list[float]]
@@ -216,9 +222,10 @@ class Ranks(ABC):
     def emulated(self, r: int, u: int, rows: np.ndarray | None = None) -> dict:
         """emulate(r, u, rows), its seconds added to emulate_seconds, so a point's record can
         split its check between running the ranks and the float64 reference. Where the ranks'
-        forward is the same in both modes (shares_forward) and `forwards` is given (the
-        simulator's store for one plan), a forward+backward emulation leaves its out there and
-        a forward point takes it instead of running the same programs on the same inputs again."""
+        forward is the same in every mode (shares_forward) and `forwards` is given (the
+        simulator's store for one plan and its inputs), an emulation in another mode leaves its
+        out there (up to FORWARD_KEPT_BYTES) and a forward point takes it instead of running
+        the same programs on the same inputs again."""
         key = (r, u, None if rows is None else np.asarray(rows, np.int64).tobytes())
         store = self.forwards if self.shares_forward() else None
         if store is not None and self.mode == "fwd" and key in store:
@@ -229,7 +236,7 @@ class Ranks(ABC):
             result = self.emulate(r, u, rows)
         finally:
             self.emulate_seconds += time.perf_counter() - start
-        if store is not None and self.mode != "fwd":
+        if store is not None and self.mode != "fwd" and result["out"].nbytes <= FORWARD_KEPT_BYTES:
             store[key] = result["out"]
         return result
 
@@ -291,7 +298,7 @@ class Ranks(ABC):
         return [None] * len(calls), {}
 
     def time(self, call: tuple, warmup: int, iters: int, *, warm: bool = False) -> CallTimes:
-        """Per-call milliseconds of one call (synthetic inputs of its shapes), run once untimed
+        """Per-call milliseconds of one call (synthetic inputs of its shapes), run once (timer)
         first, then with the timing loop: `iters` samples, or one where that one takes at least
         LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
         or Ulysses call takes seconds). A `warm` call (its compiled program has run before, as
@@ -304,14 +311,15 @@ class Ranks(ABC):
         0.3-2.4 s, which a warm-up and a sample would spend again)."""
         timer = self.timer(call)
         first_ms = timer.run()
-        if first_ms is None and warmup == 0:
+        compiled = first_ms is None
+        if compiled and warmup == 0:
             first_ms, warm = timer.run(), True
         if warm and warmup == 0 and first_ms is not None and first_ms >= FIRST_RUN_MS:
-            return CallTimes([first_ms], by_first_run=True)
+            return CallTimes([first_ms], by_first_run=True, after_compile=compiled)
         times = timer.sample(warmup, 1, first_ms)
         if iters > 1 and times[0] < LONG_CALL_MS:
             times += timer.sample(0, iters - 1, first_ms)
-        return CallTimes(times, by_first_run=False)
+        return CallTimes(times, by_first_run=False, after_compile=compiled)
 
     @abstractmethod
     def timer(self, call: tuple) -> CallTimer:

@@ -331,8 +331,36 @@ class CPSimulator:
             entry=ENTRY[point.framework],
         )
         ranks = self.ranks(timed_plan, impl, point, index, self.runner)
-        ranks.forwards = self._forwards.setdefault(self._plan_key(point, index, impl), {})
+        ranks.forwards = self._forward_store(point, index, impl)
         return Prepared(plan, sched, ranks, self._call_classes(ranks, sched, point))
+
+    def _forward_store(self, point: Point, index: int, impl: str) -> dict | None:
+        """Ranks.forwards of the point's plan and inputs: for a forward point, and for another
+        mode only where an expected forward point of the same plan and inputs follows it in
+        this problem, so nothing is kept that no point takes."""
+        key = self._store_key(point, index, impl)
+        if point.mode != "fwd" and not any(
+            q.mode == "fwd"
+            and self._store_key(q, index, self.ranks.resolve_impl(q, self.runner)) == key
+            for q in self._problem_after(point)
+        ):
+            return None
+        return self._forwards.setdefault(key, {})
+
+    def _store_key(self, point: Point, index: int, impl: str) -> tuple:
+        """What an emulation's out depends on besides the rank and rows: the inputs (shapes,
+        seed, mask: reference_problem) and the plan."""
+        return reference_problem(point, impl, index), self._plan_key(point, index, impl)
+
+    def _problem_after(self, point: Point) -> list[Point]:
+        """The expected points right after `point` of its problem (none where not expected)."""
+        start = self._position.get(point.key)
+        after = []
+        for q in self._expected[start + 1 :] if start is not None else ():
+            if self._problem_of(q) != self._problem_of(point):
+                break
+            after.append(q)
+        return after
 
     def _peers_prepared(self, point: Point, index: int) -> list[Prepared]:
         """At a problem's first point: the expected points right after it of the same problem
@@ -343,11 +371,8 @@ class CPSimulator:
         if not ahead or index in self._looked_ahead:
             return []
         self._looked_ahead.add(index)
-        problem, peers = self._problem_of(point), []
-        start = self._position.get(point.key)
-        for q in self._expected[start + 1 :] if start is not None else ():
-            if self._problem_of(q) != problem:
-                break
+        peers = []
+        for q in self._problem_after(point):
             try:
                 ready = self._prepare(q, index, self.ranks.resolve_impl(q, self.runner))
             except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
@@ -462,6 +487,7 @@ class CPSimulator:
                 **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
                 "n": int(stats["n"]),
                 "first_run": times.by_first_run,
+                "after_compile": times.after_compile,
             }
         )
 

@@ -95,7 +95,8 @@ def main() -> None:
                 if p is None:
                     cells.append("not reached")
                     continue
-                _, rate = rates.get((mask, mode, p["total"]), cap_rate[mask, mode])
+                own = rates.get((mask, mode, p["total"]))
+                _, rate = own if own is not None else cap_rate[mask, mode]
                 name = NAMES.get(p["cp"], p["cp"])
                 plain = p["cp"] == "ulysses" or p["layout"] == "contiguous"  # Ulysses: no ring
                 layout = "" if plain else f" {p['layout']}"
