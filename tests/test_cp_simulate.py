@@ -1101,11 +1101,12 @@ def _counting_emulations(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "strategy, n, rows, shared",
-    [("ring", 4, True, True), ("allgather", 4, True, False), ("usp", 8, False, True)],
-)
+    "strategy, n, seqlen, rows, shared",
+    [("ring", 4, 512, True, True), ("allgather", 4, 512, True, False),
+     ("usp", 8, 128, False, True)],
+)  # fmt: skip
 def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
-    monkeypatch, strategy, n, rows, shared
+    monkeypatch, strategy, n, seqlen, rows, shared
 ):
     """After a plan's forward+backward point, its forward point (expected next) emulates no
     rank where the forward steps are the same in both modes (a ring core, row checks or a
@@ -1122,7 +1123,7 @@ def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
         monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1 << 40)
     emulations = _counting_emulations(monkeypatch)
     runner = JaxRunner()
-    points = {m: _point(strategy, n, m, sim.LinkModel(), seqlen=512) for m in ("fwd_bwd", "fwd")}
+    points = {m: _point(strategy, n, m, sim.LinkModel(), seqlen=seqlen) for m in ("fwd_bwd", "fwd")}
 
     def after_forward_and_backward() -> tuple[cp_simulate.CPSimulator, dict]:
         simulator = cp_simulate.CPSimulator(runner, JaxRanks)
