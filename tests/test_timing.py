@@ -163,6 +163,49 @@ def test_a_call_known_to_fill_a_chain_runs_no_warm_up(framework):
         assert n > 1 and len(calls) == 1 + 2 * n, known  # the warm-up, then two chains of n
 
 
+LONG_S = 0.03  # a call past SAMPLE_RUN_MS: its chain is one call
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_long_chain_length_run_is_the_first_sample(monkeypatch, framework):
+    """With no warm-up asked, the run that sets a long call's chain length (a chain of one, at
+    least SAMPLE_RUN_MS) is flushed like a sample and is the first sample: one call fewer, and
+    every sample the call's time without its flush. Not with a warm-up asked, one sample, a
+    barrier (ranks must take their chains alike), or a run shorter than SAMPLE_RUN_MS."""
+    calls = []
+
+    def fn(*args):
+        time.sleep(LONG_S)
+        calls.append(1)
+        return np.ones(3, np.float32)
+
+    flush = SleepyFlush()
+
+    def run(warmup: int, iters: int, barrier=None) -> list[float]:
+        calls.clear()
+        flush.count = 0
+        if framework == "jax":
+            return timing.jax_time_calls(
+                fn, (), warmup=warmup, iters=iters, flush=flush, chain_ms=5, barrier=barrier
+            )
+        torch = pytest.importorskip("torch")
+        return timing.torch_time_calls(
+            fn, warmup=warmup, iters=iters, device=torch.device("cpu"), chain_ms=5,
+            barrier=barrier,
+        )[0]  # fmt: skip
+
+    times = run(0, 3)
+    assert len(times) == 3 and len(calls) == 3  # the chain-length run and two chains of one
+    assert all(0.9 * LONG_S * 1e3 < t < (LONG_S + FLUSH_S / 2) * 1e3 for t in times), times
+    if framework == "jax":  # before the first run, then in the flush chains and the chains
+        assert flush.count == 1 + timing.FLUSH_SAMPLES + 2
+    for warmup, iters, barrier in ((1, 3, None), (0, 1, None), (0, 3, lambda: None)):
+        assert len(run(warmup, iters, barrier)) == iters
+        assert len(calls) == max(warmup, 1) + iters, (warmup, iters, barrier)
+    monkeypatch.setattr(timing, "SAMPLE_RUN_MS", 1e4)
+    assert len(run(0, 3)) == 3 and len(calls) == 4
+
+
 POINT = [
     "--framework=jax",
     "--impl=reference",

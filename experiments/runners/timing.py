@@ -15,6 +15,9 @@ frameworks' terms:
   run) has the call measured again with chains twice as long (past MAX_CHAIN), CHAIN_TRIES
   measurements in all, then raises. Runs whose ranks share a barrier measure once and keep what
   they measure: a rank that measured again, or raised, alone would leave the others waiting.
+  With no warm-up asked, the run that sets the chain length is flushed like a sample and, where
+  it is a chain of one call of at least SAMPLE_RUN_MS, is the first sample (not where ranks
+  share a barrier, nor for a single sample).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ GIB = float(1 << 30)
 MAX_CHAIN = 64  # calls in a chain of short calls at most (a measurement again doubles it)
 FLUSH_SAMPLES = 3  # chains of flushes alone, whose median is subtracted
 CHAIN_TRIES = 3  # measurements of a call, each chain twice as long, until its times are > 0
+# with no warm-up asked, a chain-length run at least this long is the first sample: the host's
+# share of so long a call is under half a percent (a single-GPU baseline of the CP predictor
+# takes seconds a run)
+SAMPLE_RUN_MS = 20.0
 
 
 def chain_length(call_ms: float, chain_ms: float) -> int:
@@ -58,14 +65,33 @@ def jax_first_ms(fn: Callable, args: Sequence, flush: Callable[[], None] | None 
 
 
 def _warm_chain_length(
-    call: Callable[[], None], warmup: int, chain_ms: float, known_ms: float | None = None
-) -> int:
-    """Run `warmup` (at least one) synchronised calls; the chain length for the fastest. With
-    no warm-up asked of a call already known to take chain_ms or more (known_ms: its untimed
-    first run), none: its chain is that one call (seconds a call at 2M tokens)."""
+    call: Callable[[], None],
+    warmup: int,
+    chain_ms: float,
+    known_ms: float | None = None,
+    flush: Callable[[], None] | None = None,
+) -> tuple[int, float | None]:
+    """(chain length, a first sample or None). Runs `warmup` (at least one) synchronised calls;
+    the chain length is for the fastest. With no warm-up asked of a call already known to take
+    chain_ms or more (known_ms: its untimed first run), none: its chain is that one call
+    (seconds a call at 2M tokens). With no warm-up asked, the one run is flushed first like a
+    sample and, where it takes SAMPLE_RUN_MS and chain_ms or more (a chain of one call), is the
+    first sample."""
     if warmup == 0 and known_ms is not None and known_ms >= chain_ms:
-        return 1
-    return chain_length(min(wall_ms(call) for _ in range(max(warmup, 1))), chain_ms)
+        return 1, None
+    if warmup > 0:
+        return chain_length(min(wall_ms(call) for _ in range(warmup)), chain_ms), None
+    if flush is not None:
+        flush()
+    ms = wall_ms(call)
+    return chain_length(ms, chain_ms), (ms if ms >= max(SAMPLE_RUN_MS, chain_ms) else None)
+
+
+def _kept_first(first: float | None, iters: int, barrier) -> float | None:
+    """The chain-length run as a first sample (_warm_chain_length) only where a chained sample
+    follows it (which measures the peak memory too) and no barrier lines ranks up: a rank that
+    kept its run would take one chain fewer than a rank whose run was a little shorter."""
+    return first if iters > 1 and barrier is None else None
 
 
 def time_stats(times_ms: Sequence[float]) -> dict[str, float]:
@@ -152,10 +178,14 @@ def jax_time_calls(
 def _jax_chains(
     fn, args, warmup: int, iters: int, chain_ms: float, flush, barrier, known_ms=None
 ) -> list[float]:
-    """Per-call ms from `iters` chains of n (flush, call) pairs, less the flushes' own time."""
+    """Per-call ms from `iters` chains of n (flush, call) pairs, less the flushes' own time (or
+    the chain-length run and iters - 1 chains: _warm_chain_length, _kept_first)."""
     import jax
 
-    n = _warm_chain_length(lambda: jax.block_until_ready(fn(*args)), warmup, chain_ms, known_ms)
+    n, first = _warm_chain_length(
+        lambda: jax.block_until_ready(fn(*args)), warmup, chain_ms, known_ms, flush
+    )
+    first = _kept_first(first, iters, barrier)
     enqueue = getattr(flush, "enqueue", flush)
 
     def chain(n: int, call: bool) -> float:
@@ -174,9 +204,11 @@ def _jax_chains(
     def measure(n: int) -> tuple[list[float], None]:
         flushes = [chain(n, False) for _ in range(FLUSH_SAMPLES)] if flush else [0.0]
         flush_ms = float(np.median(flushes))
-        return [(chain(n, True) - flush_ms) / n for _ in range(iters)], None
+        return [(chain(n, True) - flush_ms) / n for _ in range(left)], None
 
-    return _positive_times(measure, n, tries=1 if barrier else CHAIN_TRIES)[0]
+    left = iters if first is None else iters - 1
+    times = _positive_times(measure, n, tries=1 if barrier else CHAIN_TRIES)[0]
+    return times if first is None else [first, *times]
 
 
 def _positive_times(measure: Callable[[int], tuple], n: int, tries: int) -> tuple:
@@ -344,18 +376,23 @@ def _torch_chains(
     import torch
 
     cuda = device.type == "cuda"
-    n = _warm_chain_length(torch_synchronised(fn, device), warmup, chain_ms, known_ms)
+    flush = torch_flush_buffer(device) if cuda else None
+    flushed = (lambda: (flush.zero_(), torch.cuda.synchronize(device))) if cuda else None
+    n, first = _warm_chain_length(
+        torch_synchronised(fn, device), warmup, chain_ms, known_ms, flushed
+    )
+    first = _kept_first(first, iters, barrier)
+    left, before = (iters, []) if first is None else (iters - 1, [first])
     if not cuda:
         times = []
-        for _ in range(iters):
+        for _ in range(left):
             if barrier is not None:
                 barrier()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / n)
-        return times, None
-    flush = torch_flush_buffer(device)
+        return before + times, None
 
     def chain(n: int, call: bool) -> tuple:
         if barrier is not None:
@@ -374,7 +411,7 @@ def _torch_chains(
     def measure(n: int) -> tuple[list[float], float]:
         flushes = [chain(n, False) for _ in range(FLUSH_SAMPLES)]
         peak, events = 0, []
-        for _ in range(iters):
+        for _ in range(left):
             torch.cuda.reset_peak_memory_stats(device)
             events.append(chain(n, True))
             peak = max(peak, torch.cuda.max_memory_allocated(device))
@@ -383,4 +420,5 @@ def _torch_chains(
         times = [(s.elapsed_time(e) - flush_ms) / n for s, e in events]
         return times, (peak - L2_FLUSH_BYTES) / GIB
 
-    return _positive_times(measure, n, tries=1 if barrier else CHAIN_TRIES)
+    times, peak = _positive_times(measure, n, tries=1 if barrier else CHAIN_TRIES)
+    return before + times, peak
