@@ -258,8 +258,7 @@ def tile_counts(mask: SlicedMask, bq: int, bk: int) -> tuple[tuple[np.ndarray, .
     holds 268M tiles, its counts 2 x 16K numbers."""
     nq, nk = _tile_grid(mask, bq, bk)
     t, f0, f1, qt, kt, whole = _tile_geometry(mask, bq, bk)
-    row_full = np.zeros(nq, np.int64)
-    np.add.at(row_full, t, f1 - f0)
+    row_full = np.bincount(t, weights=f1 - f0, minlength=nq).astype(np.int64)
     starts = np.bincount(f0, minlength=nk + 1) - np.bincount(f1, minlength=nk + 1)
     col_full = np.cumsum(starts)[:nk]
     rows = (row_full + np.bincount(qt[whole], minlength=nq), np.bincount(qt[~whole], minlength=nq))

@@ -227,9 +227,9 @@ def _point(
 def _no_first_run_timing(monkeypatch) -> None:
     """Every timed call through the (faked) timing loop: a warm call's real first run, slow on
     a loaded host, would otherwise stand for its time."""
-    from experiments.runners import cp_ranks
+    from experiments.runners import timing
 
-    monkeypatch.setattr(cp_ranks, "FIRST_RUN_MS", math.inf)
+    monkeypatch.setattr(timing, "SAMPLE_RUN_MS", math.inf)
 
 
 def _parts_add_up(runner, monkeypatch) -> None:
@@ -2175,16 +2175,17 @@ def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
     long, and `iters` of a shorter one, each after one run of the call; a warm call (its
     program ran before) asked for no warm-up is timed by that first run where it takes
-    FIRST_RUN_MS or more, and samples nothing more. A call whose first run compiled (None) is
+    SAMPLE_RUN_MS or more, and samples nothing more. A call whose first run compiled (None) is
     run once more where no warm-up is asked, and that run counts as a warm call's first; the
     timing loop's chains learn the last measured run's length."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import FIRST_RUN_MS, LONG_CALL_MS, CallTimer, Ranks
+    from experiments.runners.cp_ranks import LONG_CALL_MS, CallTimer, Ranks
+    from experiments.runners.timing import SAMPLE_RUN_MS
 
     measured = [ms for ms in runs if ms is not None]
     ms = measured[-1] if measured else 3.0  # the call's length, as the timing loop finds it
-    for t in (LONG_CALL_MS, FIRST_RUN_MS):
+    for t in (LONG_CALL_MS, SAMPLE_RUN_MS):
         assert ms >= t or ms * 3 < t
     made, asked, left = [], [], list(runs)
 
@@ -2206,7 +2207,7 @@ def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
 
 
 def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplog):
-    """Where every call may be timed by its first run that compiles nothing (FIRST_RUN_MS 0),
+    """Where every call may be timed by its first run that compiles nothing (SAMPLE_RUN_MS 0),
     the first call of each class runs twice, its first run tracing and compiling its program
     and the second, its time, compiling nothing; every later call of the class is timed by its
     first run, which compiles nothing (one program a class); the records say so. Nothing runs
@@ -2216,14 +2217,14 @@ def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplo
 
     import jax
 
-    from experiments.runners import checks, cp_ranks, cp_ranks_jax, cp_simulate
+    from experiments.runners import checks, cp_ranks_jax, cp_simulate, timing
     from experiments.runners.jax_runner import JaxRunner
 
     def unchecked(ranks, point, mask, index, rtol, known=None):
         return checks.CheckResult(ok=True, kind="rows", errors={}, rtol={}), [0]
 
     monkeypatch.setattr(cp_simulate, "check_ranks", unchecked)
-    monkeypatch.setattr(cp_ranks, "FIRST_RUN_MS", 0.0)
+    monkeypatch.setattr(timing, "SAMPLE_RUN_MS", 0.0)
     real_first, runs = cp_ranks_jax.timing.jax_first_ms, []
 
     def first_ms(fn, args, flush=None):

@@ -16,13 +16,11 @@ from typing import NamedTuple
 import numpy as np
 
 from experiments.core.points import Point
-from experiments.runners import call_model, checks, frameworks, inputs
+from experiments.runners import call_model, checks, frameworks, inputs, timing
 
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
 LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
-# a call whose program has run before, at least this long, is timed by its first run (Ranks.time)
-FIRST_RUN_MS = 20.0
 # the largest emulated out kept for a forward point (Ranks.emulated): a JAX row check's rows are
 # megabytes, a PyTorch rank's whole shard at 32K tokens and 64 heads 1 GiB
 FORWARD_KEPT_BYTES = 64 << 20
@@ -303,18 +301,18 @@ class Ranks(ABC):
         LONG_CALL_MS (its spread is small against its length, and at 64 devices an all-gather
         or Ulysses call takes seconds). A `warm` call (its compiled program has run before, as
         an earlier call of its class) asked for no warm-up is timed by its first run alone
-        where that run takes FIRST_RUN_MS or more and compiled nothing: the host's share of so
-        long a call is under half a percent, and an untimed run and one or two samples would
-        double or triple its device time. A call whose first run compiled (its class's first)
-        and is asked for no warm-up is run once more: that run, its program's first warm one,
-        counts as a warm call's first run (at 32K tokens a GPU a class's first call takes
-        0.3-2.4 s, which a warm-up and a sample would spend again)."""
+        where that run takes timing.SAMPLE_RUN_MS or more and compiled nothing: the host's
+        share of so long a call is under half a percent, and an untimed run and one or two
+        samples would double or triple its device time. A call whose first run compiled (its
+        class's first) and is asked for no warm-up is run once more: that run, its program's
+        first warm one, counts as a warm call's first run (at 32K tokens a GPU a class's first
+        call takes 0.3-2.4 s, which a warm-up and a sample would spend again)."""
         timer = self.timer(call)
         first_ms = timer.run()
         compiled = first_ms is None
         if compiled and warmup == 0:
             first_ms, warm = timer.run(), True
-        if warm and warmup == 0 and first_ms is not None and first_ms >= FIRST_RUN_MS:
+        if warm and warmup == 0 and first_ms is not None and first_ms >= timing.SAMPLE_RUN_MS:
             return CallTimes([first_ms], by_first_run=True, after_compile=compiled)
         times = timer.sample(warmup, 1, first_ms)
         if iters > 1 and times[0] < LONG_CALL_MS:

@@ -121,8 +121,7 @@ class TorchRanks(Ranks):
 
     def call_tokens(self, r: int, t: int) -> tuple[int, int]:
         """(rows, columns) the call computes: its piece trimmed (call_shape)."""
-        rows, cols = self.call_shape(r, t)[:2]
-        return rows, cols
+        return self.call_shape(r, t)[:2]
 
     def call_kind(self, r: int, t: int) -> tuple:
         """Whether the call starts the rank's merge (its cost differs from a merging one) and

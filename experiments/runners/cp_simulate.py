@@ -178,7 +178,7 @@ class CPSimulator:
         self._problem: tuple | None = None
         self._masks: list = []
         self._plans: dict[tuple, tuple] = {}
-        self._forwards: dict[tuple, dict] = {}  # per plan: Ranks.forwards, shared by its modes
+        self._forwards: dict[tuple, dict] = {}  # per plan and inputs (_forward_store)
 
     def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
         """The points this simulator will be given, in order: a problem's first point then

@@ -33,9 +33,9 @@ GIB = float(1 << 30)
 MAX_CHAIN = 64  # calls in a chain of short calls at most (a measurement again doubles it)
 FLUSH_SAMPLES = 3  # chains of flushes alone, whose median is subtracted
 CHAIN_TRIES = 3  # measurements of a call, each chain twice as long, until its times are > 0
-# with no warm-up asked, a chain-length run at least this long is the first sample: the host's
-# share of so long a call is under half a percent (a single-GPU baseline of the CP predictor
-# takes seconds a run)
+# a single run at least this long counts as a sample (the host's share of so long a call is
+# under half a percent): with no warm-up asked, the run that sets a chain's length
+# (_warm_chain_length), and a CP predictor call's first warm run (cp_ranks.Ranks.time)
 SAMPLE_RUN_MS = 20.0
 
 
