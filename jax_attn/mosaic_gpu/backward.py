@@ -49,7 +49,6 @@ from .bwd_steps import (
     dkv_step,
     dq_step,
     fetch_queries,
-    fp32_tile_smem,
     launch,
     launch_dkv,
     query_ring,
@@ -394,7 +393,7 @@ def _dkv_call(operands: tuple, lists: PartialFirst, kern: Kernel, interpret: Any
         plgpu.Barrier(num_arrivals=QUERY_COPIES, num_barriers=st),
     ]
     if kern.fused:  # the dS^T tile (read transposed as dQ's A operand) and the fp32 dQ stage
-        scratch += [tile_smem((bk, bq), q.dtype), fp32_tile_smem((bq, d))]
+        scratch += [tile_smem((bk, bq), q.dtype), plgpu.SMEM((bq, d), jnp.float32)]
     grid = (k.shape[1] // bk, k.shape[2], k.shape[0])
     body = _dkv_fused_kernel if kern.fused else _dkv_kernel
     return launch_dkv(body, kern, grid, scratch, (*operands, *lists), interpret, "mosaic_flash_dkv")

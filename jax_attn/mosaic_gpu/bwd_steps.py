@@ -60,14 +60,6 @@ def tile_smem(shape: tuple[int, ...], dtype: Any) -> Any:
     return plgpu.SMEM(shape, dtype, transforms=swizzle())
 
 
-def fp32_tile_smem(shape: tuple[int, ...]) -> Any:
-    """An fp32 SMEM tile stored from the wgmma accumulator layout: 8 x 32 tiles, 128-byte
-    swizzle. Unswizzled, the rows of a 64-wide fp32 tile lie 256 bytes apart, so the eight
-    rows a warp stores at once fall in the same banks (an 8-way conflict)."""
-    swizzle_fp32 = plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)
-    return plgpu.SMEM(shape, jnp.float32, transforms=swizzle_fp32)
-
-
 def cast(x: jax.Array, layout: Any, kern: Kernel) -> jax.Array:
     """x in `layout` on the GPU (a hint for the load/broadcast that follows)."""
     return plgpu.layout_cast(x, layout) if kern.hints else x
@@ -293,15 +285,14 @@ def query_ring(stages: int, bq: int, d: int, dtype: Any, intervals: int) -> list
 def dkv_step(
     kern: Kernel, k_s: Any, v_s: Any, slot: tuple, col0: jax.Array, masked: bool,
     dk_acc: Any, dv_acc: Any,
-    around_dk: Callable[[jax.Array, Callable[[Any], None]], None] | None = None,
+    around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
     turn: Callable[[], None] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
-    around_dk(dS^T, issue_dk), when given, issues dK itself by issue_dk(A operand: dS^T in
-    registers or in SMEM), so work can go between dV and dK (the fused kernel's dQ matmul) or
-    run while dK's matmul is in flight. turn, when given,
+    around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
+    (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
     runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
@@ -324,7 +315,7 @@ def dkv_step(
     if around_dk is None:
         plgpu.wgmma(dk_acc, ds_t, q)
     else:
-        around_dk(ds_t, lambda ds: plgpu.wgmma(dk_acc, ds, q))
+        around_dk(ds_t, lambda: plgpu.wgmma(dk_acc, ds_t, q))
     return ds_t
 
 

@@ -11,8 +11,8 @@ Fused (fused_bwd), the CTA adds its 128 keys' share of each step's dQ once: both
 their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each computes
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
-dQ matmul goes between dV's and dK's, and dK's (its A operand the dS^T tile in SMEM) runs
-while the consumers stage and add dQ.
+dQ matmul goes between dV's and dK's; at D=64 dK's runs while consumer 0 stages and adds dQ,
+at D=128 dQ is read once dK's is done too (_add_dq_shared says why).
 Ping-pong (KernelConfig.bwd_pingpong): the consumers meet at a 2-arrival barrier once their S^T
 and dP^T are issued and again before dV is, consumer 1 starting half a step behind, so one's
 matmuls run while the other computes its softmax (the forward's and FlashAttention-3's order).
@@ -42,7 +42,6 @@ from .bwd_steps import (
     accumulate_dkv,
     dkv_step,
     fetch_queries,
-    fp32_tile_smem,
     launch_dkv,
     query_ring,
     tile_smem,
@@ -132,34 +131,33 @@ def dq_columns(head_dim: int) -> list[slice]:
 
 def _add_dq_shared(
     n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
-    issue_dk: Callable[[Any], None],
+    issue_dk: Callable[[], None],
 ) -> None:  # fmt: skip
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
     keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
     consumers' reads of step n - 2 released it), a rendezvous, then each consumer's dq_columns
     slice issued before dK (FlashAttention-3's dV, dQ, dK order) and added by one TMA
-    reduce-add, read while dK's matmul runs. dK reads this consumer's dS^T from the SMEM tile
-    rather than from registers, so they are free under the dQ read and store (at D=128, dK's
-    register A operand in flight there made ptxas serialise every wgmma of the kernel: NOTES);
-    only this consumer rewrites that half, after its next step's first wait. At D=64 consumer
-    0 computes the whole share."""
+    reduce-add. At D=64 consumer 0 computes it all and reads it while dK's matmul runs. At D=128
+    each consumer's slice is picked by index and read once dK is done too: measured on the H200
+    (mosaic_variants 39-*), a branch per consumer with dK in flight across their join made
+    ptxas serialise every wgmma of the kernel, and the index with dK in flight was 1.12-1.16x
+    slower than waiting for dK (fewer registers live under the store)."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
     pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
-    own = ds_s.at[buf, wg]
-    own[...] = ds_t
+    ds_s.at[buf, wg][...] = ds_t
     plgpu.commit_smem()
     plgpu.barrier_arrive(ready.at[buf])
     plgpu.barrier_wait(ready.at[buf])
     columns = dq_columns(k_s.shape[-1])
 
-    def share(cols: Any, stage: Any) -> None:
+    def share(cols: Any, stage: Any, wait_n: int) -> None:
         def run(acc: Any) -> jax.Array:
             for j in range(CONSUMER_WARPGROUPS):
                 ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
                 plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
-            issue_dk(own)
-            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dK still in flight
+            issue_dk()
+            return plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)  # 1: dK still in flight
 
         part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
         plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
@@ -170,13 +168,13 @@ def _add_dq_shared(
 
     if len(columns) == CONSUMER_WARPGROUPS:
         width = columns[0].stop
-        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg])
+        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg], wait_n=0)
         return
-    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0]))
+    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0], wait_n=1))
 
     @pl.when(wg > 0)
     def _no_share() -> None:
-        issue_dk(own)
+        issue_dk()
         plgpu.barrier_arrive(free.at[buf])
 
 
@@ -199,7 +197,7 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         width = dq_columns(d)[0].stop
         scratch += [
             tile_smem((DS_BUFFERS, CONSUMER_WARPGROUPS, bk, bq), q.dtype),
-            fp32_tile_smem((CONSUMER_WARPGROUPS, bq, width)),
+            plgpu.SMEM((CONSUMER_WARPGROUPS, bq, width), jnp.float32),
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
         ]
