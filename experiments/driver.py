@@ -292,6 +292,7 @@ def _jax_runner(settings: Settings):
         rtol_override=settings.check_rtol,
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
+        sim_validation_share=settings.sim_validation_share,
         sim_compile_threads=settings.sim_compile_threads,
     )
 
@@ -303,6 +304,7 @@ def _torch_runner(settings: Settings):
         rtol_override=settings.check_rtol,
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
+        sim_validation_share=settings.sim_validation_share,
         sim_compile_threads=settings.sim_compile_threads,
     )
 

@@ -632,11 +632,19 @@ def _modelled_equals_timed(monkeypatch) -> None:
     )
     point = _point("ring", 8, "fwd_bwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=128)
     sims = {}
-    for k in (0, 4):
-        result = JaxRunner(sim_timed_calls=k).run(point)
+    for k, share in ((0, 1.0), (4, 1.0), ("unchecked", 1e-9)):
+        runner = JaxRunner(sim_timed_calls=4 if k == "unchecked" else k, sim_validation_share=share)
+        result = runner.run(point)
         assert result["check"]["ok"]
         sims[k] = result["masks"][0]["simulation"]
     every, model = sims[0]["calls"], sims[4]["calls"]
+    # no class checked: the same calibration calls, the held-out ones predicted instead
+    unchecked, held = sims["unchecked"]["calls"], model["model"]["held_out_calls"]
+    assert unchecked["unchecked"] == unchecked["modelled"] == model["modelled"] + held
+    assert model["unchecked"] == 0 and "model" not in unchecked
+    assert unchecked["timed"] == model["timed"] - held
+    assert {c["role"] for c in sims["unchecked"]["timed_calls"]} <= {"calibration", "all"}
+    assert sims["unchecked"]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
     assert every["timed"] == every["distinct"] and every["modelled"] == 0 and "model" not in every
     assert model["distinct"] == every["distinct"]
     assert model["modelled"] > 0 and model["timed"] + model["modelled"] == model["distinct"]
@@ -718,12 +726,15 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
 
 
-def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
+@pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])
+def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch, share):
     """A class two of whose calls an earlier point timed (other pieces than this point's) and
     whose calls the kind's model puts under LONG_CALL_MS but its own rate (1.3 times the kind's
     law, with a per-call wobble) over it: it is predicted across shapes, those calls set its
     rate, only one more is timed (held out, predicted at that rate), the rest are predicted at
-    the rate of all three, with the kind's spread of p20 and p80 around their medians."""
+    the rate of all three, with the kind's spread of p20 and p80 around their medians. A class
+    whose model is not checked (--sim_validation_share) times nothing: every call predicted at
+    the rate of the two."""
     from types import SimpleNamespace
 
     from experiments.runners import timing
@@ -732,7 +743,9 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
 
     law = np.array([10.0, 0.9, 1.6])  # the kind's ms: constant, per full, per partial tile
     wobble = {i: 1.0 + 0.02 * math.sin(3.0 * i) for i in range(30)}
-    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=share
+    )
     rng = np.random.default_rng(4)
     features = {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14)}
     features |= {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(14, 22)}
@@ -764,6 +777,12 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch):
     assert median < LONG_CALL_MS <= rate(before) * median  # the class's rate decides
     point = SimpleNamespace(seed=0)
     count, predicted, checked = simulator._across_shapes(None, point, ("c",), "kind", members)
+    if share < 1:
+        assert not simulator._checked(("c",))
+        assert count == 0 and timed == [] and checked == [] and set(predicted) == set(members)
+        for key, stats in predicted.items():
+            assert stats["median"] == pytest.approx(rate(before) * guess[key], rel=1e-9)
+        return
     assert count == 1 and [role for _, role in timed] == ["rate_held_out"]
     ((held, _),) = timed
     ((predicted_held, measured),) = checked
@@ -1727,6 +1746,14 @@ def test_report_states_the_cost_models_error(tmp_path):
     plot = report_sim.held_out_plot(pooled, tmp_path)
     assert plot == tmp_path / "plots" / "cost_model_held_out.png" and plot.stat().st_size > 0
     assert report_sim.held_out_plot(records, tmp_path / "none") is None  # no pairs listed
+    # calls predicted in classes whose model no held-out call checked are counted apart
+    records[0]["masks"][0]["simulation"]["calls"]["unchecked"] = 12
+    line = report_sim.model_error(records)[0]
+    assert line.endswith(
+        "(largest single error 3.2%). 12 of the predicted calls belong to classes whose model "
+        "was not checked on held-out calls (--sim_validation_share checks a share of the "
+        "classes); the error is that of the checked classes' models."
+    )
 
 
 def test_bad_simulation_flags_fail_in_one_line(tmp_path):
@@ -1746,6 +1773,8 @@ def test_bad_simulation_flags_fail_in_one_line(tmp_path):
         ("--sim_timed_calls=3", "bad --sim_timed_calls=3: expected 0 (time every call) or at"),
         ("--sim_timed_calls=3", "or at least 4"),
         ("--sim_compile_threads=-1", "--sim_compile_threads=-1: -1 is not a non-negative"),
+        ("--sim_validation_share=0", "bad --sim_validation_share=0.0: expected a share in (0, 1]"),
+        ("--sim_validation_share=1.5", "bad --sim_validation_share=1.5: expected a share in"),
     ]:
         with pytest.raises(Exception, match=re.escape(expected)):
             run.run_cli([bad, f"--out_dir={tmp_path}"])
@@ -2314,3 +2343,24 @@ def test_recorded_baselines_keep_what_records_state_in_full():
         {"time_ms": {"median": 2.0}, "tflops": {"median": 5.0}},
     ]
     assert got["k2"] == {"key": "k2", "status": "oom", "reason": "too big", "seqlen": 99}
+
+
+def test_a_share_of_the_classes_is_checked_the_same_in_every_process():
+    """--sim_validation_share: the classes checked on held-out calls are drawn by the class's
+    name, so two simulators (a resumed run's processes) pick the same ones, about the share of
+    them, a larger share keeps the classes of a smaller one, and a share of 1 checks all."""
+    from types import SimpleNamespace
+
+    from experiments.runners.cp_simulate import CPSimulator
+
+    classes = [("attend", "default", n, 128 * (n % 7)) for n in range(4000)]
+
+    def checked(share: float) -> set:
+        sim = CPSimulator(SimpleNamespace(on_gpu=False), None, validation_share=share)
+        return {c for c in classes if sim._checked(c)}
+
+    quarter = checked(0.25)
+    assert quarter == checked(0.25)
+    assert abs(len(quarter) / len(classes) - 0.25) < 0.03
+    assert checked(0.1) < quarter < checked(0.5)
+    assert checked(1.0) == set(classes)

@@ -94,6 +94,7 @@ def _check_positive_ints(values: list[str] | None, what: str) -> bool:
 SIM_DEVICES = (2, 128)  # the --simulate_devices range
 MIN_TIMED_CALLS = 4  # --sim_timed_calls, if not 0: a call per feature of the CP cost model, +1
 SIM_TIMED_CALLS = 8  # its default
+SIM_VALIDATION_SHARE = 0.25  # --sim_validation_share's default
 GPUS_PER_NODE = (1, 1024)
 
 
@@ -133,6 +134,14 @@ def _check_timed_calls(value: int) -> bool:
         raise flags.ValidationError(
             f"bad --sim_timed_calls={value}: expected 0 (time every call) or at least "
             f"{MIN_TIMED_CALLS}"
+        )
+    return True
+
+
+def _check_validation_share(value: float) -> bool:
+    if not 0.0 < value <= 1.0:
+        raise flags.ValidationError(
+            f"bad --sim_validation_share={value}: expected a share in (0, 1]"
         )
     return True
 
@@ -195,12 +204,23 @@ def _define_simulation_flags() -> None:
         SIM_TIMED_CALLS,
         "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
         "piece differs) to fit its cost model; the rest are predicted from their pieces' "
-        "schedule spans, and 4 more timed calls per class measure the model's error. 0 times "
+        "schedule spans, and 4 more timed calls per checked class (--sim_validation_share) "
+        "measure the model's error. 0 times "
         f"every distinct call; otherwise at least {MIN_TIMED_CALLS} (one per feature of the "
         "model, and one more).",
         lower_bound=0,
     )
     flags.register_validator("sim_timed_calls", _check_timed_calls)
+    flags.DEFINE_float(
+        "sim_validation_share",
+        SIM_VALIDATION_SHARE,
+        "Share of the classes of simulated calls whose cost model is checked on timed calls "
+        "held out of its fit (4 a class fitted on its own calls, 1 a class predicted from its "
+        "kind's model); the others are predicted without that check. The same classes in every "
+        "process (drawn by the class's name); records and reports state the error of the "
+        "checked ones. 1 checks every class.",
+    )
+    flags.register_validator("sim_validation_share", _check_validation_share)
     flags.DEFINE_integer(
         "sim_compile_threads",
         COMPILE_THREADS,
@@ -397,6 +417,7 @@ class Settings:
     link: str = ""
     sim_baseline_max_seqlen: int | None = None
     sim_timed_calls: int = 0
+    sim_validation_share: float = 1.0
     sim_compile_threads: int = COMPILE_THREADS
     allow_slow: bool = False
 
@@ -484,6 +505,7 @@ def settings() -> Settings:
             else parse_seqlen(FLAGS.sim_baseline_max_seqlen)
         ),
         sim_timed_calls=FLAGS.sim_timed_calls,
+        sim_validation_share=FLAGS.sim_validation_share,
         sim_compile_threads=FLAGS.sim_compile_threads,
         allow_slow=FLAGS.allow_slow,
     )

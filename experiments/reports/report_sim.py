@@ -265,10 +265,18 @@ def model_error(records: list[dict]) -> list[str]:
         return ["Cost model: not used (every distinct call was timed).", ""]
     held = [c["model"] for c in calls if c.get("model")]
     timed = sum(c.get("timed") or 0 for c in calls)
+    unchecked = sum(c.get("unchecked") or 0 for c in calls)
+    unchecked_line = (
+        f" {unchecked} of the predicted calls belong to classes whose model was not checked "
+        "on held-out calls (--sim_validation_share checks a share of the classes); the error "
+        "is that of the checked classes' models."
+        if unchecked
+        else ""
+    )
     if not held:
         return [
             f"Cost model: {modelled} distinct calls predicted from their tiles, {timed} timed; "
-            "no held-out error in these records.",
+            f"no held-out error in these records.{unchecked_line}",
             "",
         ]
     n = sum(h["held_out_calls"] for h in held)
@@ -292,7 +300,8 @@ def model_error(records: list[dict]) -> list[str]:
         f"Cost model: {modelled} distinct calls predicted from their tiles (counted in every "
         f"point that makes them), {timed} timed for it or alone; on {n} timed calls held out of "
         f"the fits its error is at most {worst:.1f}% at the {quantile}th "
-        f"percentile of a point (largest single error {top:.1f}%).{pooled_line}",
+        f"percentile of a point (largest single error {top:.1f}%).{pooled_line}"
+        f"{unchecked_line}",
         "",
     ]
 

@@ -146,6 +146,7 @@ class CPSimulator:
         *,
         baseline_max_seqlen: int | None = None,
         timed_calls: int = 0,
+        validation_share: float = 1.0,
         compile_threads: int = COMPILE_THREADS,
     ) -> None:
         self.runner, self.ranks = runner, ranks
@@ -155,6 +156,7 @@ class CPSimulator:
             baseline_max_seqlen = BASELINE_MAX_SEQLEN["gpu" if runner.on_gpu else "cpu"]
         self.baseline_max_seqlen = baseline_max_seqlen
         self.timed_calls = timed_calls  # calibration calls per class of calls; 0: time them all
+        self.validation_share = validation_share  # of the classes whose model is checked
         self._baselines: dict[str, dict] = {}
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
@@ -423,15 +425,17 @@ class CPSimulator:
         differs) with more untimed calls than k + call_model.VALIDATION_CALLS is timed on a
         calibration sample spanning its pieces' work and the rest predicted by the class's
         cost model (experiments/runners/call_model.py), whose error on further timed,
-        held-out calls the counts report. A class whose calls the model of their kind (any
-        shapes) puts past LONG_CALL_MS is predicted from that model at the class's own rate
-        instead, from a call or two of it timed (_across_shapes)."""
+        held-out calls the counts report (for the validation_share of classes _checked picks;
+        "unchecked" counts the calls predicted in the others). A class whose calls the model
+        of their kind (any shapes) puts past LONG_CALL_MS is predicted from that model at the
+        class's own rate instead, from a call or two of it timed (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         self._class_kinds = classes.kinds
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
+        counts["unchecked"] = 0  # of the modelled: in classes whose model is not checked
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
         for cls, members in classes.members.items():
             kind = classes.kinds[cls]
@@ -441,6 +445,7 @@ class CPSimulator:
                 timed, predicted, errors = self._class_stats(ranks, point, cls, members)
             counts["timed"] += timed
             counts["modelled"] += len(predicted)
+            counts["unchecked"] += 0 if self._checked(cls) else len(predicted)
             held_out += errors
             stats.update(predicted)
             stats.update({key: self._timings[key] for key in members if key in self._timings})
@@ -495,7 +500,9 @@ class CPSimulator:
         self, ranks: Ranks, point: Point, cls: tuple, members: dict[tuple, tuple]
     ) -> tuple[int, dict[tuple, dict], list[tuple[float, float]]]:
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
-        one class of calls: all timed, or a calibration sample timed and the rest modelled."""
+        one class of calls: all timed, or a calibration sample timed and the rest modelled
+        (with call_model.VALIDATION_CALLS of the rest timed as held-out calls where the class
+        is _checked, then fitted on too)."""
         keys = list(members)
         untimed = [k for k in keys if k not in self._timings]
         k = self.timed_calls
@@ -507,7 +514,10 @@ class CPSimulator:
         calibrate = [keys[i] for i in call_model.calibration_picks(x, k)]
         rest = [key for key in untimed if key not in set(calibrate)]
         rng = np.random.default_rng(point.seed + len(self._timings))
-        held = [rest[i] for i in rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)]
+        held = []
+        if self._checked(cls):
+            picks = rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)
+            held = [rest[i] for i in picks]
         fresh = [key for key in calibrate if key not in self._timings] + held
         for key in fresh:
             role = "held_out" if key in held else "calibration"
@@ -549,11 +559,12 @@ class CPSimulator:
         puts at LONG_CALL_MS or more at their median: each is predicted as the kind's model
         times the class's own rate at its shapes (call_model.class_rate) over its calls timed
         so far (those any earlier point timed, else call_model.LONG_RATE_CALLS timed now, its
-        median one first); then call_model.LONG_VALIDATION_CALLS more, drawn at random, are
-        predicted at that rate and timed as the held-out check every point the class serves
-        states, and join the rate the rest are predicted at. Seconds a call at 2M tokens, where
-        the class's own calibration would time a dozen. (None, {}, []) where that model does
-        not apply: no model of the kind yet, or calls shorter than that."""
+        median one first); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
+        more, drawn at random, are predicted at that rate and timed as the held-out check
+        every point the class serves states, and join the rate the rest are predicted at.
+        Seconds a call at 2M tokens, where the class's own calibration would time a dozen.
+        (None, {}, []) where that model does not apply: no model of the kind yet, or calls
+        shorter than that."""
         untimed = [key for key in members if key not in self._timings]
         coef = self._kind_model(kind) if self.timed_calls and untimed else None
         if coef is None:
@@ -575,7 +586,8 @@ class CPSimulator:
             rated[key], timed = x[key], timed + 1
             untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
-        while len(checked) < call_model.LONG_VALIDATION_CALLS and untimed:
+        wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls) else 0
+        while len(checked) < wanted and untimed:
             key = untimed.pop(int(rng.integers(len(untimed))))
             rate = self._class_rate(rated, coef)
             self._time(ranks, point, key, members[key][0], "rate_held_out")
@@ -587,6 +599,12 @@ class CPSimulator:
         )
         predicted = {key: call_model.scaled_quantiles(rate * guess[key], ratios) for key in untimed}
         return timed, predicted, list(checked)  # every point it serves states its check
+
+    def _checked(self, cls: tuple) -> bool:
+        """Whether the model of class `cls` is checked on held-out timed calls: a share of
+        validation_share of the classes, drawn by the class's name (_digest) so that every
+        process of a resumed run checks the same ones; all of them at a share of 1."""
+        return int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
 
     def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
         """call_model.class_rate of a class's calls timed for it (work features by key)."""

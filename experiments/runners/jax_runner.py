@@ -102,6 +102,7 @@ class JaxRunner:
         rtol_override: float | None = None,
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
+        sim_validation_share: float = 1.0,
         sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import jax
@@ -121,6 +122,7 @@ class JaxRunner:
             JaxRanks,
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
+            validation_share=sim_validation_share,
             compile_threads=sim_compile_threads,
         )
 
