@@ -216,9 +216,10 @@ def _define_simulation_flags() -> None:
         SIM_VALIDATION_SHARE,
         "Share of the classes of simulated calls whose cost model is checked on timed calls "
         "held out of its fit (4 a class fitted on its own calls, 1 a class predicted from its "
-        "kind's model); the others are predicted without that check. The same classes in every "
-        "process (drawn by the class's name); records and reports state the error of the "
-        "checked ones. 1 checks every class.",
+        "kind's model); the others are predicted without that check. Drawn by the class's "
+        "name (the same classes in every process), and a kind's first modelled class until one "
+        "of the kind was checked; records and reports state the error of the checked ones. 1 "
+        "checks every class.",
     )
     flags.register_validator("sim_validation_share", _check_validation_share)
     flags.DEFINE_integer(

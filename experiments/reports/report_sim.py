@@ -276,7 +276,8 @@ def model_error(records: list[dict]) -> list[str]:
     if not held:
         return [
             f"Cost model: {modelled} distinct calls predicted from their tiles, {timed} timed; "
-            f"no held-out error in these records.{unchecked_line}",
+            "no held-out error in these records (no class's model checked on held-out calls "
+            "at their points).",
             "",
         ]
     n = sum(h["held_out_calls"] for h in held)

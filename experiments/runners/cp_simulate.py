@@ -166,7 +166,10 @@ class CPSimulator:
         self._position: dict[str, int] = {}  # a point's index in _expected
         self._looked_ahead: set[int] = set()  # mask indices of this problem looked ahead for
         self._ready: dict[tuple, Prepared] = {}  # (point key, mask index) -> made ahead
-        self._fitted: dict[tuple, dict] = {}  # per class: features of the calls fitted on
+        self._calibrated: dict[tuple, dict] = {}  # per class: features of its calibration calls
+        self._held_out: dict[tuple, dict] = {}  # per class: features of its held-out calls
+        self._checks: dict[tuple, bool] = {}  # per class: whether its model is checked
+        self._kinds_checked: set[tuple] = set()  # kinds with a class whose model is checked
         # per kind of call (any shapes): work features of its timed calls; per class predicted
         # across shapes: the calls timed for its rate and those held out to check it
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
@@ -442,11 +445,12 @@ class CPSimulator:
             timed, predicted, errors = self._across_shapes(ranks, point, cls, kind, members)
             counts["across_shapes"] += len(predicted)
             if timed is None:
-                timed, predicted, errors = self._class_stats(ranks, point, cls, members)
+                timed, predicted, errors = self._class_stats(ranks, point, cls, kind, members)
             counts["timed"] += timed
             counts["modelled"] += len(predicted)
-            counts["unchecked"] += 0 if self._checked(cls) else len(predicted)
-            held_out += errors
+            counts["unchecked"] += 0 if self._checks.get(cls) else len(predicted)
+            if predicted:  # the check of a class that predicts calls at this point
+                held_out += errors
             stats.update(predicted)
             stats.update({key: self._timings[key] for key in members if key in self._timings})
             self._remember(kind, members)
@@ -497,16 +501,18 @@ class CPSimulator:
         )
 
     def _class_stats(
-        self, ranks: Ranks, point: Point, cls: tuple, members: dict[tuple, tuple]
+        self, ranks: Ranks, point: Point, cls: tuple, kind: tuple, members: dict[tuple, tuple]
     ) -> tuple[int, dict[tuple, dict], list[tuple[float, float]]]:
         """(calls timed now, {key: predicted stats}, held-out (predicted, measured) medians) of
-        one class of calls: all timed, or a calibration sample timed and the rest modelled
-        (with call_model.VALIDATION_CALLS of the rest timed as held-out calls where the class
-        is _checked, then fitted on too)."""
+        one class of calls: all timed, or a calibration sample timed and the rest modelled.
+        A _checked class also times call_model.VALIDATION_CALLS of the rest, held out: each
+        predicted by the fit of the class's calibration calls alone (the fit an unchecked
+        class predicts with), then fitted on too."""
         keys = list(members)
         untimed = [k for k in keys if k not in self._timings]
         k = self.timed_calls
-        if k == 0 or len(untimed) <= k + call_model.VALIDATION_CALLS:
+        checked = k > 0 and self._checked(cls, kind)
+        if k == 0 or len(untimed) <= k + (call_model.VALIDATION_CALLS if checked else 0):
             for key in untimed:
                 self._time(ranks, point, key, members[key][0], "all")
             return len(untimed), {}, []
@@ -515,19 +521,23 @@ class CPSimulator:
         rest = [key for key in untimed if key not in set(calibrate)]
         rng = np.random.default_rng(point.seed + len(self._timings))
         held = []
-        if self._checked(cls):
+        if checked:
             picks = rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)
             held = [rest[i] for i in picks]
+            self._kinds_checked.add(kind)
         fresh = [key for key in calibrate if key not in self._timings] + held
         for key in fresh:
             role = "held_out" if key in held else "calibration"
             self._time(ranks, point, key, members[key][0], role)
-        known = self._fitted.setdefault(cls, {})
-        known.update({key: members[key][1] for key in calibrate})
-        coef = self._fit(known)
+        calibrated = self._calibrated.setdefault(cls, {})
+        calibrated.update({key: members[key][1] for key in calibrate})
+        coef = self._fit(calibrated)
         errors = [(float(members[key][1] @ coef), self._timings[key]["median"]) for key in held]
-        known.update({key: members[key][1] for key in held})  # then fitted on them too
-        coef = self._fit(known)
+        held_out = self._held_out.setdefault(cls, {})
+        held_out.update({key: members[key][1] for key in held})
+        known = {**calibrated, **held_out}  # the held-out calls then fitted on too
+        if held_out:
+            coef = self._fit(known)
         ratios = call_model.quantile_ratios([self._timings[key] for key in known], QUANTILES)
         predicted = {
             key: call_model.scaled_quantiles(float(members[key][1] @ coef), ratios)
@@ -586,8 +596,9 @@ class CPSimulator:
             rated[key], timed = x[key], timed + 1
             untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
-        wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls) else 0
+        wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls, kind) else 0
         while len(checked) < wanted and untimed:
+            self._kinds_checked.add(kind)
             key = untimed.pop(int(rng.integers(len(untimed))))
             rate = self._class_rate(rated, coef)
             self._time(ranks, point, key, members[key][0], "rate_held_out")
@@ -600,11 +611,17 @@ class CPSimulator:
         predicted = {key: call_model.scaled_quantiles(rate * guess[key], ratios) for key in untimed}
         return timed, predicted, list(checked)  # every point it serves states its check
 
-    def _checked(self, cls: tuple) -> bool:
-        """Whether the model of class `cls` is checked on held-out timed calls: a share of
-        validation_share of the classes, drawn by the class's name (_digest) so that every
-        process of a resumed run checks the same ones; all of them at a share of 1."""
-        return int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
+    def _checked(self, cls: tuple, kind: tuple) -> bool:
+        """Whether the model of class `cls` (of `kind`) is checked on held-out timed calls,
+        decided once: a share of validation_share of the classes, drawn by the class's name
+        (_digest) so that every process of a resumed run draws the same ones, all of them at
+        a share of 1; and a kind's first class to be modelled where no class of the kind was
+        checked yet, so every kind's model has a check (a process resuming a run may check
+        a few more)."""
+        if cls not in self._checks:
+            drawn = int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
+            self._checks[cls] = drawn or kind not in self._kinds_checked
+        return self._checks[cls]
 
     def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
         """call_model.class_rate of a class's calls timed for it (work features by key)."""
