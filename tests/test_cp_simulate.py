@@ -683,15 +683,18 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     one call of its class for its rate and one more held out, and predicts the rest from the
     kind's model at that rate; its compute equals that of timing every call, the held-out
     error is 0; a later point of the same class times nothing and states that check again."""
-    from experiments.runners import cp_simulate
+    from experiments.runners import call_model, cp_simulate
     from experiments.runners.cp_ranks import LONG_CALL_MS
+    from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
+
+    slots = [call_model.SLOTS]  # the law's and the ranks' schedule (the last check: 1)
 
     def linear(fn, args, *, warmup, iters, **timing_kw):
         piece = next(a for a in args if isinstance(a, MaskArrays))
         heads = args[0].shape[0] * args[0].shape[2], args[1].shape[0] * args[1].shape[2]
-        rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
+        rows, cols = list_spans(piece.kv, *heads, slots[0]).reshape(-1, 3)[0, 1:]
         rate = 1.3 if args[1].shape[1] > 4 * 32 else 1.0  # keys of more than 4 ranks' shards
         return [rate * (150.0 + 30.0 * rows + 70.0 * cols)] * iters
 
@@ -731,6 +734,24 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert again["timed"] == 0 and again["across_shapes"] == again["distinct"] > 2
     assert again_sim["timed_calls"] == []
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
+    # the rate call with one K/V head and its query heads (--sim_rate_one_kv_head): its time
+    # per unit of work is the class's, so the same compute; the call itself is predicted, the
+    # held-out call runs whole. On one slot, so that a call's spans grow with its heads
+    slots[0] = 1
+    monkeypatch.setattr(JaxRanks, "slots", lambda self: 1)
+    every = JaxRunner(sim_timed_calls=0).run(large)["masks"][0]["simulation"]
+    reduced = JaxRunner(sim_timed_calls=4, sim_rate_one_kv_head=True)
+    reduced.run(small)
+    sim_reduced = reduced.run(large)["masks"][0]["simulation"]
+    calls = sim_reduced["calls"]
+    assert calls["timed"] == 2
+    assert calls["across_shapes"] == calls["modelled"] == calls["distinct"] - 1
+    assert sim_reduced["compute_ms"] == pytest.approx(every["compute_ms"], rel=1e-9)
+    rate_call, checked = sorted(sim_reduced["timed_calls"], key=lambda c: c["role"])
+    assert (rate_call["role"], checked["role"]) == ("rate", "rate_held_out")
+    assert (rate_call["heads"], rate_call["heads_kv"]) == (HQ // HKV, 1)
+    assert (checked["heads"], checked["heads_kv"]) == (HQ, HKV)
+    assert calls["model"]["max_error_pct"] < 1e-6
 
 
 @pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])
@@ -761,7 +782,8 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch, share):
     def fake_time(ranks, point, key, call, role):
         timed.append((key, role))
         ms = 1.3 * wobble[key[1]] * float(features[key] @ law)
-        simulator._timings[key] = timing.time_stats([ms])
+        simulator._timings[key] = stats = timing.time_stats([ms])
+        return stats
 
     monkeypatch.setattr(simulator, "_time", fake_time)
     for key, x in features.items():  # the kind's other shapes: the law, sampled with a spread
@@ -2410,8 +2432,8 @@ def test_every_kind_has_a_checked_class():
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_the_run_settings_reach_the_simulator(framework):
-    """--sim_timed_calls and --sim_validation_share, as Settings carry them, are the
-    simulator's (experiments/driver.py builds the runners)."""
+    """--sim_timed_calls, --sim_validation_share and --sim_rate_one_kv_head, as Settings carry
+    them, are the simulator's (experiments/driver.py builds the runners)."""
     from types import SimpleNamespace
 
     from experiments import driver
@@ -2421,11 +2443,13 @@ def test_the_run_settings_reach_the_simulator(framework):
         sim_baseline_max_seqlen=None,
         sim_timed_calls=6,
         sim_validation_share=0.375,
+        sim_rate_one_kv_head=True,
         sim_compile_threads=0,
     )
     make = driver._jax_runner if framework == "jax" else driver._torch_runner
     simulator = make(settings).simulator
     assert (simulator.timed_calls, simulator.validation_share) == (6, 0.375)
+    assert simulator.rate_one_kv_head is True
 
 
 def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
@@ -2446,7 +2470,8 @@ def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
     def fake_time(ranks, point, key, call, role):
         roles[key] = role
         ms = noise[key] * float(features[key] @ np.array([5.0, 0.7, 1.9]))
-        simulator._timings[key] = timing.time_stats([ms])
+        simulator._timings[key] = stats = timing.time_stats([ms])
+        return stats
 
     simulator._time = fake_time
     point = SimpleNamespace(seed=3)

@@ -18,6 +18,7 @@ preset shows its cost without a profiler.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -147,6 +148,7 @@ class CPSimulator:
         baseline_max_seqlen: int | None = None,
         timed_calls: int = 0,
         validation_share: float = 1.0,
+        rate_one_kv_head: bool = False,
         compile_threads: int = COMPILE_THREADS,
     ) -> None:
         self.runner, self.ranks = runner, ranks
@@ -157,6 +159,7 @@ class CPSimulator:
         self.baseline_max_seqlen = baseline_max_seqlen
         self.timed_calls = timed_calls  # calibration calls per class of calls; 0: time them all
         self.validation_share = validation_share  # of the classes whose model is checked
+        self.rate_one_kv_head = rate_one_kv_head  # rate calls with one K/V head (_across_shapes)
         self._baselines: dict[str, dict] = {}
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
@@ -173,7 +176,8 @@ class CPSimulator:
         # per kind of call (any shapes): work features of its timed calls; per class predicted
         # across shapes: the calls timed for its rate and those held out to check it
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
-        self._rated: dict[tuple, dict[tuple, np.ndarray]] = {}  # its calls setting its rate
+        # its calls setting its rate: (work features, median ms) of the heads each ran with
+        self._rated: dict[tuple, dict[tuple, tuple[np.ndarray, float]]] = {}
         self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
         # calls timed (_time) since a record last listed them: a failed point's go to the next
         self._timed_log: list[dict] = []
@@ -463,13 +467,19 @@ class CPSimulator:
                 compute[q][p, ring_of == r] = stats[key][q]
         return compute, counts
 
-    def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> None:
-        """Time one distinct call (Ranks.time; warm where a call of its class ran before) into
-        self._timings, and log it (self._timed_log, the record's timed_calls) with what it was
-        timed for (`role`)."""
-        times = ranks.time(call, point.warmup, point.iters, warm=key[:-1] in self._ran)
-        self._ran.add(key[:-1])
-        stats = self._timings[key] = timing.time_stats(times.ms)
+    def _time(
+        self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str, *, keep: bool = True
+    ) -> dict:
+        """Time one distinct call (Ranks.time; warm where a call of its class ran before), log
+        it (self._timed_log, the record's timed_calls) with what it was timed for (`role`) and
+        return its statistics, kept as the call's (self._timings) where `keep`: not for a call
+        run with fewer heads than its own (Ranks.one_kv_head), whose program is another."""
+        program = key[:-1] if ranks.heads_divisor == 1 else (*key[:-1], ranks.heads_divisor)
+        times = ranks.time(call, point.warmup, point.iters, warm=program in self._ran)
+        self._ran.add(program)
+        stats = timing.time_stats(times.ms)
+        if keep:
+            self._timings[key] = stats
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
         layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
@@ -488,8 +498,8 @@ class CPSimulator:
                 "group_start": bool(group_start),
                 "q": q,
                 "k": k,
-                "heads": point.batch * len(ranks.q_heads[0]),
-                "heads_kv": len(ranks.kv_heads[0]),
+                "heads": ranks.grid_heads()[0],
+                "heads_kv": ranks.grid_heads()[1] // point.batch,
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(layout or {}),
                 **spans,
@@ -499,6 +509,7 @@ class CPSimulator:
                 "after_compile": times.after_compile,
             }
         )
+        return stats
 
     def _class_stats(
         self, ranks: Ranks, point: Point, cls: tuple, kind: tuple, members: dict[tuple, tuple]
@@ -583,8 +594,9 @@ class CPSimulator:
         guess = {key: float(x[key] @ coef) for key in untimed}
         # the class's calls timed so far, by any point (its kind's table holds them)
         rated = self._rated.setdefault(cls, {})
-        rated.update({k: v for k, v in self._kinds[kind].items() if k[:-1] == cls})
-        rated.update({k: x[k] for k in members if k in self._timings})
+        whole = self._kinds[kind].items()
+        rated.update({k: (v, self._timings[k]["median"]) for k, v in whole if k[:-1] == cls})
+        rated.update({k: (x[k], self._timings[k]["median"]) for k in members if k in self._timings})
         scale = self._class_rate(rated, coef) if rated else 1.0
         if scale * np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
@@ -592,18 +604,23 @@ class CPSimulator:
         timed = 0
         while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
             key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
-            self._time(ranks, point, key, members[key][0], "rate")
-            rated[key], timed = x[key], timed + 1
-            untimed.remove(key)
+            call = members[key][0]
+            with contextlib.ExitStack() as heads:
+                divisor = heads.enter_context(ranks.one_kv_head()) if self.rate_one_kv_head else 1
+                ms = self._time(ranks, point, key, call, "rate", keep=divisor == 1)["median"]
+                features = ranks.features()[call[1], call[2]] if divisor > 1 else x[key]
+            rated[key if divisor == 1 else (*key, divisor)], timed = (features, ms), timed + 1
+            if divisor == 1:  # else the call itself stays to be predicted
+                untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
         wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls, kind) else 0
         while len(checked) < wanted and untimed:
             self._kinds_checked.add(kind)
             key = untimed.pop(int(rng.integers(len(untimed))))
             rate = self._class_rate(rated, coef)
-            self._time(ranks, point, key, members[key][0], "rate_held_out")
-            checked.append((rate * guess[key], self._timings[key]["median"]))
-            rated[key], timed = x[key], timed + 1
+            ms = self._time(ranks, point, key, members[key][0], "rate_held_out")["median"]
+            checked.append((rate * guess[key], ms))
+            rated[key], timed = (x[key], ms), timed + 1
         rate = self._class_rate(rated, coef)
         ratios = call_model.quantile_ratios(
             [self._timings[key] for key in self._kinds[kind]], QUANTILES
@@ -623,11 +640,11 @@ class CPSimulator:
             self._checks[cls] = drawn or kind not in self._kinds_checked
         return self._checks[cls]
 
-    def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
-        """call_model.class_rate of a class's calls timed for it (work features by key)."""
-        keys = list(rated)
-        measured = [self._timings[key]["median"] for key in keys]
-        return call_model.class_rate(np.array([rated[key] for key in keys]), measured, coef)
+    def _class_rate(self, rated: dict[tuple, tuple[np.ndarray, float]], coef: np.ndarray) -> float:
+        """call_model.class_rate of a class's calls timed for it ((work features, median ms)
+        by key)."""
+        features, measured = zip(*rated.values())
+        return call_model.class_rate(np.array(features), list(measured), coef)
 
     def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
         """The tile model's coefficients of the median times of the calls in `known`."""

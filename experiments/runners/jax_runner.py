@@ -103,6 +103,7 @@ class JaxRunner:
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
         sim_validation_share: float = 1.0,
+        sim_rate_one_kv_head: bool = False,
         sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import jax
@@ -123,6 +124,7 @@ class JaxRunner:
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
             validation_share=sim_validation_share,
+            rate_one_kv_head=sim_rate_one_kv_head,
             compile_threads=sim_compile_threads,
         )
 
