@@ -744,14 +744,20 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     reduced.run(small)
     sim_reduced = reduced.run(large)["masks"][0]["simulation"]
     calls = sim_reduced["calls"]
-    assert calls["timed"] == 2
+    assert (calls["timed"], calls["one_kv_head"]) == (1, 1)  # the held-out call; the rate one
     assert calls["across_shapes"] == calls["modelled"] == calls["distinct"] - 1
     assert sim_reduced["compute_ms"] == pytest.approx(every["compute_ms"], rel=1e-9)
     rate_call, checked = sorted(sim_reduced["timed_calls"], key=lambda c: c["role"])
     assert (rate_call["role"], checked["role"]) == ("rate", "rate_held_out")
-    assert (rate_call["heads"], rate_call["heads_kv"]) == (HQ // HKV, 1)
-    assert (checked["heads"], checked["heads_kv"]) == (HQ, HKV)
+    assert (rate_call["heads"], rate_call["heads_kv"], rate_call["heads_divisor"]) == (2, 1, 2)
+    assert (checked["heads"], checked["heads_kv"]) == (HQ, HKV) and "heads_divisor" not in checked
+    # another program: its own call and class in the records, never the held-out call
+    assert rate_call["id"] != checked["id"] and rate_call["class"] != checked["class"]
+    assert rate_call["kind"] == checked["kind"]
     assert calls["model"]["max_error_pct"] < 1e-6
+    # the warm bookkeeping knows two programs of the class: with one K/V head and whole
+    ran = reduced.simulator._ran
+    assert len([p for p in ran if p[-1] == 2 and p[:-1] in ran]) == 1
 
 
 @pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])

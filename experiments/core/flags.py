@@ -225,10 +225,11 @@ def _define_simulation_flags() -> None:
     flags.DEFINE_bool(
         "sim_rate_one_kv_head",
         False,
-        "Time the call that sets a long class's rate across shapes with one K/V head and its "
-        "query heads instead of the rank's all (an eighth of its device time at 64:8 heads), "
-        "its rate taken per unit of the cost model's work; the checked classes' held-out calls "
-        "run whole, so records state that rate's error.",
+        "Time the call that sets a long class's rate across shapes with one of the rank's K/V "
+        "heads and its query heads instead of all of them (an eighth of its device time at 64:8 "
+        "heads, nothing for a rank of one K/V head), its rate taken per unit of the cost "
+        "model's work; the checked classes' held-out calls run whole, so records state that "
+        "rate's error.",
     )
     flags.DEFINE_integer(
         "sim_compile_threads",

@@ -441,6 +441,7 @@ class CPSimulator:
         self._class_kinds = classes.kinds
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
+        logged = len(self._timed_log)
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
         counts["unchecked"] = 0  # of the modelled: in classes whose model is not checked
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
@@ -461,24 +462,28 @@ class CPSimulator:
         if held_out:
             pred, meas = zip(*held_out)
             counts["model"] = call_model.held_out_error(pred, meas).as_dict()
+        # calls timed with one K/V head (--sim_rate_one_kv_head): device time, but modelled
+        counts["one_kv_head"] = sum("heads_divisor" in c for c in self._timed_log[logged:])
+        counts["timed"] -= counts["one_kv_head"]
         compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
         for p, r, key in classes.uses:
             for q in QUANTILES:
                 compute[q][p, ring_of == r] = stats[key][q]
         return compute, counts
 
-    def _time(
-        self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str, *, keep: bool = True
-    ) -> dict:
+    def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> dict:
         """Time one distinct call (Ranks.time; warm where a call of its class ran before), log
         it (self._timed_log, the record's timed_calls) with what it was timed for (`role`) and
-        return its statistics, kept as the call's (self._timings) where `keep`: not for a call
-        run with fewer heads than its own (Ranks.one_kv_head), whose program is another."""
-        program = key[:-1] if ranks.heads_divisor == 1 else (*key[:-1], ranks.heads_divisor)
+        return its statistics, kept as the call's (self._timings) unless it ran with fewer
+        heads than its own (Ranks.one_kv_head): another program, logged as another call and
+        class with its heads divisor."""
+        divisor, cls = ranks.heads_divisor, key[:-1]
+        # with fewer heads another program: another call and class to the records
+        call_id, program = (key, cls) if divisor == 1 else ((*key, divisor), (*cls, divisor))
         times = ranks.time(call, point.warmup, point.iters, warm=program in self._ran)
         self._ran.add(program)
         stats = timing.time_stats(times.ms)
-        if keep:
+        if divisor == 1:
             self._timings[key] = stats
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
@@ -490,9 +495,9 @@ class CPSimulator:
         self._timed_log.append(
             {
                 "role": role,
-                "id": _digest(key),
-                "class": _digest(key[:-1]),
-                "kind": _digest(self._class_kinds[key[:-1]]),
+                "id": _digest(call_id),
+                "class": _digest(program),
+                "kind": _digest(self._class_kinds[cls]),
                 "call": name,
                 "step": int(t),
                 "group_start": bool(group_start),
@@ -507,6 +512,7 @@ class CPSimulator:
                 "n": int(stats["n"]),
                 "first_run": times.by_first_run,
                 "after_compile": times.after_compile,
+                **({"heads_divisor": divisor} if divisor > 1 else {}),
             }
         )
         return stats
@@ -602,21 +608,29 @@ class CPSimulator:
             return None, {}, []
         checked = self._validated.setdefault(cls, [])
         timed = 0
-        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
-            key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
+        reduced: set[tuple] = set()  # timed with one K/V head: predicted, never held out
+        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS:
+            candidates = [key for key in untimed if key not in reduced]
+            if not candidates:
+                break
+            key = sorted(candidates, key=guess.__getitem__)[len(candidates) // 2]
             call = members[key][0]
             with contextlib.ExitStack() as heads:
                 divisor = heads.enter_context(ranks.one_kv_head()) if self.rate_one_kv_head else 1
-                ms = self._time(ranks, point, key, call, "rate", keep=divisor == 1)["median"]
+                ms = self._time(ranks, point, key, call, "rate")["median"]
                 features = ranks.features()[call[1], call[2]] if divisor > 1 else x[key]
             rated[key if divisor == 1 else (*key, divisor)], timed = (features, ms), timed + 1
-            if divisor == 1:  # else the call itself stays to be predicted
+            if divisor == 1:
                 untimed.remove(key)
+            else:  # the call itself stays to be predicted
+                reduced.add(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
         wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls, kind) else 0
-        while len(checked) < wanted and untimed:
+        while len(checked) < wanted and len(reduced) < len(untimed):
             self._kinds_checked.add(kind)
-            key = untimed.pop(int(rng.integers(len(untimed))))
+            others = [key for key in untimed if key not in reduced]
+            key = others[int(rng.integers(len(others)))]
+            untimed.remove(key)
             rate = self._class_rate(rated, coef)
             ms = self._time(ranks, point, key, members[key][0], "rate_held_out")["median"]
             checked.append((rate * guess[key], ms))
