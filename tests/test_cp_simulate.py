@@ -1791,11 +1791,13 @@ def test_report_states_the_cost_models_error(tmp_path):
     )
     # calls predicted in classes whose model no held-out call checked are counted apart
     records[0]["masks"][0]["simulation"]["calls"]["unchecked"] = 12
+    records[0]["masks"][0]["simulation"]["calls"]["one_kv_head"] = 3
     line = report_sim.model_error(records)[0]
     assert line.endswith(
         "(largest single error 3.2%). 12 of the predicted calls belong to classes whose model "
         "was not checked on held-out calls (--sim_validation_share checks a share of the "
-        "classes); the error is that of the checked classes' models."
+        "classes); the error is that of the checked classes' models. 3 predicted calls were "
+        "also timed with one K/V head to set their class's rate (--sim_rate_one_kv_head)."
     )
 
 

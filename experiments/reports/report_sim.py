@@ -266,11 +266,17 @@ def model_error(records: list[dict]) -> list[str]:
     held = [c["model"] for c in calls if c.get("model")]
     timed = sum(c.get("timed") or 0 for c in calls)
     unchecked = sum(c.get("unchecked") or 0 for c in calls)
+    reduced = sum(c.get("one_kv_head") or 0 for c in calls)
     unchecked_line = (
         f" {unchecked} of the predicted calls belong to classes whose model was not checked "
         "on held-out calls (--sim_validation_share checks a share of the classes); the error "
         "is that of the checked classes' models."
         if unchecked
+        else ""
+    ) + (
+        f" {reduced} predicted calls were also timed with one K/V head to set their class's "
+        "rate (--sim_rate_one_kv_head)."
+        if reduced
         else ""
     )
     if not held:
