@@ -433,9 +433,10 @@ class CPSimulator:
         calibration sample spanning its pieces' work and the rest predicted by the class's
         cost model (experiments/runners/call_model.py), whose error on further timed,
         held-out calls the counts report (for the validation_share of classes _checked picks;
-        "unchecked" counts the calls predicted in the others). A class whose calls the model
-        of their kind (any shapes) puts past LONG_CALL_MS is predicted from that model at the
-        class's own rate instead, from a call or two of it timed (_across_shapes)."""
+        "unchecked" counts the calls predicted in classes that state no check). A class whose
+        calls the model of their kind (any shapes) puts past LONG_CALL_MS is predicted from
+        that model at the class's own rate instead, from a call or two of it timed
+        (_across_shapes)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         self._class_kinds = classes.kinds
@@ -443,7 +444,7 @@ class CPSimulator:
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
         logged = len(self._timed_log)
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
-        counts["unchecked"] = 0  # of the modelled: in classes whose model is not checked
+        counts["unchecked"] = 0  # of the modelled: in classes stating no held-out check
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
         for cls, members in classes.members.items():
             kind = classes.kinds[cls]
@@ -453,7 +454,7 @@ class CPSimulator:
                 timed, predicted, errors = self._class_stats(ranks, point, cls, kind, members)
             counts["timed"] += timed
             counts["modelled"] += len(predicted)
-            counts["unchecked"] += 0 if self._checks.get(cls) else len(predicted)
+            counts["unchecked"] += 0 if errors else len(predicted)  # no check stated for them
             if predicted:  # the check of a class that predicts calls at this point
                 held_out += errors
             stats.update(predicted)
