@@ -267,18 +267,18 @@ def model_error(records: list[dict]) -> list[str]:
     timed = sum(c.get("timed") or 0 for c in calls)
     unchecked = sum(c.get("unchecked") or 0 for c in calls)
     reduced = sum(c.get("one_kv_head") or 0 for c in calls)
-    unchecked_line = (
-        f" {unchecked} of the predicted calls belong to classes whose model was not checked "
-        "on held-out calls (--sim_validation_share checks a share of the classes); the error "
-        "is that of the checked classes' models."
-        if unchecked
-        else ""
-    ) + (
-        f" {reduced} predicted calls were also timed with one K/V head to set their class's "
-        "rate (--sim_rate_one_kv_head)."
-        if reduced
-        else ""
-    )
+    notes = ""  # what the run's sampling flags changed
+    if unchecked:
+        notes += (
+            f" {unchecked} of the predicted calls belong to classes whose model was not checked "
+            "on held-out calls (--sim_validation_share checks a share of the classes); the "
+            "error is that of the checked classes' models."
+        )
+    if reduced:
+        notes += (
+            f" {reduced} predicted calls were also timed with one K/V head to set their "
+            "class's rate (--sim_rate_one_kv_head)."
+        )
     if not held:
         return [
             f"Cost model: {modelled} distinct calls predicted from their tiles, {timed} timed; "
@@ -307,8 +307,7 @@ def model_error(records: list[dict]) -> list[str]:
         f"Cost model: {modelled} distinct calls predicted from their tiles (counted in every "
         f"point that makes them), {timed} timed for it or alone; on {n} timed calls held out of "
         f"the fits its error is at most {worst:.1f}% at the {quantile}th "
-        f"percentile of a point (largest single error {top:.1f}%).{pooled_line}"
-        f"{unchecked_line}",
+        f"percentile of a point (largest single error {top:.1f}%).{pooled_line}{notes}",
         "",
     ]
 

@@ -616,8 +616,8 @@ class CPSimulator:
                 break
             key = sorted(candidates, key=guess.__getitem__)[len(candidates) // 2]
             call = members[key][0]
-            with contextlib.ExitStack() as heads:
-                divisor = heads.enter_context(ranks.one_kv_head()) if self.rate_one_kv_head else 1
+            heads = ranks.one_kv_head() if self.rate_one_kv_head else contextlib.nullcontext(1)
+            with heads as divisor:
                 ms = self._time(ranks, point, key, call, "rate")["median"]
                 features = ranks.features()[call[1], call[2]] if divisor > 1 else x[key]
             rated[key if divisor == 1 else (*key, divisor)], timed = (features, ms), timed + 1
