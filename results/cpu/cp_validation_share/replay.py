@@ -8,6 +8,8 @@
 2. The spans model calibrated on k calls of a class (call_model.calibration_picks), the rest of
    the class's recorded calls predicted: the error by k (--sim_timed_calls).
 3. The single-device baselines' TFLOP/s at each recorded length, per mask and mode.
+4. At 32K tokens a GPU: the timed calls' medians by role, and the rate calls' by strategy and
+   heads (what --sim_rate_one_kv_head would shorten).
 """
 
 from __future__ import annotations
@@ -87,6 +89,20 @@ def baselines(records: list[dict]) -> None:
         print(f"  {mask} {mode}: " + ", ".join(f"{n}: {t:.1f}" for n, t in sorted(by_len.items())))
 
 
+def rate_calls(records: list[dict]) -> None:
+    roles, rates = collections.Counter(), collections.Counter()
+    for r in records:
+        if r["point"]["seqlen_per_device"] != 32768:
+            continue
+        for m in r.get("masks") or []:
+            for c in m["simulation"]["timed_calls"]:
+                roles[c["role"]] += c["median"] / 1e3
+                if c["role"] == "rate":
+                    rates[r["point"]["cp"], c["heads"], c["heads_kv"]] += c["median"] / 1e3
+    print("  by role (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(roles.items())))
+    print("  rate calls (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(rates.items())))
+
+
 if __name__ == "__main__":
     records = read_results(sys.argv[1:])
     print("1. validation share (0.25)")
@@ -95,3 +111,5 @@ if __name__ == "__main__":
     calibration_counts(records)
     print("3. single-device baselines, TFLOP/s by length")
     baselines(records)
+    print("4. timed medians at 32K tokens a GPU")
+    rate_calls(records)
