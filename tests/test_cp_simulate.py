@@ -647,10 +647,11 @@ def _modelled_equals_timed(monkeypatch) -> None:
     every, model = sims[0]["calls"], sims[4]["calls"]
     # no class checked: the same calibration calls, the held-out ones predicted instead
     unchecked, held = sims["unchecked"]["calls"], model["model"]["held_out_calls"]
-    assert unchecked["unchecked"] == unchecked["modelled"] >= model["modelled"] + held
+    assert unchecked["unchecked"] + unchecked["idle"] == unchecked["modelled"]
+    assert unchecked["modelled"] >= model["modelled"] + held
     assert model["unchecked"] == 0 and "model" not in unchecked
     assert unchecked["timed"] <= model["timed"] - held
-    assert {c["role"] for c in sims["unchecked"]["timed_calls"]} <= {"calibration", "all"}
+    assert {c["role"] for c in sims["unchecked"]["timed_calls"]} <= {"calibration", "all", "idle"}
     assert sims["unchecked"]["compute_ms"] == pytest.approx(sims[0]["compute_ms"], rel=1e-9)
     assert every["timed"] == every["distinct"] and every["modelled"] == 0 and "model" not in every
     assert model["distinct"] == every["distinct"]
@@ -662,7 +663,8 @@ def _modelled_equals_timed(monkeypatch) -> None:
         assert len(log) == calls["timed"], k
         roles = [c["role"] for c in log]
         modelled = {"calibration", "held_out"}
-        assert set(roles) == {"all"} if k == 0 else modelled <= set(roles) <= modelled | {"all"}
+        everything = modelled | {"all", "idle"}
+        assert set(roles) == {"all"} if k == 0 else modelled <= set(roles) <= everything
         for c in log:
             tiles = c["full"] + c["partial"]
             law = 0.5 + 0.01 * c["row_span"] + 0.03 * c["col_span"]
@@ -2502,3 +2504,75 @@ def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
         )
         for key, stats in predicted.items():
             assert stats["median"] == pytest.approx(float(features[key] @ coef), rel=1e-9)
+
+
+@pytest.mark.parametrize("long_calls", [False, True], ids=["class_model", "across_shapes"])
+def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
+    """Calls whose pieces hold no tile (every work feature 0) cost what the kernels do outside
+    their walks (here a few ms, which the law of the working calls, 0 at no work, cannot give):
+    one of them is timed for its class and the others take its time; none is a calibration,
+    rate or held-out call, so the models fit the working calls alone (held-out error 0), by
+    the class's own calibration or (long calls, a kind's model from another shape) across
+    shapes. A later point's idle calls of the class time nothing."""
+    from types import SimpleNamespace
+
+    from experiments.runners import call_model, timing
+    from experiments.runners.cp_simulate import CallClasses, CPSimulator
+
+    law = np.array([0.0, 30.0, 70.0]) if long_calls else np.array([0.0, 0.7, 1.9])
+    idle_ms = 6.0 if long_calls else 2.6  # long calls: past KIND_FIT_MIN_MS, yet no kind's
+    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
+    rng = np.random.default_rng(5)
+    roles = {}
+
+    def fake_time(ranks, point, key, call, role):
+        roles[key] = role
+        x = np.asarray(call, np.float64)
+        ms = float(x @ law) if x[1:].any() else idle_ms
+        simulator._timings[key] = stats = timing.time_stats([ms])
+        return stats
+
+    simulator._time = fake_time
+
+    def features(n: int) -> list[np.ndarray]:
+        return [np.array([1.0, *rng.integers(5, 60, 2)]) for _ in range(n)]
+
+    def run(cls: tuple, xs: list[np.ndarray]) -> tuple[dict, dict]:
+        members = {(*cls, i): (x, x) for i, x in enumerate(xs)}  # the call is its features
+        classes = CallClasses(
+            uses=[(p, 0, key) for p, key in enumerate(members)],
+            members={cls: members},
+            kinds={cls: "kind"},
+        )
+        plan = SimpleNamespace(world_size=1, ring_rank=lambda g: 0)
+        sched = SimpleNamespace(plan=plan, phases=list(members))
+        compute, counts = simulator._time_calls(None, sched, SimpleNamespace(seed=0), classes)
+        return {key: compute["median"][p, 0] for p, key in enumerate(members)}, counts
+
+    if long_calls:  # the kind's model, from calls of another shape timed whole
+        run(("other",), features(call_model.VALIDATION_CALLS + 4))
+        roles.clear()
+    none = np.array([1.0, 0.0, 0.0])
+    xs = features(30)
+    xs[3:3] = [none] * 3
+    xs += [none] * 2
+    compute, counts = run(("c",), xs)
+    idle = [("c", i) for i, x in enumerate(xs) if not x[1:].any()]
+    assert [key for key, role in roles.items() if key in idle] == [idle[0]]
+    assert roles[idle[0]] == "idle"
+    assert {roles[key] for key in roles if key not in idle} == (
+        {"rate", "rate_held_out"} if long_calls else {"calibration", "held_out"}
+    )
+    for i, x in enumerate(xs):
+        expected = idle_ms if not x[1:].any() else float(x @ law)
+        assert compute[("c", i)] == pytest.approx(expected, rel=1e-9), i
+    assert counts["idle"] == len(idle) - 1
+    assert counts["timed"] + counts["modelled"] == counts["distinct"] == len(xs)
+    assert counts["model"]["held_out_calls"] > 0 and counts["model"]["max_error_pct"] < 1e-6
+    roles.clear()
+    more = [none, *features(3), none]
+    compute, counts = run(("c",), [*xs, *more])
+    assert ("c", len(xs)) not in roles and ("c", len(xs) + 4) not in roles
+    for i, x in enumerate(more, len(xs)):
+        expected = idle_ms if not x[1:].any() else float(x @ law)
+        assert compute[("c", i)] == pytest.approx(expected, rel=1e-9), i
