@@ -293,7 +293,6 @@ def _jax_runner(settings: Settings):
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
         sim_validation_share=settings.sim_validation_share,
-        sim_rate_one_kv_head=settings.sim_rate_one_kv_head,
         sim_compile_threads=settings.sim_compile_threads,
     )
 
@@ -306,7 +305,6 @@ def _torch_runner(settings: Settings):
         sim_baseline_max_seqlen=settings.sim_baseline_max_seqlen,
         sim_timed_calls=settings.sim_timed_calls,
         sim_validation_share=settings.sim_validation_share,
-        sim_rate_one_kv_head=settings.sim_rate_one_kv_head,
         sim_compile_threads=settings.sim_compile_threads,
     )
 

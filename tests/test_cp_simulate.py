@@ -685,18 +685,15 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     one call of its class for its rate and one more held out, and predicts the rest from the
     kind's model at that rate; its compute equals that of timing every call, the held-out
     error is 0; a later point of the same class times nothing and states that check again."""
-    from experiments.runners import call_model, cp_simulate
+    from experiments.runners import cp_simulate
     from experiments.runners.cp_ranks import LONG_CALL_MS
-    from experiments.runners.cp_ranks_jax import JaxRanks
     from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
-
-    slots = [call_model.SLOTS]  # the law's and the ranks' schedule (the last check: 1)
 
     def linear(fn, args, *, warmup, iters, **timing_kw):
         piece = next(a for a in args if isinstance(a, MaskArrays))
         heads = args[0].shape[0] * args[0].shape[2], args[1].shape[0] * args[1].shape[2]
-        rows, cols = list_spans(piece.kv, *heads, slots[0]).reshape(-1, 3)[0, 1:]
+        rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
         rate = 1.3 if args[1].shape[1] > 4 * 32 else 1.0  # keys of more than 4 ranks' shards
         return [rate * (150.0 + 30.0 * rows + 70.0 * cols)] * iters
 
@@ -736,30 +733,6 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
     assert again["timed"] == 0 and again["across_shapes"] == again["distinct"] > 2
     assert again_sim["timed_calls"] == []
     assert again["model"]["held_out_ms"] == held["held_out_ms"]
-    # the rate call with one K/V head and its query heads (--sim_rate_one_kv_head): its time
-    # per unit of work is the class's, so the same compute; the call itself is predicted, the
-    # held-out call runs whole. On one slot, so that a call's spans grow with its heads
-    slots[0] = 1
-    monkeypatch.setattr(JaxRanks, "slots", lambda self: 1)
-    every = JaxRunner(sim_timed_calls=0).run(large)["masks"][0]["simulation"]
-    reduced = JaxRunner(sim_timed_calls=4, sim_rate_one_kv_head=True)
-    reduced.run(small)
-    sim_reduced = reduced.run(large)["masks"][0]["simulation"]
-    calls = sim_reduced["calls"]
-    assert (calls["timed"], calls["one_kv_head"]) == (1, 1)  # the held-out call; the rate one
-    assert calls["across_shapes"] == calls["modelled"] == calls["distinct"] - 1
-    assert sim_reduced["compute_ms"] == pytest.approx(every["compute_ms"], rel=1e-9)
-    rate_call, checked = sorted(sim_reduced["timed_calls"], key=lambda c: c["role"])
-    assert (rate_call["role"], checked["role"]) == ("rate", "rate_held_out")
-    assert (rate_call["heads"], rate_call["heads_kv"], rate_call["heads_divisor"]) == (2, 1, 2)
-    assert (checked["heads"], checked["heads_kv"]) == (HQ, HKV) and "heads_divisor" not in checked
-    # another program: its own call and class in the records, never the held-out call
-    assert rate_call["id"] != checked["id"] and rate_call["class"] != checked["class"]
-    assert rate_call["kind"] == checked["kind"]
-    assert calls["model"]["max_error_pct"] < 1e-6
-    # the warm bookkeeping knows two programs of the class: with one K/V head and whole
-    ran = reduced.simulator._ran
-    assert len([p for p in ran if p[-1] == 2 and p[:-1] in ran]) == 1
 
 
 @pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])
@@ -1793,13 +1766,13 @@ def test_report_states_the_cost_models_error(tmp_path):
     )
     # calls predicted in classes whose model no held-out call checked are counted apart
     records[0]["masks"][0]["simulation"]["calls"]["unchecked"] = 12
-    records[0]["masks"][0]["simulation"]["calls"]["one_kv_head"] = 3
+    records[0]["masks"][0]["simulation"]["calls"]["idle"] = 3
     line = report_sim.model_error(records)[0]
     assert line.endswith(
         "(largest single error 3.2%). 12 of the predicted calls belong to classes whose model "
         "was not checked on held-out calls (--sim_validation_share checks a share of the "
-        "classes); the error is that of the checked classes' models. 3 predicted calls were "
-        "also timed with one K/V head to set their class's rate (--sim_rate_one_kv_head)."
+        "classes); the error is that of the checked classes' models. 3 of the predicted calls "
+        "hold no tile and took the time of one such call of their class."
     )
 
 
@@ -2442,8 +2415,8 @@ def test_every_kind_has_a_checked_class():
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_the_run_settings_reach_the_simulator(framework):
-    """--sim_timed_calls, --sim_validation_share and --sim_rate_one_kv_head, as Settings carry
-    them, are the simulator's (experiments/driver.py builds the runners)."""
+    """--sim_timed_calls and --sim_validation_share, as Settings carry them, are the
+    simulator's (experiments/driver.py builds the runners)."""
     from types import SimpleNamespace
 
     from experiments import driver
@@ -2453,13 +2426,11 @@ def test_the_run_settings_reach_the_simulator(framework):
         sim_baseline_max_seqlen=None,
         sim_timed_calls=6,
         sim_validation_share=0.375,
-        sim_rate_one_kv_head=True,
         sim_compile_threads=0,
     )
     make = driver._jax_runner if framework == "jax" else driver._torch_runner
     simulator = make(settings).simulator
     assert (simulator.timed_calls, simulator.validation_share) == (6, 0.375)
-    assert simulator.rate_one_kv_head is True
 
 
 def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
@@ -2576,3 +2547,105 @@ def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
     for i, x in enumerate(more, len(xs)):
         expected = idle_ms if not x[1:].any() else float(x @ law)
         assert compute[("c", i)] == pytest.approx(expected, rel=1e-9), i
+
+
+def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
+    """A process resuming a run takes the times of the calls its records list as timed on the
+    same kind of device (expect), so it times none of them again, and its kinds' models start
+    from them: a point of longer key blocks than any recorded (all-gather over 8 devices after
+    4) is predicted across shapes at once, timing what the first process would have (its rate
+    call and one held out), with the same compute. Records of another device kind or
+    framework give nothing."""
+    from experiments.core import provenance
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+    from jax_attn.mask_arrays import MaskArrays
+
+    def linear(fn, args, *, warmup, iters, **timing_kw):
+        piece = next(a for a in args if isinstance(a, MaskArrays))
+        heads = args[0].shape[0] * args[0].shape[2], args[1].shape[0] * args[1].shape[2]
+        rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
+        rate = 1.3 if args[1].shape[1] > 4 * 32 else 1.0  # keys of more than 4 ranks' shards
+        return [rate * (150.0 + 30.0 * rows + 70.0 * cols)] * iters
+
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", linear)
+    _no_first_run_timing(monkeypatch)
+    monkeypatch.setattr(
+        cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
+    )
+    small, large = (
+        _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
+        for n in (4, 8)
+    )
+    devices = provenance.jax_devices()
+
+    def record(result: dict, ran_on: dict = devices, framework: str = "jax") -> dict:
+        return {
+            "point": {"framework": framework},
+            "provenance": {"devices": {"jax": ran_on}},
+            "masks": result["masks"],
+        }
+
+    first = JaxRunner(sim_timed_calls=4)
+    done = first.run(small)
+    sim_done = done["masks"][0]["simulation"]
+    logged = sim_done["timed_calls"]
+    assert logged and all(c["min"] <= c["median"] <= c["max"] for c in logged)
+    longer = first.run(large)
+    after = longer["masks"][0]["simulation"]
+    # the longer point first: its kind's model from the records alone
+    resumed = JaxRunner(sim_timed_calls=4)
+    resumed.expect([large, small], [record(done)])
+    later = resumed.run(large)["masks"][0]["simulation"]
+    assert later["calls"]["across_shapes"] == later["calls"]["modelled"] > 0
+    assert later["calls"]["timed"] == after["calls"]["timed"] == 2
+    assert later["compute_ms"] == pytest.approx(after["compute_ms"], rel=1e-3)
+    again = resumed.run(small)["masks"][0]["simulation"]
+    assert again["timed_calls"] == [] and again["calls"]["timed"] == 0
+    assert again["calls"]["recorded"] == sim_done["calls"]["timed"]
+    assert again["compute_ms"] == pytest.approx(sim_done["compute_ms"], rel=1e-3)
+    for table in resumed.simulator._kinds.values():  # a recorded call once in its kind's fit
+        recorded = {key[2] for key in table if key[0] == cp_simulate.RECORDED}
+        assert not recorded & {cp_simulate._digest(key) for key in table}
+    # another layout of the long class's shapes: its rate from the calls the records hold,
+    # and (a process knows no check it did not make) one call held out to check it
+    other = _point("allgather", 8, "fwd", sim.LinkModel.ideal(), layout="balanced", seqlen=32)
+    third = JaxRunner(sim_timed_calls=4)
+    third.expect([other], [record(done), record(longer)])
+    sim_other = third.run(other)["masks"][0]["simulation"]
+    assert [c["role"] for c in sim_other["timed_calls"]] == ["rate_held_out"]
+    for other in (
+        record(done, {**devices, "device_kind": ["another"]}),
+        record(done, devices, "torch"),
+    ):
+        elsewhere = JaxRunner(sim_timed_calls=4)
+        elsewhere.expect([small], [other])
+        calls = elsewhere.run(small)["masks"][0]["simulation"]["calls"]
+        assert calls["recorded"] == 0 and calls["timed"] == sim_done["calls"]["timed"]
+
+
+def test_recorded_calls_read_the_records_features_and_times():
+    """A recorded call's work features are its spans where its record states them (impls
+    with tile lists), else its area times its heads (call_model.area_features); its min and
+    max where listed, else (records from before they were) its p20 and p80."""
+    from experiments.runners import call_model
+    from experiments.runners.cp_simulate import recorded_calls
+
+    spans = {"row_span": 12.5, "col_span": 40.0, "min": 1.0, "max": 9.0}
+    common = {"class": "c", "kind": "k", "area": 300.0, "heads": 4}
+    times = {"median": 5.0, "p20": 4.0, "p80": 6.0, "n": 3}
+    calls = [{"id": "a", **common, **times, **spans}, {"id": "b", **common, **times}]
+    devices = {"backend": "gpu", "device_kind": ["X"]}
+    rec = {
+        "point": {"framework": "jax"},
+        "provenance": {"devices": {"jax": devices}},
+        "masks": [{"simulation": {"timed_calls": calls}}],
+    }
+    found = recorded_calls([rec], "jax", devices)
+    assert found["a"].features.tolist() == [1.0, 12.5, 40.0]
+    assert found["a"].stats == {**times, "min": 1.0, "max": 9.0}
+    area = call_model.area_features(np.float64(300.0), 4)
+    assert found["b"].features.tolist() == area.tolist() == [1.0, 1200.0]
+    assert found["b"].stats == {**times, "min": 4.0, "max": 6.0}
+    assert (found["b"].cls, found["b"].kind) == ("c", "k")
+    assert recorded_calls([rec], "jax", {**devices, "backend": "cpu"}) == {}

@@ -222,15 +222,6 @@ def _define_simulation_flags() -> None:
         "checks every class.",
     )
     flags.register_validator("sim_validation_share", _check_validation_share)
-    flags.DEFINE_bool(
-        "sim_rate_one_kv_head",
-        False,
-        "Time the call that sets a long class's rate across shapes with one of the rank's K/V "
-        "heads and its query heads instead of all of them (an eighth of its device time at 64:8 "
-        "heads, nothing for a rank of one K/V head), its rate taken per unit of the cost "
-        "model's work; the checked classes' held-out calls run whole, so records state that "
-        "rate's error.",
-    )
     flags.DEFINE_integer(
         "sim_compile_threads",
         COMPILE_THREADS,
@@ -428,7 +419,6 @@ class Settings:
     sim_baseline_max_seqlen: int | None = None
     sim_timed_calls: int = 0
     sim_validation_share: float = 1.0
-    sim_rate_one_kv_head: bool = False
     sim_compile_threads: int = COMPILE_THREADS
     allow_slow: bool = False
 
@@ -517,7 +507,6 @@ def settings() -> Settings:
         ),
         sim_timed_calls=FLAGS.sim_timed_calls,
         sim_validation_share=FLAGS.sim_validation_share,
-        sim_rate_one_kv_head=FLAGS.sim_rate_one_kv_head,
         sim_compile_threads=FLAGS.sim_compile_threads,
         allow_slow=FLAGS.allow_slow,
     )

@@ -266,7 +266,7 @@ def model_error(records: list[dict]) -> list[str]:
     held = [c["model"] for c in calls if c.get("model")]
     timed = sum(c.get("timed") or 0 for c in calls)
     unchecked = sum(c.get("unchecked") or 0 for c in calls)
-    reduced = sum(c.get("one_kv_head") or 0 for c in calls)
+    idle = sum(c.get("idle") or 0 for c in calls)
     notes = ""  # what the run's sampling flags changed
     if unchecked:
         notes += (
@@ -274,10 +274,10 @@ def model_error(records: list[dict]) -> list[str]:
             "on held-out calls (--sim_validation_share checks a share of the classes); the "
             "error is that of the checked classes' models."
         )
-    if reduced:
+    if idle:
         notes += (
-            f" {reduced} predicted calls were also timed with one K/V head to set their "
-            "class's rate (--sim_rate_one_kv_head)."
+            f" {idle} of the predicted calls hold no tile and took the time of one such call "
+            "of their class."
         )
     if not held:
         return [

@@ -8,10 +8,9 @@ the record) is shared and lives in cp_simulate.py and cp_rank_checks.py.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container
 from typing import NamedTuple
 
 import numpy as np
@@ -102,7 +101,6 @@ class Ranks(ABC):
         hkv = plan.num_heads_kv * rep
         self.q_heads = [np.arange(j * hq // u, (j + 1) * hq // u) for j in range(u)]
         self.kv_heads = [np.arange(j * hkv // u, (j + 1) * hkv // u) // rep for j in range(u)]
-        self.heads_divisor = 1  # timed calls run the rank's heads over this (one_kv_head)
 
     def _synthetic(self, name: str, tokens: int, heads: int):
         """A timed call's input `name` of `tokens` tokens and `heads` heads (once per shape)."""
@@ -113,26 +111,12 @@ class Ranks(ABC):
 
     def timed_queries(self, name: str, r: int):
         """Synthetic q or dout with ring rank r's shapes (Ulysses rank 0's heads)."""
-        heads = len(self.q_heads[0]) // self.heads_divisor
-        return self._synthetic(name, len(self.plan.layout.positions[r]), heads)
+        return self._synthetic(name, len(self.plan.layout.positions[r]), len(self.q_heads[0]))
 
     def timed_keys(self, r: int, t: int) -> tuple:
         """Synthetic K and V with the shapes of ring rank r's block at kept step t."""
-        n, heads = len(self.plan.key_positions(r, t)), len(self.kv_heads[0]) // self.heads_divisor
+        n, heads = len(self.plan.key_positions(r, t)), len(self.kv_heads[0])
         return tuple(self._synthetic(name, n, heads) for name in ("k", "v"))
-
-    @contextlib.contextmanager
-    def one_kv_head(self) -> Iterator[int]:
-        """Within it, timed calls, their features and grid heads are those of one K/V head and
-        its query heads instead of the rank's all (the heads divisor it yields: 1 where the
-        rank has one K/V head already): a fraction of a long call's device time, its cost per
-        head the same where its grid fills the device many times over."""
-        divisor = len(self.kv_heads[0])
-        self.heads_divisor = divisor if len(self.q_heads[0]) % divisor == 0 else 1
-        try:
-            yield self.heads_divisor
-        finally:
-            self.heads_divisor = 1
 
     @staticmethod
     @abstractmethod
@@ -292,10 +276,8 @@ class Ranks(ABC):
         return call_model.SLOTS
 
     def grid_heads(self) -> tuple[int, int]:
-        """(query, K/V) heads times the batch of one rank's timed kernel call: its grid's
-        heads."""
-        q, kv = len(self.q_heads[0]), len(self.kv_heads[0])
-        return self.batch * q // self.heads_divisor, self.batch * kv // self.heads_divisor
+        """(query, K/V) heads times the batch of one rank's kernel call: its grid's heads."""
+        return self.batch * len(self.q_heads[0]), self.batch * len(self.kv_heads[0])
 
     def piece_stats(self, r: int, t: int) -> dict[str, int] | None:
         """call_model.work_stats of ring rank r's piece at kept step t, where the framework's

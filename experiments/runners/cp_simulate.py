@@ -18,7 +18,6 @@ preset shows its cost without a profiler.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import time
@@ -45,6 +44,7 @@ BASELINE_MAX_SEQLEN = {"gpu": 128 * 1024, "cpu": 2 * 1024}
 # How each framework's executor takes global arrays (shard_strategies.simulate entries).
 ENTRY = {"jax": EXCHANGE, "torch": REPLICATED}
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
+RECORDED = "recorded"  # first item of the key of a call known only from the records
 
 
 def kernel_point(point: Point, impl: str, seqlen: int | None = None) -> Point:
@@ -106,6 +106,41 @@ def recorded_baselines(records: Iterable[dict]) -> dict[str, dict]:
     return found
 
 
+class RecordedCall(NamedTuple):
+    """A call an earlier process of the run timed, as its record lists it: its class's and
+    kind's names (_digest), time statistics and the cost model's work features."""
+
+    cls: str
+    kind: str
+    stats: dict[str, float]
+    features: np.ndarray
+
+
+def recorded_calls(
+    records: Iterable[dict], framework: str, devices: dict
+) -> dict[str, RecordedCall]:
+    """The calls the records list as timed (simulation.timed_calls) by `framework` on devices
+    of the same backend and kind as `devices` (provenance), by id: a resumed CP prediction
+    times none of them again, and its kinds' models start from them. Records from before
+    min and max were listed (2026-12-05) give p20 and p80 for them."""
+    found: dict[str, RecordedCall] = {}
+    for rec in records:
+        ran_on = ((rec.get("provenance") or {}).get("devices") or {}).get(framework) or {}
+        alike = all(ran_on.get(k) == devices.get(k) for k in ("backend", "device_kind"))
+        if not alike or (rec.get("point") or {}).get("framework") != framework:
+            continue
+        for mask in rec.get("masks") or []:
+            for c in (mask.get("simulation") or {}).get("timed_calls") or []:
+                stats = {q: c[q] for q in ("median", "p20", "p80", "n")}
+                stats |= {"min": c.get("min", c["p20"]), "max": c.get("max", c["p80"])}
+                if all(s in c for s in call_model.SPANS):
+                    features = np.array([1.0, *(c[s] for s in call_model.SPANS)])
+                else:
+                    features = call_model.area_features(np.float64(c["area"]), c["heads"])
+                found[c["id"]] = RecordedCall(c["class"], c["kind"], stats, features)
+    return found
+
+
 def _digest(x: tuple) -> str:
     """A short, stable name of a class or kind of calls, to group a run's timed calls by."""
     return hashlib.sha1(repr(x).encode()).hexdigest()[:12]
@@ -148,7 +183,6 @@ class CPSimulator:
         baseline_max_seqlen: int | None = None,
         timed_calls: int = 0,
         validation_share: float = 1.0,
-        rate_one_kv_head: bool = False,
         compile_threads: int = COMPILE_THREADS,
     ) -> None:
         self.runner, self.ranks = runner, ranks
@@ -159,7 +193,6 @@ class CPSimulator:
         self.baseline_max_seqlen = baseline_max_seqlen
         self.timed_calls = timed_calls  # calibration calls per class of calls; 0: time them all
         self.validation_share = validation_share  # of the classes whose model is checked
-        self.rate_one_kv_head = rate_one_kv_head  # rate calls with one K/V head (_across_shapes)
         self._baselines: dict[str, dict] = {}
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
@@ -172,13 +205,14 @@ class CPSimulator:
         self._calibrated: dict[tuple, dict] = {}  # per class: features of its calibration calls
         self._held_out: dict[tuple, dict] = {}  # per class: features of its held-out calls
         self._idle_stats: dict[tuple, dict] = {}  # per class: its calls without tiles' (_idle)
+        self._recorded: dict[str, RecordedCall] = {}  # by id: calls earlier processes timed
+        self._kinds_restored: set[tuple] = set()  # kinds whose recorded calls joined _kinds
         self._checks: dict[tuple, bool] = {}  # per class: whether its model is checked
         self._kinds_checked: set[tuple] = set()  # kinds with a class whose model is checked
         # per kind of call (any shapes): work features of its timed calls; per class predicted
         # across shapes: the calls timed for its rate and those held out to check it
         self._kinds: dict[tuple, dict[tuple, np.ndarray]] = {}
-        # its calls setting its rate: (work features, median ms) of the heads each ran with
-        self._rated: dict[tuple, dict[tuple, tuple[np.ndarray, float]]] = {}
+        self._rated: dict[tuple, dict[tuple, np.ndarray]] = {}  # its calls setting its rate
         self._validated: dict[tuple, list[tuple[float, float]]] = {}  # its held-out calls
         # calls timed (_time) since a record last listed them: a failed point's go to the next
         self._timed_log: list[dict] = []
@@ -190,15 +224,24 @@ class CPSimulator:
         self._plans: dict[tuple, tuple] = {}
         self._forwards: dict[tuple, dict] = {}  # per plan and inputs (_forward_store)
 
-    def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
+    def expect(
+        self,
+        points: list[Point],
+        recorded: Iterable[dict] = (),
+        devices: tuple[str, dict] = ("", {}),
+    ) -> None:
         """The points this simulator will be given, in order: a problem's first point then
         compiles the new step programs of the points right after it of the same problem (its
         other strategies, layouts and modes) side by side with its own. `recorded`: the run's
         records so far, whose single-device baselines a resumed run takes instead of running
-        them again (recorded_baselines)."""
+        them again (recorded_baselines), and whose timed calls on devices like this one's
+        (`devices`: the framework and its provenance entry) it times no more (_restore)."""
         self._expected = [p for p in points if p.simulated]
         self._position = {p.key: i for i, p in enumerate(self._expected)}
+        recorded = list(recorded)
         self._baselines.update(recorded_baselines(recorded))
+        if devices[0]:
+            self._recorded.update(recorded_calls(recorded, *devices))
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -444,13 +487,14 @@ class CPSimulator:
         self._class_kinds = classes.kinds
         stats: dict[tuple, dict] = {}
         counts = {"distinct": sum(map(len, classes.members.values())), "timed": 0, "modelled": 0}
-        logged = len(self._timed_log)
         counts["across_shapes"] = 0  # of the modelled: by their kind's model (_across_shapes)
         counts["unchecked"] = 0  # of the modelled: in classes stating no held-out check
         counts["idle"] = 0  # of the modelled: pieces without tiles, at their class's one (_idle)
+        counts["recorded"] = 0  # not timed: times an earlier process recorded (_restore)
         held_out: list[tuple[float, float]] = []  # (predicted, measured) median ms
         for cls, members in classes.members.items():
             kind = classes.kinds[cls]
+            counts["recorded"] += self._restore(cls, kind, members)
             working = members  # with --sim_timed_calls=0 every call is timed, idle ones too
             if self.timed_calls:
                 working = {key: m for key, m in members.items() if m[1][1:].any()}
@@ -475,9 +519,6 @@ class CPSimulator:
         if held_out:
             pred, meas = zip(*held_out)
             counts["model"] = call_model.held_out_error(pred, meas).as_dict()
-        # calls timed with one K/V head (--sim_rate_one_kv_head): device time, but modelled
-        counts["one_kv_head"] = sum("heads_divisor" in c for c in self._timed_log[logged:])
-        counts["timed"] -= counts["one_kv_head"]
         compute = {q: np.zeros((len(sched.phases), plan.world_size)) for q in QUANTILES}
         for p, r, key in classes.uses:
             for q in QUANTILES:
@@ -485,19 +526,12 @@ class CPSimulator:
         return compute, counts
 
     def _time(self, ranks: Ranks, point: Point, key: tuple, call: tuple, role: str) -> dict:
-        """Time one distinct call (Ranks.time; warm where a call of its class ran before), log
-        it (self._timed_log, the record's timed_calls) with what it was timed for (`role`) and
-        return its statistics, kept as the call's (self._timings) unless it ran with fewer
-        heads than its own (Ranks.one_kv_head): another program, logged as another call and
-        class with its heads divisor."""
-        divisor, cls = ranks.heads_divisor, key[:-1]
-        # with fewer heads another program: another call and class to the records
-        call_id, program = (key, cls) if divisor == 1 else ((*key, divisor), (*cls, divisor))
-        times = ranks.time(call, point.warmup, point.iters, warm=program in self._ran)
-        self._ran.add(program)
-        stats = timing.time_stats(times.ms)
-        if divisor == 1:
-            self._timings[key] = stats
+        """Time one distinct call (Ranks.time; warm where a call of its class ran before) into
+        self._timings, log it (self._timed_log, the record's timed_calls) with what it was
+        timed for (`role`) and return its statistics."""
+        times = ranks.time(call, point.warmup, point.iters, warm=key[:-1] in self._ran)
+        self._ran.add(key[:-1])
+        stats = self._timings[key] = timing.time_stats(times.ms)
         name, r, t, group_start = call
         q, k = ranks.call_tokens(r, t)
         layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
@@ -508,27 +542,50 @@ class CPSimulator:
         self._timed_log.append(
             {
                 "role": role,
-                "id": _digest(call_id),
-                "class": _digest(program),
-                "kind": _digest(self._class_kinds[cls]),
+                "id": _digest(key),
+                "class": _digest(key[:-1]),
+                "kind": _digest(self._class_kinds[key[:-1]]),
                 "call": name,
                 "step": int(t),
                 "group_start": bool(group_start),
                 "q": q,
                 "k": k,
-                "heads": ranks.grid_heads()[0],
-                "heads_kv": ranks.grid_heads()[1] // point.batch,
+                "heads": point.batch * len(ranks.q_heads[0]),
+                "heads_kv": len(ranks.kv_heads[0]),
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(layout or {}),
                 **spans,
-                **{s: float(f"{stats[s]:.{DIGITS}g}") for s in ("median", "p20", "p80")},
+                **{s: float(f"{stats[s]:.{DIGITS}g}") for s in QUANTILES},
                 "n": int(stats["n"]),
                 "first_run": times.by_first_run,
                 "after_compile": times.after_compile,
-                **({"heads_divisor": divisor} if divisor > 1 else {}),
             }
         )
         return stats
+
+    def _restore(self, cls: tuple, kind: tuple, members: dict[tuple, tuple]) -> int:
+        """How many of the class's calls take their times from the records (expect) instead of
+        a timing: those an earlier process of the run timed. The first time a kind is seen, its
+        recorded calls of at least call_model.KIND_FIT_MIN_MS join its model across shapes
+        (_remember's table), under RECORDED keys until a point's call is one of them."""
+        if not self._recorded:
+            return 0
+        table = self._kinds.setdefault(kind, {})
+        if kind not in self._kinds_restored:
+            self._kinds_restored.add(kind)
+            name = _digest(kind)
+            for call_id, call in self._recorded.items():
+                if call.kind == name and call.stats["median"] >= call_model.KIND_FIT_MIN_MS:
+                    key = (RECORDED, call.cls, call_id)
+                    self._timings[key], table[key] = call.stats, call.features
+        restored = 0
+        for key in members:
+            call = None if key in self._timings else self._recorded.get(_digest(key))
+            if call is not None:
+                self._timings[key], restored = call.stats, restored + 1
+                if (RECORDED, call.cls, _digest(key)) in table:
+                    table[key] = table.pop((RECORDED, call.cls, _digest(key)))
+        return restored
 
     def _idle(
         self, ranks: Ranks, point: Point, cls: tuple, idle: list[tuple], members: dict[tuple, tuple]
@@ -634,41 +691,28 @@ class CPSimulator:
         guess = {key: float(x[key] @ coef) for key in untimed}
         # the class's calls timed so far, by any point (its kind's table holds them)
         rated = self._rated.setdefault(cls, {})
-        whole = self._kinds[kind].items()
-        rated.update({k: (v, self._timings[k]["median"]) for k, v in whole if k[:-1] == cls})
-        rated.update({k: (x[k], self._timings[k]["median"]) for k in members if k in self._timings})
+        mine = {cls, (RECORDED, _digest(cls))}  # its calls and those only the records hold
+        rated.update({k: v for k, v in self._kinds[kind].items() if k[:-1] in mine})
+        rated.update({k: x[k] for k in members if k in self._timings})
         scale = self._class_rate(rated, coef) if rated else 1.0
         if scale * np.median(list(guess.values())) < LONG_CALL_MS:
             return None, {}, []
         checked = self._validated.setdefault(cls, [])
         timed = 0
-        reduced: set[tuple] = set()  # timed with one K/V head: predicted, never held out
-        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS:
-            candidates = [key for key in untimed if key not in reduced]
-            if not candidates:
-                break
-            key = sorted(candidates, key=guess.__getitem__)[len(candidates) // 2]
-            call = members[key][0]
-            heads = ranks.one_kv_head() if self.rate_one_kv_head else contextlib.nullcontext(1)
-            with heads as divisor:
-                ms = self._time(ranks, point, key, call, "rate")["median"]
-                features = ranks.features()[call[1], call[2]] if divisor > 1 else x[key]
-            rated[key if divisor == 1 else (*key, divisor)], timed = (features, ms), timed + 1
-            if divisor == 1:
-                untimed.remove(key)
-            else:  # the call itself stays to be predicted
-                reduced.add(key)
+        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
+            key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
+            self._time(ranks, point, key, members[key][0], "rate")
+            rated[key], timed = x[key], timed + 1
+            untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
         wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls, kind) else 0
-        while len(checked) < wanted and len(reduced) < len(untimed):
+        while len(checked) < wanted and untimed:
             self._kinds_checked.add(kind)
-            others = [key for key in untimed if key not in reduced]
-            key = others[int(rng.integers(len(others)))]
-            untimed.remove(key)
+            key = untimed.pop(int(rng.integers(len(untimed))))
             rate = self._class_rate(rated, coef)
             ms = self._time(ranks, point, key, members[key][0], "rate_held_out")["median"]
             checked.append((rate * guess[key], ms))
-            rated[key], timed = (x[key], ms), timed + 1
+            rated[key], timed = x[key], timed + 1
         rate = self._class_rate(rated, coef)
         ratios = call_model.quantile_ratios(
             [self._timings[key] for key in self._kinds[kind]], QUANTILES
@@ -688,11 +732,11 @@ class CPSimulator:
             self._checks[cls] = drawn or kind not in self._kinds_checked
         return self._checks[cls]
 
-    def _class_rate(self, rated: dict[tuple, tuple[np.ndarray, float]], coef: np.ndarray) -> float:
-        """call_model.class_rate of a class's calls timed for it ((work features, median ms)
-        by key)."""
-        features, measured = zip(*rated.values())
-        return call_model.class_rate(np.array(features), list(measured), coef)
+    def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
+        """call_model.class_rate of a class's calls timed for it (work features by key)."""
+        keys = list(rated)
+        measured = [self._timings[key]["median"] for key in keys]
+        return call_model.class_rate(np.array([rated[key] for key in keys]), measured, coef)
 
     def _fit(self, known: dict[tuple, np.ndarray]) -> np.ndarray:
         """The tile model's coefficients of the median times of the calls in `known`."""

@@ -103,7 +103,6 @@ class JaxRunner:
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
         sim_validation_share: float = 1.0,
-        sim_rate_one_kv_head: bool = False,
         sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import jax
@@ -124,7 +123,6 @@ class JaxRunner:
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
             validation_share=sim_validation_share,
-            rate_one_kv_head=sim_rate_one_kv_head,
             compile_threads=sim_compile_threads,
         )
 
@@ -244,8 +242,11 @@ class JaxRunner:
 
     def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
         """The points this runner will be given, in order (the CP predictor looks ahead), and
-        the run's records so far (whose single-device baselines it takes)."""
-        self.simulator.expect(points, recorded)
+        the run's records so far (whose single-device baselines it takes, and the calls timed
+        on devices like this one's)."""
+        from experiments.core import provenance
+
+        self.simulator.expect(points, recorded, ("jax", provenance.jax_devices()))
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""

@@ -33,7 +33,6 @@ class TorchRunner:
         sim_baseline_max_seqlen: int | None = None,
         sim_timed_calls: int = 0,
         sim_validation_share: float = 1.0,
-        sim_rate_one_kv_head: bool = False,
         sim_compile_threads: int = COMPILE_THREADS,
     ) -> None:
         import torch
@@ -51,7 +50,6 @@ class TorchRunner:
             baseline_max_seqlen=sim_baseline_max_seqlen,
             timed_calls=sim_timed_calls,
             validation_share=sim_validation_share,
-            rate_one_kv_head=sim_rate_one_kv_head,
             compile_threads=sim_compile_threads,
         )
 
@@ -258,8 +256,11 @@ class TorchRunner:
 
     def expect(self, points: list[Point], recorded: Iterable[dict] = ()) -> None:
         """The points this runner will be given, in order (the CP predictor looks ahead), and
-        the run's records so far (whose single-device baselines it takes)."""
-        self.simulator.expect(points, recorded)
+        the run's records so far (whose single-device baselines it takes, and the calls timed
+        on devices like this one's)."""
+        from experiments.core import provenance
+
+        self.simulator.expect(points, recorded, ("torch", provenance.torch_devices()))
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""
