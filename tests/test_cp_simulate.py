@@ -2649,3 +2649,52 @@ def test_recorded_calls_read_the_records_features_and_times():
     assert found["b"].stats == {**times, "min": 4.0, "max": 6.0}
     assert (found["b"].cls, found["b"].kind) == ("c", "k")
     assert recorded_calls([rec], "jax", {**devices, "backend": "cpu"}) == {}
+
+
+@pytest.mark.parametrize("top", [120, 1200], ids=["floor", "share"])
+def test_a_long_class_is_rated_by_its_cheapest_call_of_a_long_calls_length(monkeypatch, top):
+    """A class predicted across shapes with no call timed before is rated by the cheapest of
+    its calls that the kind's model puts at LONG_CALL_MS and at RATE_CALL_SHARE of its median
+    call or more: a rate in the throughput regime for a fraction of the median call's time
+    (classes of calls from a few ms up: the LONG_CALL_MS floor decides; of calls of seconds:
+    the share does)."""
+    from types import SimpleNamespace
+
+    from experiments.runners import call_model, timing
+    from experiments.runners.cp_ranks import LONG_CALL_MS
+    from experiments.runners.cp_simulate import CPSimulator
+
+    law = np.array([10.0, 0.9, 1.6])
+    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
+    rng = np.random.default_rng(11)
+    features = {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(10)}
+    features |= {("c", i): np.array([1.0, *rng.integers(1, top, 2)]) for i in range(40)}
+    timed = {}
+
+    def fake_time(ranks, point, key, call, role):
+        timed[key] = role
+        simulator._timings[key] = stats = timing.time_stats([float(features[key] @ law)])
+        return stats
+
+    monkeypatch.setattr(simulator, "_time", fake_time)
+    for key, x in features.items():
+        if key[0] == "other":
+            simulator._timings[key] = timing.time_stats([float(x @ law)])
+    simulator._kinds["kind"] = {k: x for k, x in features.items() if k[0] == "other"}
+    simulator._kinds_checked.add("kind")  # and the class not drawn: no held-out call
+    simulator.validation_share = 0.0
+    members = {k: (None, x) for k, x in features.items() if k[0] == "c"}
+    guess = {k: float(x @ law) for k, (_, x) in members.items()}
+    floor = max(LONG_CALL_MS, call_model.RATE_CALL_SHARE * np.median(list(guess.values())))
+    expected = min((k for k in guess if guess[k] >= floor), key=guess.__getitem__)
+    count, predicted, _ = simulator._across_shapes(
+        None, SimpleNamespace(seed=0), ("c",), "kind", members
+    )
+    assert count == 1 and timed == {expected: "rate"}
+    below = [k for k in guess if guess[k] < guess[expected]]
+    assert below and max(guess[k] for k in below) < floor  # cheaper calls exist, all too short
+    assert floor == (
+        LONG_CALL_MS if top == 120 else pytest.approx(0.25 * np.median(list(guess.values())))
+    )
+    for key, stats in predicted.items():
+        assert stats["median"] == pytest.approx(guess[key], rel=1e-9)

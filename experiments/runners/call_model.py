@@ -44,6 +44,7 @@ ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-ou
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
 LONG_RATE_CALLS = 1  # timed calls that set the rate of a class predicted across shapes
 LONG_VALIDATION_CALLS = 1  # further timed calls of such a class, held out
+RATE_CALL_SHARE = 0.25  # a class's rate call: its cheapest this share of its median or longer
 SIGNIFICANT = 4  # significant digits of the held-out times a record lists
 TileWork = tuple[np.ndarray, np.ndarray]  # (full, partial) tiles per query-tile row or key column
 PieceWork = tuple[TileWork, TileWork]  # a piece's rows' and columns' (Mask.tile_counts)

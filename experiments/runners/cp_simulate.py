@@ -676,8 +676,10 @@ class CPSimulator:
         a class whose untimed calls the model of its kind, at the class's rate where it has one,
         puts at LONG_CALL_MS or more at their median: each is predicted as the kind's model
         times the class's own rate at its shapes (call_model.class_rate) over its calls timed
-        so far (those any earlier point timed, else call_model.LONG_RATE_CALLS timed now, its
-        median one first); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
+        so far (those any earlier point timed, else call_model.LONG_RATE_CALLS timed now: its
+        cheapest call that the kind's model puts at LONG_CALL_MS and at RATE_CALL_SHARE of its
+        median untimed call or more, a rate in the throughput regime for a fraction of the
+        median call's seconds); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
         more, drawn at random, are predicted at that rate and timed as the held-out check
         every point the class serves states, and join the rate the rest are predicted at.
         Seconds a call at 2M tokens, where the class's own calibration would time a dozen.
@@ -700,7 +702,10 @@ class CPSimulator:
         checked = self._validated.setdefault(cls, [])
         timed = 0
         while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
-            key = sorted(untimed, key=guess.__getitem__)[len(untimed) // 2]
+            # the cheapest call past LONG_CALL_MS and RATE_CALL_SHARE of the median one
+            middle = call_model.RATE_CALL_SHARE * float(np.median([guess[k] for k in untimed]))
+            long = [k for k in untimed if guess[k] >= max(LONG_CALL_MS / scale, middle)]
+            key = min(long, key=guess.__getitem__) if long else max(untimed, key=guess.get)
             self._time(ranks, point, key, members[key][0], "rate")
             rated[key], timed = x[key], timed + 1
             untimed.remove(key)
