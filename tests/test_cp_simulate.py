@@ -1766,13 +1766,15 @@ def test_report_states_the_cost_models_error(tmp_path):
     )
     # calls predicted in classes whose model no held-out call checked are counted apart
     records[0]["masks"][0]["simulation"]["calls"]["unchecked"] = 12
-    records[0]["masks"][0]["simulation"]["calls"]["idle"] = 3
+    records[0]["masks"][0]["simulation"]["calls"].update(idle=3, recorded=5)
     line = report_sim.model_error(records)[0]
+    assert "27 distinct calls predicted from their tiles" in line  # 30 modelled, 3 idle
     assert line.endswith(
         "(largest single error 3.2%). 12 of the predicted calls belong to classes whose model "
         "was not checked on held-out calls (--sim_validation_share checks a share of the "
-        "classes); the error is that of the checked classes' models. 3 of the predicted calls "
-        "hold no tile and took the time of one such call of their class."
+        "classes); the error is that of the checked classes' models. 3 more calls hold no tile "
+        "and took the time of one such call of their class. 5 calls took the times that "
+        "earlier processes of the run recorded (a resumed run)."
     )
 
 
@@ -2477,6 +2479,42 @@ def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
             assert stats["median"] == pytest.approx(float(features[key] @ coef), rel=1e-9)
 
 
+def _one_class(simulator, cls: tuple, xs: dict[int, np.ndarray]) -> tuple[dict, dict]:
+    """CPSimulator._time_calls of one class of calls ((*cls, i) for i in xs; a call's
+    arguments are its work features), one rank, a phase a call, of kind "kind": each call's
+    median compute and the counts."""
+    from types import SimpleNamespace
+
+    from experiments.runners.cp_simulate import CallClasses
+
+    members = {(*cls, i): (x, x) for i, x in xs.items()}
+    classes = CallClasses(
+        uses=[(p, 0, key) for p, key in enumerate(members)],
+        members={cls: members},
+        kinds={cls: "kind"},
+    )
+    sched = SimpleNamespace(
+        plan=SimpleNamespace(world_size=1, ring_rank=lambda g: 0), phases=list(members)
+    )
+    compute, counts = simulator._time_calls(None, sched, SimpleNamespace(seed=0), classes)
+    return {key: compute["median"][p, 0] for p, key in enumerate(members)}, counts
+
+
+def _law_timer(simulator, law: np.ndarray, idle_ms: dict, roles: dict):
+    """A fake CPSimulator._time: a call's time is law @ its features, or idle_ms of its class
+    where it has no work; its role noted in `roles`."""
+    from experiments.runners import timing
+
+    def fake_time(ranks, point, key, call, role):
+        roles[key] = role
+        x = np.asarray(call, np.float64)
+        ms = float(x @ law) if x[1:].any() else idle_ms[key[:-1]]
+        simulator._timings[key] = stats = timing.time_stats([ms])
+        return stats
+
+    return fake_time
+
+
 @pytest.mark.parametrize("long_calls", [False, True], ids=["class_model", "across_shapes"])
 def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
     """Calls whose pieces hold no tile (every work feature 0) cost what the kernels do outside
@@ -2484,50 +2522,32 @@ def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
     one of them is timed for its class and the others take its time; none is a calibration,
     rate or held-out call, so the models fit the working calls alone (held-out error 0), by
     the class's own calibration or (long calls, a kind's model from another shape) across
-    shapes. A later point's idle calls of the class time nothing."""
+    shapes. A later point's idle calls of the class time nothing; another class's idle calls
+    take their own time; a class whose idle call is known times none."""
     from types import SimpleNamespace
 
-    from experiments.runners import call_model, timing
-    from experiments.runners.cp_simulate import CallClasses, CPSimulator
+    from experiments.runners import timing
+    from experiments.runners.cp_simulate import CPSimulator
 
     law = np.array([0.0, 30.0, 70.0]) if long_calls else np.array([0.0, 0.7, 1.9])
-    idle_ms = 6.0 if long_calls else 2.6  # long calls: past KIND_FIT_MIN_MS, yet no kind's
+    # long calls: past KIND_FIT_MIN_MS, yet in no kind's fit
+    idle_ms = {("c",): 6.0 if long_calls else 2.6, ("d",): 4.4, ("e",): 3.3}
     simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
     rng = np.random.default_rng(5)
     roles = {}
-
-    def fake_time(ranks, point, key, call, role):
-        roles[key] = role
-        x = np.asarray(call, np.float64)
-        ms = float(x @ law) if x[1:].any() else idle_ms
-        simulator._timings[key] = stats = timing.time_stats([ms])
-        return stats
-
-    simulator._time = fake_time
+    simulator._time = _law_timer(simulator, law, idle_ms, roles)
 
     def features(n: int) -> list[np.ndarray]:
         return [np.array([1.0, *rng.integers(5, 60, 2)]) for _ in range(n)]
 
-    def run(cls: tuple, xs: list[np.ndarray]) -> tuple[dict, dict]:
-        members = {(*cls, i): (x, x) for i, x in enumerate(xs)}  # the call is its features
-        classes = CallClasses(
-            uses=[(p, 0, key) for p, key in enumerate(members)],
-            members={cls: members},
-            kinds={cls: "kind"},
-        )
-        plan = SimpleNamespace(world_size=1, ring_rank=lambda g: 0)
-        sched = SimpleNamespace(plan=plan, phases=list(members))
-        compute, counts = simulator._time_calls(None, sched, SimpleNamespace(seed=0), classes)
-        return {key: compute["median"][p, 0] for p, key in enumerate(members)}, counts
-
     if long_calls:  # the kind's model, from calls of another shape timed whole
-        run(("other",), features(call_model.VALIDATION_CALLS + 4))
+        _one_class(simulator, ("other",), dict(enumerate(features(8))))
         roles.clear()
     none = np.array([1.0, 0.0, 0.0])
     xs = features(30)
     xs[3:3] = [none] * 3
     xs += [none] * 2
-    compute, counts = run(("c",), xs)
+    compute, counts = _one_class(simulator, ("c",), dict(enumerate(xs)))
     idle = [("c", i) for i, x in enumerate(xs) if not x[1:].any()]
     assert [key for key, role in roles.items() if key in idle] == [idle[0]]
     assert roles[idle[0]] == "idle"
@@ -2535,18 +2555,74 @@ def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
         {"rate", "rate_held_out"} if long_calls else {"calibration", "held_out"}
     )
     for i, x in enumerate(xs):
-        expected = idle_ms if not x[1:].any() else float(x @ law)
+        expected = idle_ms[("c",)] if not x[1:].any() else float(x @ law)
         assert compute[("c", i)] == pytest.approx(expected, rel=1e-9), i
     assert counts["idle"] == len(idle) - 1
     assert counts["timed"] + counts["modelled"] == counts["distinct"] == len(xs)
     assert counts["model"]["held_out_calls"] > 0 and counts["model"]["max_error_pct"] < 1e-6
     roles.clear()
     more = [none, *features(3), none]
-    compute, counts = run(("c",), [*xs, *more])
+    compute, counts = _one_class(simulator, ("c",), dict(enumerate([*xs, *more])))
     assert ("c", len(xs)) not in roles and ("c", len(xs) + 4) not in roles
     for i, x in enumerate(more, len(xs)):
-        expected = idle_ms if not x[1:].any() else float(x @ law)
+        expected = idle_ms[("c",)] if not x[1:].any() else float(x @ law)
         assert compute[("c", i)] == pytest.approx(expected, rel=1e-9), i
+    # another class: its own idle time; a class whose idle call is known: none timed
+    compute, _ = _one_class(simulator, ("d",), {0: none, 1: none})
+    assert list(compute.values()) == pytest.approx([4.4, 4.4])
+    simulator._timings[("e", 1)] = timing.time_stats([3.3])  # as an earlier process timed it
+    roles.clear()
+    compute, counts = _one_class(simulator, ("e",), {0: none, 1: none, 2: none})
+    assert roles == {} and counts["timed"] == 0 and counts["idle"] == 2
+    assert list(compute.values()) == pytest.approx([3.3] * 3)
+
+
+def test_restored_calls_join_each_fit_once():
+    """The calls the records hold join their kind's fit and their class's rate once: not when
+    they did no work (an idle call of 6 ms would give the kind's model a constant the long
+    calls do not have), and under one key after a point makes them (no second copy under the
+    RECORDED key, in the fit, the rate or the timings); the predictions are the law's."""
+    from types import SimpleNamespace
+
+    from experiments.runners import timing
+    from experiments.runners.cp_simulate import RECORDED, CPSimulator, RecordedCall, _digest
+
+    law = np.array([0.0, 30.0, 70.0])
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=0.0
+    )
+    simulator._kinds_checked.add("kind")  # and no class drawn: nothing held out
+    roles = {}
+    simulator._time = _law_timer(simulator, law, {("c",): 6.0}, roles)
+    rng = np.random.default_rng(9)
+    xs = {("other", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(10)}
+    xs |= {("c", i): np.array([1.0, *rng.integers(5, 60, 2)]) for i in range(24)}
+    xs[("c", 99)] = np.array([1.0, 0.0, 0.0])
+    recorded = [("other", i) for i in range(10)] + [("c", i) for i in range(8)] + [("c", 99)]
+    for key in recorded:
+        ms = float(xs[key] @ law) if key[1] != 99 else 6.0
+        simulator._recorded[_digest(key)] = RecordedCall(
+            _digest(key[:-1]), _digest("kind"), timing.time_stats([ms]), xs[key]
+        )
+
+    def check(compute: dict) -> None:
+        for key, ms in compute.items():
+            assert ms == pytest.approx(float(xs[key] @ law), rel=1e-9), key
+        table, rated = simulator._kinds["kind"], simulator._rated[("c",)]
+        assert _digest(("c", 99)) not in {key[-1] for key in table}
+        for keys in (table, rated, simulator._timings):
+            copies = {key[-1] for key in keys if key[0] == RECORDED}
+            assert not copies & {_digest(key) for key in keys if key[0] != RECORDED}
+
+    # the class's rate from its recorded calls: nothing timed
+    compute, counts = _one_class(simulator, ("c",), {i: xs["c", i] for i in range(8, 20)})
+    assert roles == {} and counts["across_shapes"] == 12
+    check(compute)
+    # four of the recorded calls made by this point: each once, under its key
+    later = {i: xs["c", i] for i in (*range(4), *range(20, 24))}
+    compute, counts = _one_class(simulator, ("c",), later)
+    assert roles == {} and counts["recorded"] == 4
+    check(compute)
 
 
 def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
@@ -2554,9 +2630,8 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
     same kind of device (expect), so it times none of them again, and its kinds' models start
     from them: a point of longer key blocks than any recorded (all-gather over 8 devices after
     4) is predicted across shapes at once, timing what the first process would have (its rate
-    call and one held out), with the same compute. Records of another device kind or
-    framework give nothing."""
-    from experiments.core import provenance
+    call and one held out), with the same compute. Records of another device kind,
+    framework, installed versions or (on a CPU) host give nothing."""
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
@@ -2577,12 +2652,13 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
         _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
         for n in (4, 8)
     )
-    devices = provenance.jax_devices()
+    here = cp_simulate.this_process("jax")
+    devices = here["devices"]["jax"]
 
-    def record(result: dict, ran_on: dict = devices, framework: str = "jax") -> dict:
+    def record(result: dict, ran_on: dict = devices, framework: str = "jax", **prov) -> dict:
         return {
             "point": {"framework": framework},
-            "provenance": {"devices": {"jax": ran_on}},
+            "provenance": {**here, "devices": {"jax": ran_on}, **prov},
             "masks": result["masks"],
         }
 
@@ -2614,10 +2690,13 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
     third.expect([other], [record(done), record(longer)])
     sim_other = third.run(other)["masks"][0]["simulation"]
     assert [c["role"] for c in sim_other["timed_calls"]] == ["rate_held_out"]
-    for other in (
+    others = (
         record(done, {**devices, "device_kind": ["another"]}),
         record(done, devices, "torch"),
-    ):
+        record(done, versions={**here["versions"], "jax": "0.0.1"}),
+        record(done, host="another"),  # a CPU's timings: this host's only
+    )
+    for other in others:
         elsewhere = JaxRunner(sim_timed_calls=4)
         elsewhere.expect([small], [other])
         calls = elsewhere.run(small)["masks"][0]["simulation"]["calls"]
@@ -2627,28 +2706,57 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
 def test_recorded_calls_read_the_records_features_and_times():
     """A recorded call's work features are its spans where its record states them (impls
     with tile lists), else its area times its heads (call_model.area_features); its min and
-    max where listed, else (records from before they were) its p20 and p80."""
+    max where listed, else (records from before they were) its p20 and p80. Passed over: calls
+    missing a field the restore needs, of a tile layout without spans (older records), timed
+    with fewer heads than their own; records of another backend, device, version or (on a
+    CPU) host."""
     from experiments.runners import call_model
-    from experiments.runners.cp_simulate import recorded_calls
+    from experiments.runners.cp_simulate import RECORD_FIELDS, recorded_calls
 
     spans = {"row_span": 12.5, "col_span": 40.0, "min": 1.0, "max": 9.0}
     common = {"class": "c", "kind": "k", "area": 300.0, "heads": 4}
     times = {"median": 5.0, "p20": 4.0, "p80": 6.0, "n": 3}
-    calls = [{"id": "a", **common, **times, **spans}, {"id": "b", **common, **times}]
-    devices = {"backend": "gpu", "device_kind": ["X"]}
-    rec = {
-        "point": {"framework": "jax"},
-        "provenance": {"devices": {"jax": devices}},
-        "masks": [{"simulation": {"timed_calls": calls}}],
+    calls = [
+        {"id": "a", **common, **times, **spans},
+        {"id": "b", **common, **times},
+        {"id": "no spans", **common, **times, "full": 10, "partial": 2},
+        {"id": "fewer heads", **common, **times, **spans, "heads_divisor": 8},
+        *({"id": f"no {f}", **common, **times, **spans} for f in RECORD_FIELDS if f != "id"),
+    ]
+    for c in calls[4:]:
+        del c[c["id"][3:]]
+    here = {
+        "devices": {"jax": {"backend": "gpu", "device_kind": ["X"]}},
+        "versions": {"jax": "1"},
+        "host": "h",
     }
-    found = recorded_calls([rec], "jax", devices)
+
+    def record(**prov) -> dict:
+        return {
+            "point": {"framework": "jax"},
+            "provenance": {**here, **prov},
+            "masks": [{"simulation": {"timed_calls": calls}}],
+        }
+
+    found = recorded_calls([record()], "jax", here)
+    assert set(found) == {"a", "b"}
     assert found["a"].features.tolist() == [1.0, 12.5, 40.0]
     assert found["a"].stats == {**times, "min": 1.0, "max": 9.0}
     area = call_model.area_features(np.float64(300.0), 4)
     assert found["b"].features.tolist() == area.tolist() == [1.0, 1200.0]
     assert found["b"].stats == {**times, "min": 4.0, "max": 6.0}
     assert (found["b"].cls, found["b"].kind) == ("c", "k")
-    assert recorded_calls([rec], "jax", {**devices, "backend": "cpu"}) == {}
+    assert set(recorded_calls([record(host="elsewhere")], "jax", here)) == {"a", "b"}  # a GPU
+    cpu = {"jax": {"backend": "cpu", "device_kind": ["cpu"]}}
+    on_cpu = {**here, "devices": cpu}
+    assert set(recorded_calls([record(devices=cpu)], "jax", on_cpu)) == {"a", "b"}
+    for other, mine in (
+        (record(devices=cpu, host="elsewhere"), on_cpu),
+        (record(devices={"jax": {"backend": "cpu", "device_kind": ["X"]}}), here),
+        (record(devices={"jax": {"device_kind": ["X"]}}), {**here, "devices": {"jax": {}}}),
+        (record(versions={"jax": "2"}), here),
+    ):
+        assert recorded_calls([other], "jax", mine) == {}
 
 
 @pytest.mark.parametrize("top", [120, 1200], ids=["floor", "share"])

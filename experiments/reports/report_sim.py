@@ -260,14 +260,15 @@ def model_error(records: list[dict]) -> list[str]:
     the timed calls held out of its fits (every simulated mask of every record)."""
     masks = [m for r in records for m in r.get("masks") or []]
     calls = [(m.get("simulation") or {}).get("calls") or {} for m in masks]
-    modelled = sum(c.get("modelled") or 0 for c in calls)
+    idle = sum(c.get("idle") or 0 for c in calls)
+    modelled = sum(c.get("modelled") or 0 for c in calls) - idle  # from their tiles
+    recorded = sum(c.get("recorded") or 0 for c in calls)
     if not modelled:
         return ["Cost model: not used (every distinct call was timed).", ""]
     held = [c["model"] for c in calls if c.get("model")]
     timed = sum(c.get("timed") or 0 for c in calls)
     unchecked = sum(c.get("unchecked") or 0 for c in calls)
-    idle = sum(c.get("idle") or 0 for c in calls)
-    notes = ""  # what the run's sampling flags changed
+    notes = ""  # what the run's sampling flags changed, then the calls neither timed nor modelled
     if unchecked:
         notes += (
             f" {unchecked} of the predicted calls belong to classes whose model was not checked "
@@ -276,8 +277,12 @@ def model_error(records: list[dict]) -> list[str]:
         )
     if idle:
         notes += (
-            f" {idle} of the predicted calls hold no tile and took the time of one such call "
-            "of their class."
+            f" {idle} more calls hold no tile and took the time of one such call of their class."
+        )
+    if recorded:
+        notes += (
+            f" {recorded} calls took the times that earlier processes of the run recorded "
+            "(a resumed run)."
         )
     if not held:
         return [

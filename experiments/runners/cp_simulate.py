@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import socket
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from experiments.core import provenance
 from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import ERROR, SCALED, UNSUPPORTED, WRONG, PointFailure
 from experiments.core.points import ITEMSIZES, Point
@@ -116,24 +118,53 @@ class RecordedCall(NamedTuple):
     features: np.ndarray
 
 
-def recorded_calls(
-    records: Iterable[dict], framework: str, devices: dict
-) -> dict[str, RecordedCall]:
-    """The calls the records list as timed (simulation.timed_calls) by `framework` on devices
-    of the same backend and kind as `devices` (provenance), by id: a resumed CP prediction
-    times none of them again, and its kinds' models start from them. Records from before
-    min and max were listed (2026-12-05) give p20 and p80 for them."""
+RECORD_FIELDS = ("id", "class", "kind", "median", "p20", "p80", "n", "area", "heads")
+
+
+def this_process(framework: str) -> dict:
+    """What a record's provenance must match for its timed calls to stand for this process's
+    (recorded_calls): the framework's devices, the installed versions and the host."""
+    devices = {"jax": provenance.jax_devices, "torch": provenance.torch_devices}[framework]
+    return {
+        "devices": {framework: devices()},
+        "versions": provenance.package_versions(),
+        "host": socket.gethostname(),
+    }
+
+
+def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[str, RecordedCall]:
+    """The calls the records list as timed (simulation.timed_calls) by `framework` where their
+    provenance matches `here` (this_process): the same backend and device kind, the same
+    installed versions, and on a CPU the same host. By id: a resumed CP prediction times none
+    of them again, and its kinds' models start from them. Calls a record lists without what
+    that needs are passed over: those missing RECORD_FIELDS, those of a tile layout without
+    its spans (runs before the spans were recorded) and those timed with fewer heads than
+    their own (a removed option's rate calls). Records from before 9fce7a0 list no min and
+    max: p20 and p80 stand for them."""
+    mine = here["devices"][framework]
     found: dict[str, RecordedCall] = {}
     for rec in records:
-        ran_on = ((rec.get("provenance") or {}).get("devices") or {}).get(framework) or {}
-        alike = all(ran_on.get(k) == devices.get(k) for k in ("backend", "device_kind"))
-        if not alike or (rec.get("point") or {}).get("framework") != framework:
+        prov = rec.get("provenance") or {}
+        ran_on = (prov.get("devices") or {}).get(framework) or {}
+        alike = ran_on.get("backend") and all(
+            ran_on.get(k) == mine.get(k) for k in ("backend", "device_kind")
+        )
+        if ran_on.get("backend") == "cpu":
+            alike = alike and prov.get("host") == here["host"]
+        if not alike or prov.get("versions") != here["versions"]:
+            continue
+        if (rec.get("point") or {}).get("framework") != framework:
             continue
         for mask in rec.get("masks") or []:
             for c in (mask.get("simulation") or {}).get("timed_calls") or []:
+                spans = all(s in c for s in call_model.SPANS)
+                if any(f not in c for f in RECORD_FIELDS) or "heads_divisor" in c:
+                    continue
+                if "full" in c and not spans:  # a tile layout, its spans not recorded
+                    continue
                 stats = {q: c[q] for q in ("median", "p20", "p80", "n")}
                 stats |= {"min": c.get("min", c["p20"]), "max": c.get("max", c["p80"])}
-                if all(s in c for s in call_model.SPANS):
+                if spans:
                     features = np.array([1.0, *(c[s] for s in call_model.SPANS)])
                 else:
                     features = call_model.area_features(np.float64(c["area"]), c["heads"])
@@ -225,23 +256,20 @@ class CPSimulator:
         self._forwards: dict[tuple, dict] = {}  # per plan and inputs (_forward_store)
 
     def expect(
-        self,
-        points: list[Point],
-        recorded: Iterable[dict] = (),
-        devices: tuple[str, dict] = ("", {}),
+        self, points: list[Point], recorded: Iterable[dict] = (), framework: str = ""
     ) -> None:
         """The points this simulator will be given, in order: a problem's first point then
         compiles the new step programs of the points right after it of the same problem (its
         other strategies, layouts and modes) side by side with its own. `recorded`: the run's
         records so far, whose single-device baselines a resumed run takes instead of running
-        them again (recorded_baselines), and whose timed calls on devices like this one's
-        (`devices`: the framework and its provenance entry) it times no more (_restore)."""
+        them again (recorded_baselines), and whose calls `framework` timed in a process like
+        this one (recorded_calls) it times no more (_restore)."""
         self._expected = [p for p in points if p.simulated]
         self._position = {p.key: i for i, p in enumerate(self._expected)}
         recorded = list(recorded)
         self._baselines.update(recorded_baselines(recorded))
-        if devices[0]:
-            self._recorded.update(recorded_calls(recorded, *devices))
+        if framework:
+            self._recorded.update(recorded_calls(recorded, framework, this_process(framework)))
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -480,8 +508,9 @@ class CPSimulator:
         "unchecked" counts the calls predicted in classes that state no check). A class whose
         calls the model of their kind (any shapes) puts past LONG_CALL_MS is predicted from
         that model at the class's own rate instead, from a call or two of it timed
-        (_across_shapes). Calls whose pieces hold no tile take one timed call of their class's
-        (_idle) and join neither model."""
+        (_across_shapes). With k > 0, calls whose pieces hold no tile take one timed call of
+        their class's (_idle) and join neither model; calls the records hold take their
+        recorded times (_restore)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         self._class_kinds = classes.kinds
@@ -550,8 +579,8 @@ class CPSimulator:
                 "group_start": bool(group_start),
                 "q": q,
                 "k": k,
-                "heads": point.batch * len(ranks.q_heads[0]),
-                "heads_kv": len(ranks.kv_heads[0]),
+                "heads": ranks.grid_heads()[0],
+                "heads_kv": ranks.grid_heads()[1] // point.batch,
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(layout or {}),
                 **spans,
@@ -566,25 +595,35 @@ class CPSimulator:
     def _restore(self, cls: tuple, kind: tuple, members: dict[tuple, tuple]) -> int:
         """How many of the class's calls take their times from the records (expect) instead of
         a timing: those an earlier process of the run timed. The first time a kind is seen, its
-        recorded calls of at least call_model.KIND_FIT_MIN_MS join its model across shapes
-        (_remember's table), under RECORDED keys until a point's call is one of them."""
-        if not self._recorded:
+        recorded calls of at least call_model.KIND_FIT_MIN_MS that did work (no _idle call)
+        join its model across shapes (_remember's table), under RECORDED keys until a point's
+        call is one of them, then under its key with the features this process gives it."""
+        if not self._recorded or not members:
             return 0
         table = self._kinds.setdefault(kind, {})
         if kind not in self._kinds_restored:
             self._kinds_restored.add(kind)
-            name = _digest(kind)
+            name, width = _digest(kind), len(next(iter(members.values()))[1])
             for call_id, call in self._recorded.items():
-                if call.kind == name and call.stats["median"] >= call_model.KIND_FIT_MIN_MS:
+                x = call.features
+                long = call.stats["median"] >= call_model.KIND_FIT_MIN_MS
+                if call.kind == name and long and len(x) == width and x[1:].any():
                     key = (RECORDED, call.cls, call_id)
-                    self._timings[key], table[key] = call.stats, call.features
+                    self._timings[key], table[key] = call.stats, x
         restored = 0
-        for key in members:
-            call = None if key in self._timings else self._recorded.get(_digest(key))
-            if call is not None:
-                self._timings[key], restored = call.stats, restored + 1
-                if (RECORDED, call.cls, _digest(key)) in table:
-                    table[key] = table.pop((RECORDED, call.cls, _digest(key)))
+        for key, (_, x) in members.items():
+            call_id = _digest(key)
+            call = None if key in self._timings else self._recorded.get(call_id)
+            if call is None:
+                continue
+            self._timings[key], restored = call.stats, restored + 1
+            old = (RECORDED, call.cls, call_id)
+            if old in table:  # the same call: once in the kind's fit and the class's rate
+                del table[old], self._timings[old]
+                table[key] = x
+                rated = self._rated.get(cls, {})
+                if rated.pop(old, None) is not None:
+                    rated[key] = x
         return restored
 
     def _idle(

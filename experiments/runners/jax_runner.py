@@ -244,9 +244,7 @@ class JaxRunner:
         """The points this runner will be given, in order (the CP predictor looks ahead), and
         the run's records so far (whose single-device baselines it takes, and the calls timed
         on devices like this one's)."""
-        from experiments.core import provenance
-
-        self.simulator.expect(points, recorded, ("jax", provenance.jax_devices()))
+        self.simulator.expect(points, recorded, "jax")
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""

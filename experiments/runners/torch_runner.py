@@ -258,9 +258,7 @@ class TorchRunner:
         """The points this runner will be given, in order (the CP predictor looks ahead), and
         the run's records so far (whose single-device baselines it takes, and the calls timed
         on devices like this one's)."""
-        from experiments.core import provenance
-
-        self.simulator.expect(points, recorded, ("torch", provenance.torch_devices()))
+        self.simulator.expect(points, recorded, "torch")
 
     def run(self, point: Point) -> dict:
         """Metrics and check summary of a point; raises on any non-ok outcome."""

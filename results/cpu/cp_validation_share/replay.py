@@ -9,7 +9,7 @@
    the class's recorded calls predicted: the error by k (--sim_timed_calls).
 3. The single-device baselines' TFLOP/s at each recorded length, per mask and mode.
 4. At 32K tokens a GPU: the timed calls' medians by role, and the rate calls' by strategy and
-   heads (what --sim_rate_one_kv_head would shorten).
+   heads (what --sim_rate_one_kv_head, since removed, would have shortened).
 """
 
 from __future__ import annotations
