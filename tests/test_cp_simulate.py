@@ -678,16 +678,11 @@ def _modelled_equals_timed(monkeypatch) -> None:
     assert sims[4]["time_ms"]["total"] == pytest.approx(sims[0]["time_ms"]["total"], rel=1e-9)
 
 
-def _long_calls_modelled_across_shapes(monkeypatch) -> None:
-    """Calls of a kind past LONG_CALL_MS, with times linear in their spans at any shape
-    but 30% slower a tile at longer key blocks (a rate the shorter calls cannot give): a point
-    with longer key blocks than any timed before (all-gather over 8 devices after 4) times
-    one call of its class for its rate and one more held out, and predicts the rest from the
-    kind's model at that rate; its compute equals that of timing every call, the held-out
-    error is 0; a later point of the same class times nothing and states that check again."""
+def _long_all_gather_points(monkeypatch) -> tuple:
+    """All-gather forward points over 4 and 8 devices (random slices masks) whose calls take
+    a law linear in their spans, 150 ms and more, 30% slower a tile at the longer key blocks
+    (a rate the shorter calls cannot give)."""
     from experiments.runners import cp_simulate
-    from experiments.runners.cp_ranks import LONG_CALL_MS
-    from experiments.runners.jax_runner import JaxRunner
     from jax_attn.mask_arrays import MaskArrays
 
     def linear(fn, args, *, warmup, iters, **timing_kw):
@@ -706,6 +701,20 @@ def _long_calls_modelled_across_shapes(monkeypatch) -> None:
         _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
         for n in (4, 8)
     )
+    return small, large
+
+
+def _long_calls_modelled_across_shapes(monkeypatch) -> None:
+    """Calls of a kind past LONG_CALL_MS, with times linear in their spans at any shape
+    but 30% slower a tile at longer key blocks (a rate the shorter calls cannot give): a point
+    with longer key blocks than any timed before (all-gather over 8 devices after 4) times
+    one call of its class for its rate and one more held out, and predicts the rest from the
+    kind's model at that rate; its compute equals that of timing every call, the held-out
+    error is 0; a later point of the same class times nothing and states that check again."""
+    from experiments.runners.cp_ranks import LONG_CALL_MS
+    from experiments.runners.jax_runner import JaxRunner
+
+    small, large = _long_all_gather_points(monkeypatch)
     model = JaxRunner(sim_timed_calls=4)
     first = model.run(small)["masks"][0]["simulation"]["calls"]
     assert first["across_shapes"] == 0 and first["timed"] == first["distinct"]
@@ -2634,24 +2643,8 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
     framework, installed versions or (on a CPU) host give nothing."""
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
-    from jax_attn.mask_arrays import MaskArrays
 
-    def linear(fn, args, *, warmup, iters, **timing_kw):
-        piece = next(a for a in args if isinstance(a, MaskArrays))
-        heads = args[0].shape[0] * args[0].shape[2], args[1].shape[0] * args[1].shape[2]
-        rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
-        rate = 1.3 if args[1].shape[1] > 4 * 32 else 1.0  # keys of more than 4 ranks' shards
-        return [rate * (150.0 + 30.0 * rows + 70.0 * cols)] * iters
-
-    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", linear)
-    _no_first_run_timing(monkeypatch)
-    monkeypatch.setattr(
-        cp_simulate.frameworks, "make_masks", lambda p: [random_slices_mask(p.seqlen_total, 5)]
-    )
-    small, large = (
-        _point("allgather", n, "fwd", sim.LinkModel.ideal(), layout="contiguous", seqlen=32)
-        for n in (4, 8)
-    )
+    small, large = _long_all_gather_points(monkeypatch)
     here = cp_simulate.this_process("jax")
     devices = here["devices"]["jax"]
 
