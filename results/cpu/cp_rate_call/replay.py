@@ -10,20 +10,17 @@ that the model puts at LONG_CALL_MS or more, or its cheapest call that the model
 LONG_CALL_MS and at RATE_CALL_SHARE of its median call or more (the predictor since). Prints
 the relative errors and the rate calls' seconds.
 
-    python results/cpu/cp_rate_call/replay.py        # from the repository root
+    PYTHONPATH=. python results/cpu/cp_rate_call/replay.py     # from the repository root
 """
 
 import collections
 import gzip
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from experiments.runners import call_model  # noqa: E402
-from experiments.runners.cp_ranks import LONG_CALL_MS  # noqa: E402
+from experiments.runners import call_model
+from experiments.runners.cp_ranks import LONG_CALL_MS
 
 RUNS = {
     "H200, run 16 (8K half)": ["results/h200/cp_predict/run-16/records-1-610.jsonl.gz"],
