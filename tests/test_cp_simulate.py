@@ -2799,3 +2799,42 @@ def test_a_long_class_is_rated_by_its_cheapest_call_of_a_long_calls_length(monke
     )
     for key, stats in predicted.items():
         assert stats["median"] == pytest.approx(guess[key], rel=1e-9)
+
+
+def test_report_says_where_each_groups_seconds_went():
+    """The predictor's cost: one line over every point, then a row per group of points (GPUs x
+    tokens a GPU) with its points, seconds by part (each summed over its points' masks) and
+    the calls it timed and took from earlier processes' records; records of other kinds of
+    points count nowhere."""
+    from experiments.reports import report_sim
+
+    def record(n: int, per_device: int, masks: list[tuple[dict, dict]]) -> dict:
+        point = {"num_devices": n, "seqlen_per_device": per_device}
+        sims = [{"simulation": {"wall_s": wall, "calls": calls}} for wall, calls in masks]
+        return {"point": point, "masks": sims}
+
+    parts = dict.fromkeys(report_sim.COST_PARTS, 0.0)
+    records = [
+        record(8, 8192, [({**parts, "plan": 1.5, "calls": 2.0}, {"timed": 3, "recorded": 1})]),
+        record(
+            8,
+            8192,
+            [
+                ({**parts, "calls": 4.25, "emulate": 0.5}, {"timed": 2}),
+                ({**parts, "calls": 1.0}, {"timed": 5, "recorded": 4}),
+            ],
+        ),
+        record(64, 32768, [({**parts, "baseline": 7.0, "compile": 3.0}, {"timed": 9})]),
+        {"point": {"num_devices": 1, "seqlen_per_device": 8192}, "masks": [{"time_ms": 1.0}]},
+    ]
+    lines = report_sim.predictor_cost(records)
+    assert lines[0] == (
+        "Predictor cost: 3 points took 19.2 s (baseline 7.0 s, plan 1.5 s, compile 3.0 s, "
+        "emulate 0.5 s, reference 0.0 s, calls 7.2 s)."
+    )
+    assert lines[2].startswith("| GPUs x tokens a GPU | points | seconds | baseline | plan |")
+    assert lines[4:6] == [
+        "| 8 x 8K | 2 | 9.2 | 0.0 | 1.5 | 0.0 | 0.5 | 0.0 | 7.2 | 10 | 5 |",
+        "| 64 x 32K | 1 | 10.0 | 7.0 | 0.0 | 3.0 | 0.0 | 0.0 | 0.0 | 9 | 0 |",
+    ]
+    assert report_sim.predictor_cost(records[3:]) == []

@@ -349,19 +349,50 @@ def held_out_plot(records: list[dict], out_dir: Path) -> Path | None:
     )
 
 
+COST_PARTS = ("baseline", "plan", "compile", "emulate", "reference", "calls")  # wall_s's
+
+
 def predictor_cost(records: list[dict]) -> list[str]:
-    """One line on where the predictor's own seconds went, summed over the records that say
-    (baseline, plan, step programs compiled ahead, the rank check's emulation and float64
-    reference, timed calls)."""
-    walls = [w for w in map(wall_seconds, records) if w]
+    """Where the predictor's own seconds went, summed over the records that say (baseline,
+    plan, step programs compiled ahead, the rank check's emulation and float64 reference,
+    timed calls): one line, then a table per group of points (GPUs and tokens a GPU) with the
+    calls each timed and took from earlier processes' records, to see which group costs."""
+    walls = [(r, w) for r in records if (w := wall_seconds(r))]
     if not walls:
         return []
     total: Counter[str] = Counter()
-    for wall in walls:
+    groups: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
+    for record, wall in walls:
         total.update(wall)
+        point = record["point"]
+        group = groups[point["num_devices"], point["seqlen_per_device"]]
+        group.update(wall)
+        group["points"] += 1
+        group["seconds"] += sum(wall.values())  # older records' parts too (check)
+        for mask in record.get("masks") or []:
+            calls = (mask.get("simulation") or {}).get("calls") or {}
+            group["timed"] += calls.get("timed") or 0
+            group["recorded"] += calls.get("recorded") or 0
     spent = ", ".join(f"{part} {secs:.1f} s" for part, secs in total.items())
     points = f"{len(walls)} point{'s' if len(walls) != 1 else ''}"
-    return [f"Predictor cost: {points} took {sum(total.values()):.1f} s ({spent}).", ""]
+    header = ["GPUs x tokens a GPU", "points", "seconds", *COST_PARTS]
+    body = [
+        [
+            f"{n} x {plots.seqlen_label(per_device)}",
+            g["points"],
+            f"{g['seconds']:.1f}",
+            *(f"{g[p]:.1f}" for p in COST_PARTS),
+            g["timed"],
+            g["recorded"],
+        ]
+        for (n, per_device), g in sorted(groups.items())
+    ]
+    return [
+        f"Predictor cost: {points} took {sum(total.values()):.1f} s ({spent}).",
+        "",
+        *md_table([*header, "calls timed", "calls from records"], body),
+        "",
+    ]
 
 
 def write_sim_report(
