@@ -612,8 +612,10 @@ class CPSimulator:
                     self._timings[key], table[key] = call.stats, x
         restored = 0
         for key, (_, x) in members.items():
+            if key in self._timings:  # timed or restored before: no digest to take
+                continue
             call_id = _digest(key)
-            call = None if key in self._timings else self._recorded.get(call_id)
+            call = self._recorded.get(call_id)
             if call is None:
                 continue
             self._timings[key], restored = call.stats, restored + 1
