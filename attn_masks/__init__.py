@@ -4,7 +4,7 @@ classification."""
 from .block_sparse import uniform_block_sparse, variable_block_sparse
 from .flops import MODES, attention_flops
 from .generators import MASK_NAMES, make_mask, make_masks
-from .mask import Mask, MaskType, from_slices
+from .mask import Mask, MaskType, from_slices, joined_slices
 from .random_slices import random_slices
 from .reference import ReferenceResult, reference_attention
 from .render import render_mask_png
@@ -41,6 +41,7 @@ __all__ = [
     "ReferenceResult",
     "attention_flops",
     "from_slices",
+    "joined_slices",
     "random_slices",
     "reference_attention",
     "KINDS",

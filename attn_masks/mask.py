@@ -113,6 +113,48 @@ def typed_area(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) ->
     ).astype(np.int64)
 
 
+def joined_slices(
+    q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same typed slices with FULL ones that touch along one axis over the same range of
+    the other joined, until none do (joined ones sorted first, the others after in their
+    order): one form for the splits of a rectangle (a layout's query chunks, a document cut
+    at a chunk's end), so that pieces of equal visible pairs compare equal. Slices that join
+    nothing come back as given."""
+    q_ranges, k_ranges = np.asarray(q_ranges), np.asarray(k_ranges)
+    types = np.asarray(types)
+    full = types == MaskType.FULL
+    boxes = [tuple(map(int, (*q, *k))) for q, k in zip(q_ranges[full], k_ranges[full])]
+    joined = True
+    while joined:
+        joined = False
+        for along in (0, 2):  # join query ranges of one key range, then key ranges of one query
+            across = 2 - along
+            runs: dict[tuple, list] = {}
+            for b in boxes:
+                runs.setdefault(b[across : across + 2], []).append(b)
+            boxes = []
+            for run in runs.values():
+                run.sort(key=lambda b: b[along])
+                last = list(run[0])
+                for b in run[1:]:
+                    if b[along] == last[along + 1]:
+                        last[along + 1], joined = b[along + 1], True
+                    else:
+                        boxes.append(tuple(last))
+                        last = list(b)
+                boxes.append(tuple(last))
+    if len(boxes) == int(full.sum()):
+        return q_ranges, k_ranges, types
+    boxes.sort()
+    box = np.array(boxes, dtype=q_ranges.dtype).reshape(-1, 4)
+    return (
+        np.concatenate([box[:, :2], q_ranges[~full]]),
+        np.concatenate([box[:, 2:], k_ranges[~full]]),
+        np.concatenate([np.full(len(box), MaskType.FULL, types.dtype), types[~full]]),
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class Mask:
     """An attention mask: non-overlapping typed slices over seqlen_q x seqlen_k positions."""

@@ -1317,6 +1317,24 @@ def test_simulated_points_on_one_cpu_device(monkeypatch):
         _long_calls_modelled_across_shapes(m)
 
 
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_full_pieces_call_is_timed_once_at_every_layout(framework):
+    """A full mask's all-gather ranks get the same piece at every layout, as one slice
+    (contiguous) or one per query chunk (zigzag, balanced): the first point times it, the
+    others take its time (at 64 GPUs x 32K tokens such a call is 5 s forward, 18 s backward)."""
+    from experiments.runners.jax_runner import JaxRunner
+    from experiments.runners.torch_runner import TorchRunner
+
+    runner = (JaxRunner if framework == "jax" else TorchRunner)()
+    timed = []
+    for layout in ("contiguous", "zigzag", "balanced"):
+        point = _point("allgather", 4, "fwd", sim.LinkModel(), "full", layout, 64, framework)
+        result = runner.run(point)
+        assert result["check"]["ok"]
+        timed.append(result["masks"][0]["simulation"]["calls"]["timed"])
+    assert timed[0] > 0 and timed[1:] == [0, 0], timed
+
+
 def test_calls_timed_by_a_failed_point_are_listed_by_the_next_record(monkeypatch):
     """A point of two masks that fails on its second after timing the calls of both (here: the
     second mask's schedule replay raises) leaves them to the next point's record, which lists

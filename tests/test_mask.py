@@ -12,6 +12,7 @@ from attn_masks import (
     MASK_NAMES,
     MaskType,
     from_slices,
+    joined_slices,
     make_mask,
     tiles,
     uniform_block_sparse,
@@ -86,6 +87,77 @@ def test_random_slices_dense_area_blocks_restrict(seed):
     piece = mask.restrict(qp, kp)
     np.testing.assert_array_equal(piece.dense(), dense[np.ix_(qp, kp)])
     assert piece.area() == dense[np.ix_(qp, kp)].sum()
+
+
+def _split_full_slices(rng, q_ranges, k_ranges, types):
+    """The slices with each FULL one cut at a random row and a random key (where it is wider
+    than one), the pieces shuffled with the others."""
+    out = []
+    for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
+        if t != MaskType.FULL or q1 - q0 < 2 or k1 - k0 < 2:
+            out.append((q0, q1, k0, k1, t))
+            continue
+        qc, kc = int(rng.integers(q0 + 1, q1)), int(rng.integers(k0 + 1, k1))
+        for a, b in ((q0, qc), (qc, q1)):
+            out += [(a, b, k0, kc, t), (a, b, kc, k1, t)]
+    out = [out[i] for i in rng.permutation(len(out))]
+    cols = np.array(out, np.int64).reshape(-1, 5)
+    return cols[:, :2], cols[:, 2:4], cols[:, 4].astype(np.asarray(types).dtype)
+
+
+def _slice_set(q_ranges, k_ranges, types):
+    return sorted(
+        zip(
+            map(tuple, np.asarray(q_ranges).tolist()),
+            map(tuple, np.asarray(k_ranges).tolist()),
+            np.asarray(types).tolist(),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["full", "full_document", "share_question", "prefix_lm_document", "global_sliding_window"],
+)
+def test_joined_slices_undo_a_split_and_keep_the_visible_pairs(name):
+    """A mask's FULL slices cut in four at random points and shuffled join back into the
+    mask's own slices (none of which touch another over a whole side), the dense mask of every
+    form equal to the original's; slices with nothing to join come back as given."""
+    rng = np.random.default_rng(7)
+    mask = make_mask(name, 2048, window=128)
+    qr, kr, ty = mask.slices
+    same = joined_slices(qr, kr, ty)
+    assert all(a is b for a, b in zip(same, (qr, kr, ty)))
+    split = _split_full_slices(rng, qr, kr, ty)
+    assert len(split[2]) > len(ty)
+    joined = joined_slices(*split)
+    assert _slice_set(*joined) == _slice_set(qr, kr, ty)
+    want = brute_dense(qr, kr, ty, mask.seqlen_q, mask.seqlen_k)
+    for form in (split, joined):
+        np.testing.assert_array_equal(brute_dense(*form, mask.seqlen_q, mask.seqlen_k), want)
+
+
+def test_joined_slices_join_only_whole_touching_full_sides():
+    """FULL slices join where one ends where the other starts over the same range of the other
+    axis, in either order; a gap, a different range or another type keeps them apart."""
+    full, causal = MaskType.FULL, MaskType.CAUSAL
+
+    def join(*slices):
+        q, k, t = zip(*slices)
+        return _slice_set(*joined_slices(np.array(q), np.array(k), np.array(t)))
+
+    assert join(((4, 8), (0, 6), full), ((0, 4), (0, 6), full)) == [((0, 8), (0, 6), full)]
+    assert join(((0, 4), (3, 6), full), ((0, 4), (0, 3), full)) == [((0, 4), (0, 6), full)]
+    quad = [((a, a + 2), (b, b + 2), full) for a in (0, 2) for b in (0, 2)]
+    assert join(*quad) == [((0, 4), (0, 4), full)]
+    apart = [
+        [((0, 4), (0, 6), full), ((5, 8), (0, 6), full)],  # a gap
+        [((0, 4), (0, 6), full), ((4, 8), (0, 5), full)],  # another key range
+        [((0, 4), (0, 4), causal), ((4, 8), (0, 4), causal)],  # not FULL
+        [((0, 4), (0, 4), full), ((4, 8), (0, 4), causal)],
+    ]
+    for slices in apart:
+        assert join(*slices) == _slice_set(*zip(*slices))
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from attn_masks import joined_slices
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 from experiments.runners.cp_ranks import CallTimer, Ranks, draw_length, plan_settings
@@ -61,14 +62,15 @@ class PlanPieces:
         return self._arrays[i]
 
     def digest(self, i: int) -> str:
-        """Identity of the arrays of distinct piece i: a digest of its typed slices, tiles and
-        interval count, from which the arrays are built."""
+        """Identity of the arrays of distinct piece i: a digest of its typed slices (joined
+        where they split a rectangle: an all-gather rank's full piece is one call at every
+        layout), tiles and interval count, from which the arrays are built."""
         if i not in self._digests:
             piece = self.pieces[i]
             h = hashlib.sha1(
                 repr((piece.seqlen_q, piece.seqlen_k, self.tiles, self.intervals)).encode()
             )
-            for a in (piece.q_ranges, piece.k_ranges, piece.types):
+            for a in joined_slices(piece.q_ranges, piece.k_ranges, piece.types):
                 h.update(np.ascontiguousarray(a).tobytes())
             self._digests[i] = h.hexdigest()
         return self._digests[i]

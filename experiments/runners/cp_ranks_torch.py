@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from attn_masks import joined_slices
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, frameworks, inputs, timing
 from experiments.runners.cp_ranks import CallTimer, Ranks, plan_settings
@@ -130,14 +131,15 @@ class TorchRanks(Ranks):
         return () if shape is None else shape[2:]
 
     def fingerprint(self, r: int, t: int) -> str:
-        """A digest of the piece's rows, columns and typed slices."""
+        """A digest of the piece's rows, columns and typed slices (joined where they split a
+        rectangle)."""
         if (r, t) not in self._digests:
             piece = self.pieces[r][t]
             h = hashlib.sha1()
             if piece is not None:
                 m = piece.mask
                 h.update(repr((piece.rows, piece.cols, m.seqlen_q, m.seqlen_k)).encode())
-                for a in (m.q_ranges, m.k_ranges, m.types):
+                for a in joined_slices(m.q_ranges, m.k_ranges, m.types):
                     h.update(np.ascontiguousarray(a).tobytes())
             self._digests[r, t] = h.hexdigest()
         return self._digests[r, t]
