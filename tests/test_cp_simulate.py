@@ -1331,7 +1331,11 @@ def test_a_full_pieces_call_is_timed_once_at_every_layout(framework):
         point = _point("allgather", 4, "fwd", sim.LinkModel(), "full", layout, 64, framework)
         result = runner.run(point)
         assert result["check"]["ok"]
-        timed.append(result["masks"][0]["simulation"]["calls"]["timed"])
+        sim_ = result["masks"][0]["simulation"]
+        timed.append(sim_["calls"]["timed"])
+        for call in sim_["timed_calls"]:  # the run before the samples, where one was not
+            assert isinstance(call["warm"], bool)
+            assert call["first_run"] != (call.get("untimed_ms", 0) > 0), call
     assert timed[0] > 0 and timed[1:] == [0, 0], timed
 
 
@@ -2276,6 +2280,7 @@ def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
 
     times = Ranks.time(SimpleNamespace(timer=timer), ("call",), warmup, 3, warm=warm)
     assert times.ms == [ms] * samples and times.by_first_run == by_first_run
+    assert times.untimed_ms == (None if by_first_run else runs[-1])  # the run before samples
     assert made == [("call",)] and not left  # made ready once, run as often as `runs` says
     if by_first_run:
         assert asked == []
@@ -2329,6 +2334,7 @@ def test_a_call_timed_by_its_first_run_compiles_nothing_in_it(monkeypatch, caplo
     assert len(runs) == len(calls) + len(classes) and len(calls) > len(classes)
     measured, seen = iter(runs), set()
     for call in calls:
+        assert call["warm"] == (call["class"] in seen) and "untimed_ms" not in call
         if call["class"] not in seen:
             assert next(measured), "a class's first run traces and compiles its program"
             seen.add(call["class"])

@@ -29,11 +29,14 @@ FORWARD_KEPT_BYTES = 64 << 20
 class CallTimes(NamedTuple):
     """A timed call's per-sample milliseconds; by_first_run: its one sample is its first run
     that compiled nothing (Ranks.time); after_compile: a run before it compiled the call's
-    program (its class's first call)."""
+    program (its class's first call); untimed_ms: the run before the samples that none of
+    them is (None where there was none, or it compiled), so the records show what a run of
+    a program's first call costs beyond the samples (a class's first call is run twice)."""
 
     ms: list[float]
     by_first_run: bool
     after_compile: bool = False
+    untimed_ms: float | None = None
 
 
 class CallTimer(NamedTuple):
@@ -317,7 +320,7 @@ class Ranks(ABC):
         times = timer.sample(warmup, 1, first_ms)
         if iters > 1 and times[0] < LONG_CALL_MS:
             times += timer.sample(0, iters - 1, first_ms)
-        return CallTimes(times, by_first_run=False, after_compile=compiled)
+        return CallTimes(times, by_first_run=False, after_compile=compiled, untimed_ms=first_ms)
 
     @abstractmethod
     def timer(self, call: tuple) -> CallTimer:

@@ -177,9 +177,14 @@ def _digest(x: tuple) -> str:
     return hashlib.sha1(repr(x).encode()).hexdigest()[:12]
 
 
+def _sig(v: float) -> float:
+    """v at DIGITS significant digits, for compact records."""
+    return float(f"{v:.{DIGITS}g}")
+
+
 def _round(x: np.ndarray) -> list:
     """Values at DIGITS significant digits, for compact records."""
-    return [float(f"{v:.{DIGITS}g}") for v in np.asarray(x, np.float64).ravel()]
+    return [_sig(v) for v in np.asarray(x, np.float64).ravel()]
 
 
 @dataclasses.dataclass
@@ -558,7 +563,8 @@ class CPSimulator:
         """Time one distinct call (Ranks.time; warm where a call of its class ran before) into
         self._timings, log it (self._timed_log, the record's timed_calls) with what it was
         timed for (`role`) and return its statistics."""
-        times = ranks.time(call, point.warmup, point.iters, warm=key[:-1] in self._ran)
+        warm = key[:-1] in self._ran
+        times = ranks.time(call, point.warmup, point.iters, warm=warm)
         self._ran.add(key[:-1])
         stats = self._timings[key] = timing.time_stats(times.ms)
         name, r, t, group_start = call
@@ -584,10 +590,12 @@ class CPSimulator:
                 "area": float(ranks.plan.piece_area[r, t]),
                 **(layout or {}),
                 **spans,
-                **{s: float(f"{stats[s]:.{DIGITS}g}") for s in QUANTILES},
+                **{s: _sig(stats[s]) for s in QUANTILES},
                 "n": int(stats["n"]),
                 "first_run": times.by_first_run,
                 "after_compile": times.after_compile,
+                "warm": warm,
+                **({} if times.untimed_ms is None else {"untimed_ms": _sig(times.untimed_ms)}),
             }
         )
         return stats
@@ -877,7 +885,7 @@ class CPSimulator:
                 {
                     "name": ph.name,
                     "part": ph.part,
-                    "ms": float(f"{pred.phase_ms[i]:.{DIGITS}g}"),
+                    "ms": _sig(pred.phase_ms[i]),
                     "compute_ms": _round(pred.compute_ms[i]),
                     "exposed_ms": _round(pred.exposed_ms[i]),
                 }
