@@ -116,14 +116,16 @@ def typed_area(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) ->
 def joined_slices(
     q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The same typed slices with FULL ones that touch along one axis over the same range of
-    the other joined, until none do (joined ones sorted first, the others after in their
-    order): one form for the splits of a rectangle (a layout's query chunks, a document cut
-    at a chunk's end), so that pieces of equal visible pairs compare equal. Slices that join
-    nothing come back as given."""
+    """The same typed slices with every slice that sees its whole rectangle typed FULL (a
+    one-row causal slice, say) and FULL ones that touch along one axis over the same range of
+    the other joined, until none do, all sorted by their ranges: one form for a region cut
+    along whole lines (a layout's query chunks, a document cut at a chunk's end), so that
+    pieces of equal visible pairs compare equal. Slices where nothing is retyped or joined
+    come back as given (the same arrays)."""
     q_ranges, k_ranges = np.asarray(q_ranges), np.asarray(k_ranges)
     types = np.asarray(types)
-    full = types == MaskType.FULL
+    lq, lk = q_ranges[:, 1] - q_ranges[:, 0], k_ranges[:, 1] - k_ranges[:, 0]
+    full = (typed_area(q_ranges, k_ranges, types) == lq * lk) & (lq > 0) & (lk > 0)
     boxes = [tuple(map(int, (*q, *k))) for q, k in zip(q_ranges[full], k_ranges[full])]
     joined = True
     while joined:
@@ -139,20 +141,20 @@ def joined_slices(
                 last = list(run[0])
                 for b in run[1:]:
                     if b[along] == last[along + 1]:
-                        last[along + 1], joined = b[along + 1], True
+                        last[along + 1] = b[along + 1]
+                        joined = True
                     else:
                         boxes.append(tuple(last))
                         last = list(b)
                 boxes.append(tuple(last))
-    if len(boxes) == int(full.sum()):
+    if len(boxes) == int(full.sum()) and (types[full] == MaskType.FULL).all():
         return q_ranges, k_ranges, types
-    boxes.sort()
-    box = np.array(boxes, dtype=q_ranges.dtype).reshape(-1, 4)
-    return (
-        np.concatenate([box[:, :2], q_ranges[~full]]),
-        np.concatenate([box[:, 2:], k_ranges[~full]]),
-        np.concatenate([np.full(len(box), MaskType.FULL, types.dtype), types[~full]]),
-    )
+    box = np.array(boxes, dtype=np.int64).reshape(-1, 4)
+    q = np.concatenate([box[:, :2], q_ranges[~full]]).astype(q_ranges.dtype)
+    k = np.concatenate([box[:, 2:], k_ranges[~full]]).astype(k_ranges.dtype)
+    t = np.concatenate([np.full(len(box), MaskType.FULL, types.dtype), types[~full]])
+    order = np.lexsort((t, k[:, 1], k[:, 0], q[:, 1], q[:, 0]))
+    return q[order], k[order], t[order]
 
 
 @dataclass(frozen=True, eq=False)

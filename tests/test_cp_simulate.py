@@ -2251,23 +2251,31 @@ def test_row_check_judges_dkv_on_the_device(monkeypatch, framework):
      ((30.0,), True, 2, 3, False), ((3.0,), True, 0, 3, False), ((250.0,), True, 0, 1, True),
      ((None, 30.0), False, 0, 1, True), ((None, 250.0), False, 0, 1, True),
      ((None, 3.0), False, 0, 3, False), ((None,), False, 2, 3, False),
-     ((None, None), False, 0, 3, False), ((30.0,), False, 0, 3, False)],
+     ((None, None), False, 0, 3, False), ((30.0,), False, 0, 3, False),
+     ((2500.0,), False, 0, 1, True), ((2500.0,), False, 2, 1, False),
+     ((250.0,), False, 0, 1, False)],
 )  # fmt: skip
 def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
     """Ranks.time takes one sample of a call whose first timed run is at least LONG_CALL_MS
     long, and `iters` of a shorter one, each after one run of the call; a warm call (its
     program ran before) asked for no warm-up is timed by that first run where it takes
-    SAMPLE_RUN_MS or more, and samples nothing more. A call whose first run compiled (None) is
-    run once more where no warm-up is asked, and that run counts as a warm call's first; the
-    timing loop's chains learn the last measured run's length."""
+    SAMPLE_RUN_MS or more, and samples nothing more, and so is a call whose program never ran
+    where that run compiled nothing and takes FIRST_PROGRAM_RUN_MS or more. A call whose first
+    run compiled (None) is run once more where no warm-up is asked, and that run counts as a
+    warm call's first; the timing loop's chains learn the last measured run's length."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import LONG_CALL_MS, CallTimer, Ranks
+    from experiments.runners.cp_ranks import (
+        FIRST_PROGRAM_RUN_MS,
+        LONG_CALL_MS,
+        CallTimer,
+        Ranks,
+    )
     from experiments.runners.timing import SAMPLE_RUN_MS
 
     measured = [ms for ms in runs if ms is not None]
     ms = measured[-1] if measured else 3.0  # the call's length, as the timing loop finds it
-    for t in (LONG_CALL_MS, SAMPLE_RUN_MS):
+    for t in (LONG_CALL_MS, SAMPLE_RUN_MS, FIRST_PROGRAM_RUN_MS):
         assert ms >= t or ms * 3 < t
     made, asked, left = [], [], list(runs)
 

@@ -132,6 +132,10 @@ def test_joined_slices_undo_a_split_and_keep_the_visible_pairs(name):
     assert len(split[2]) > len(ty)
     joined = joined_slices(*split)
     assert _slice_set(*joined) == _slice_set(qr, kr, ty)
+    again = joined_slices(*(a[::-1] for a in split))  # one form whatever the slices' order
+    for a, b in zip(again, joined):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
     want = brute_dense(qr, kr, ty, mask.seqlen_q, mask.seqlen_k)
     for form in (split, joined):
         np.testing.assert_array_equal(brute_dense(*form, mask.seqlen_q, mask.seqlen_k), want)
@@ -150,6 +154,10 @@ def test_joined_slices_join_only_whole_touching_full_sides():
     assert join(((0, 4), (3, 6), full), ((0, 4), (0, 3), full)) == [((0, 4), (0, 6), full)]
     quad = [((a, a + 2), (b, b + 2), full) for a in (0, 2) for b in (0, 2)]
     assert join(*quad) == [((0, 4), (0, 4), full)]
+    two_rounds = [((0, 2), (0, 3), full), ((0, 2), (3, 6), full), ((2, 4), (0, 6), full)]
+    assert join(*two_rounds) == [((0, 4), (0, 6), full)]  # keys first, then the rows
+    one_row = [((4, 5), (0, 4), causal), ((0, 4), (0, 4), full)]  # sees its whole rectangle
+    assert join(*one_row) == [((0, 5), (0, 4), full)]
     apart = [
         [((0, 4), (0, 6), full), ((5, 8), (0, 6), full)],  # a gap
         [((0, 4), (0, 6), full), ((4, 8), (0, 5), full)],  # another key range
