@@ -2642,9 +2642,8 @@ def test_restored_calls_join_each_fit_once():
     recorded = [("other", i) for i in range(10)] + [("c", i) for i in range(8)] + [("c", 99)]
     for key in recorded:
         ms = float(xs[key] @ law) if key[1] != 99 else 6.0
-        simulator._recorded[_digest(key)] = RecordedCall(
-            _digest(key[:-1]), _digest("kind"), timing.time_stats([ms]), xs[key]
-        )
+        call = RecordedCall(_digest(key[:-1]), _digest("kind"), timing.time_stats([ms]), xs[key])
+        simulator._take_recorded({_digest(key): call})
 
     def check(compute: dict) -> None:
         for key, ms in compute.items():

@@ -242,6 +242,7 @@ class CPSimulator:
         self._held_out: dict[tuple, dict] = {}  # per class: features of its held-out calls
         self._idle_stats: dict[tuple, dict] = {}  # per class: its calls without tiles' (_idle)
         self._recorded: dict[str, RecordedCall] = {}  # by id: calls earlier processes timed
+        self._recorded_kinds: dict[str, dict[str, RecordedCall]] = {}  # the same, by kind name
         self._kinds_restored: set[tuple] = set()  # kinds whose recorded calls joined _kinds
         self._checks: dict[tuple, bool] = {}  # per class: whether its model is checked
         self._kinds_checked: set[tuple] = set()  # kinds with a class whose model is checked
@@ -274,7 +275,13 @@ class CPSimulator:
         recorded = list(recorded)
         self._baselines.update(recorded_baselines(recorded))
         if framework:
-            self._recorded.update(recorded_calls(recorded, framework, this_process(framework)))
+            self._take_recorded(recorded_calls(recorded, framework, this_process(framework)))
+
+    def _take_recorded(self, calls: dict[str, RecordedCall]) -> None:
+        """Keep recorded calls (by id) for _restore, by id and by kind name."""
+        self._recorded.update(calls)
+        for call_id, call in calls.items():
+            self._recorded_kinds.setdefault(call.kind, {})[call_id] = call
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -611,11 +618,11 @@ class CPSimulator:
         table = self._kinds.setdefault(kind, {})
         if kind not in self._kinds_restored:
             self._kinds_restored.add(kind)
-            name, width = _digest(kind), len(next(iter(members.values()))[1])
-            for call_id, call in self._recorded.items():
+            width = len(next(iter(members.values()))[1])
+            for call_id, call in self._recorded_kinds.get(_digest(kind), {}).items():
                 x = call.features
                 long = call.stats["median"] >= call_model.KIND_FIT_MIN_MS
-                if call.kind == name and long and len(x) == width and x[1:].any():
+                if long and len(x) == width and x[1:].any():
                     key = (RECORDED, call.cls, call_id)
                     self._timings[key], table[key] = call.stats, x
         restored = 0
