@@ -113,6 +113,23 @@ def typed_area(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) ->
     ).astype(np.int64)
 
 
+def _joined_along(box: np.ndarray, along: int) -> tuple[np.ndarray, bool]:
+    """(boxes, whether any joined) of (n, 4) boxes (q0, q1, k0, k1) with every chain of boxes
+    over one range of the other axis, each starting where the last ends along columns
+    (along, along + 1), joined into one box (joined_slices' pass along one axis)."""
+    across = 2 - along
+    b = box[np.lexsort((box[:, along], box[:, across + 1], box[:, across]))]
+    same = (b[1:, across] == b[:-1, across]) & (b[1:, across + 1] == b[:-1, across + 1])
+    touch = same & (b[1:, along] == b[:-1, along + 1])
+    if not touch.any():
+        return box, False
+    first = np.concatenate([[True], ~touch])
+    out = b[first]
+    last = np.concatenate([np.flatnonzero(first)[1:] - 1, [len(b) - 1]])
+    out[:, along + 1] = b[last, along + 1]
+    return out, True
+
+
 def joined_slices(
     q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,30 +143,14 @@ def joined_slices(
     types = np.asarray(types)
     lq, lk = q_ranges[:, 1] - q_ranges[:, 0], k_ranges[:, 1] - k_ranges[:, 0]
     full = (typed_area(q_ranges, k_ranges, types) == lq * lk) & (lq > 0) & (lk > 0)
-    boxes = [tuple(map(int, (*q, *k))) for q, k in zip(q_ranges[full], k_ranges[full])]
+    box = np.concatenate([q_ranges[full], k_ranges[full]], axis=1).astype(np.int64)
     joined = True
-    while joined:
-        joined = False
-        for along in (0, 2):  # join query ranges of one key range, then key ranges of one query
-            across = 2 - along
-            runs: dict[tuple, list] = {}
-            for b in boxes:
-                runs.setdefault(b[across : across + 2], []).append(b)
-            boxes = []
-            for run in runs.values():
-                run.sort(key=lambda b: b[along])
-                last = list(run[0])
-                for b in run[1:]:
-                    if b[along] == last[along + 1]:
-                        last[along + 1] = b[along + 1]
-                        joined = True
-                    else:
-                        boxes.append(tuple(last))
-                        last = list(b)
-                boxes.append(tuple(last))
-    if len(boxes) == int(full.sum()) and (types[full] == MaskType.FULL).all():
+    while joined:  # join query ranges of one key range, then key ranges of one query range
+        box, rows = _joined_along(box, 0)
+        box, cols = _joined_along(box, 2)
+        joined = rows or cols
+    if len(box) == int(full.sum()) and (types[full] == MaskType.FULL).all():
         return q_ranges, k_ranges, types
-    box = np.array(boxes, dtype=np.int64).reshape(-1, 4)
     q = np.concatenate([box[:, :2], q_ranges[~full]]).astype(q_ranges.dtype)
     k = np.concatenate([box[:, 2:], k_ranges[~full]]).astype(k_ranges.dtype)
     t = np.concatenate([np.full(len(box), MaskType.FULL, types.dtype), types[~full]])

@@ -168,6 +168,36 @@ def test_joined_slices_join_only_whole_touching_full_sides():
         assert join(*slices) == _slice_set(*zip(*slices))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_joined_slices_of_random_grids_are_final_and_cover_the_same_pairs(seed):
+    """Random cells of a random grid, most FULL, some causal, in random order: the joined form
+    covers the same pairs (brute force), joins nothing more when joined again (every chain was
+    joined in one call), and has no two FULL slices touching over a whole side."""
+    rng = np.random.default_rng(300 + seed)
+    full = MaskType.FULL
+    for _ in range(50):
+        qe, ke = (np.unique(np.r_[0, rng.integers(1, 30, rng.integers(1, 7)), 30]) for _ in "qk")
+        cells = [
+            (q0, q1, k0, k1, rng.choice([full, full, full, MaskType.CAUSAL]))
+            for q0, q1 in zip(qe, qe[1:])
+            for k0, k1 in zip(ke, ke[1:])
+            if rng.random() < 0.8
+        ]
+        if not cells:
+            continue
+        a = np.array([cells[i] for i in rng.permutation(len(cells))], np.int64)
+        given = (a[:, :2], a[:, 2:4], a[:, 4].astype(np.int8))
+        joined = joined_slices(*given)
+        again = joined_slices(*joined)
+        assert all(x is y for x, y in zip(again, joined))
+        np.testing.assert_array_equal(brute_dense(*joined, 30, 30), brute_dense(*given, 30, 30))
+        boxes = [(*q, *k) for q, k, t in zip(*map(np.ndarray.tolist, joined)) if t == full]
+        for b in boxes:
+            for c in boxes:
+                assert not (b[2:] == c[2:] and b[1] == c[0]), (b, c)
+                assert not (b[:2] == c[:2] and b[3] == c[2]), (b, c)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_row_intervals_describe_every_row(seed):
     rng = np.random.default_rng(100 + seed)
