@@ -995,3 +995,30 @@ def test_simulated_points_cover_every_device_count_at_one_length_first(impls):
         assert [dataclasses.replace(p, simulated=False, link=one[0].link) for p in block] == one
     plain = [dataclasses.replace(p, simulated=False, link=alone[0].link) for p in points]
     assert Counter(plain) == Counter(alone)
+
+
+def test_check_fetch_gathers_any_rows_as_float32_in_few_programs():
+    """jax_runner.fetch_rows (a check's copy to the host) gives exactly x's rows at the given
+    positions, in their order, as float32, or all of x; row counts within one draw_length
+    bucket share one compiled gather (a check asks ever-different counts)."""
+    import jax.numpy as jnp
+
+    from experiments.runners import jax_runner
+
+    rng = np.random.default_rng(11)
+    x_host = rng.standard_normal((2, 300, 3, 8)).astype(np.float32)
+    x = jnp.asarray(x_host, jnp.bfloat16)
+    want_all = np.asarray(x.astype(jnp.float32))
+    got = jax_runner.fetch_rows(x, None)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want_all)
+    take = jax_runner._take_f32()
+    sizes_before = None
+    for n in (129, 140, 150, 160, 7):
+        index = rng.choice(300, n, replace=False)
+        got = jax_runner.fetch_rows(x, index)
+        assert got.dtype == np.float32 and got.shape == (2, n, 3, 8)
+        np.testing.assert_array_equal(got, want_all[:, index])
+        if n == 129:
+            sizes_before = take._cache_size()
+    assert take._cache_size() == sizes_before + 1  # 140-160 shared 129's, 7 one more

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
 from experiments.runners import checks, frameworks, inputs, measure, memory, timing
+from experiments.runners.cp_ranks import draw_length
 from experiments.runners.cp_ranks_jax import JaxRanks
 from experiments.runners.cp_simulate import CPSimulator
 
@@ -36,15 +38,32 @@ def _dispatch_qkv(executor, q, k, v) -> tuple:
 
 def fetch_rows(x, index: np.ndarray | None) -> np.ndarray:
     """Float32 host copy of x, only the given positions along the sequence axis (the `fetch` of
-    checks.check_point)."""
-    import jax.numpy as jnp
+    checks.check_point): gathered and converted in one program whose index is padded to
+    draw_length, so the checks' ever-different row and key counts share a few compilations."""
     from jax.experimental import multihost_utils
 
-    if index is not None:
-        x = jnp.take(x, jnp.asarray(index), axis=1)
+    if index is None:
+        padded, n = None, None
+    else:
+        n = len(index)
+        padded = np.zeros(draw_length(n), np.int64)
+        padded[:n] = index
+    x = _take_f32()(x, padded)
     if not x.is_fully_addressable:
         x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x.astype(jnp.float32))
+    return np.asarray(x)[:, :n]
+
+
+@functools.cache
+def _take_f32() -> Callable:
+    """jitted (x, positions or None) -> x at those positions along axis 1, as float32."""
+    import jax
+    import jax.numpy as jnp
+
+    def take(x, positions):
+        return (x if positions is None else jnp.take(x, positions, axis=1)).astype(jnp.float32)
+
+    return jax.jit(take)
 
 
 def all_finite(x) -> bool:
