@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attn_masks import Mask, TileList
@@ -194,6 +195,89 @@ def widen_mask_arrays(arrays: MaskArrays, intervals: int) -> MaskArrays:
         block_q=arrays.block_q,
         block_k=arrays.block_k,
     )
+
+
+def scatter_query_tiles(
+    arrays: MaskArrays, rows: np.ndarray, seqlen_q: int, intervals: int
+) -> MaskArrays:
+    """Host `arrays` of a mask over len(rows) query rows, as the device arrays of a
+    seqlen_q-row mask whose rows `rows` (whole query tiles, ascending) are that mask's rows and
+    whose other rows see nothing, in the shapes widen_mask_arrays(..., intervals) gives: what
+    building that taller mask's arrays on the host and putting them on the device gives, in
+    host work proportional to the given tiles (a 2M-token piece checked on four query tiles
+    would otherwise build a 268M-tile block map and copy gigabytes of padded lists). ValueError
+    unless `rows` are whole, ascending tiles inside seqlen_q."""
+    rows = np.asarray(rows, np.int64)
+    bq = arrays.block_q
+    tiles = rows[::bq] // bq
+    whole = (tiles[:, None] * bq + np.arange(bq)).ravel()
+    if (
+        len(rows) != arrays.seqlen_q
+        or len(rows) % bq
+        or not np.array_equal(rows, whole)
+        or np.any(np.diff(tiles) <= 0)
+        or (len(rows) and rows[-1] >= seqlen_q)
+    ):
+        raise ValueError(
+            f"rows must be {arrays.seqlen_q} rows forming whole, ascending {bq}-row tiles inside "
+            f"[0, {seqlen_q}), got {len(rows)} rows in [{rows.min(initial=0)}, "
+            f"{rows.max(initial=0)}]"
+        )
+    nq = -(-seqlen_q // bq)
+    nk = -(-arrays.seqlen_k // arrays.block_k)
+    k = max(arrays.num_intervals, intervals)
+    bounds = [
+        _pad_last(np.asarray(x, np.int32), k, repeat_last=False) for x in (arrays.lo, arrays.hi)
+    ]
+    lists = None
+    if arrays.kv is not None:
+        kv, q = arrays.kv, arrays.q
+        q_index = np.where(np.asarray(q.count)[:, None] > 0, tiles[np.asarray(q.index)], 0)
+        lists = (
+            _pad_index(np.asarray(kv.index), np.asarray(kv.count), nk),
+            np.asarray(kv.count, np.int32),
+            _pad_last(np.asarray(kv.full), nk, repeat_last=False),
+            _pad_index(q_index, np.asarray(q.count), len(tiles)),
+            np.asarray(q.count, np.int32),
+            _pad_last(np.asarray(q.full), len(tiles), repeat_last=False),
+        )
+    lo, hi, lists = _placed(rows, tiles, *bounds, lists, seqlen_q=seqlen_q, nq=nq)
+    return MaskArrays(
+        lo=lo,
+        hi=hi,
+        kv=None if lists is None else TileList(*lists[:3]),
+        q=None if lists is None else TileList(*lists[3:]),
+        seqlen_q=seqlen_q,
+        seqlen_k=arrays.seqlen_k,
+        block_q=bq,
+        block_k=arrays.block_k,
+    )
+
+
+@partial(jax.jit, static_argnames=("seqlen_q", "nq"))
+def _placed(rows, tiles, lo, hi, lists, *, seqlen_q: int, nq: int):
+    """scatter_query_tiles' device part: the rows' intervals and the tiles' lists (already
+    padded: K/V lists to full width, Q lists to the kept tiles' count) placed at full size."""
+
+    def rows_of(x):
+        return jnp.zeros((seqlen_q, x.shape[1]), x.dtype).at[rows].set(x)
+
+    if lists is None:
+        return rows_of(lo), rows_of(hi), None
+    kv_index, kv_count, kv_full, q_index, q_count, q_full = lists
+    nk, kept = q_index.shape
+    widths = (nk, nq - kept)
+    q_index = jnp.concatenate([q_index, jnp.broadcast_to(q_index[:, -1:], widths)], axis=1)
+    q_full = jnp.concatenate([q_full, jnp.zeros(widths, bool)], axis=1)
+    placed = (
+        jnp.zeros((nq, nk), jnp.int32).at[tiles].set(kv_index),
+        jnp.zeros(nq, jnp.int32).at[tiles].set(kv_count),
+        jnp.zeros((nq, nk), bool).at[tiles].set(kv_full),
+        q_index.astype(jnp.int32),
+        q_count,
+        q_full,
+    )
+    return rows_of(lo), rows_of(hi), placed
 
 
 def dense_from_intervals(lo: jax.Array, hi: jax.Array, seqlen_k: int) -> jax.Array:

@@ -411,30 +411,25 @@ class JaxRanks(Ranks):
         """The piece of ring rank r at kept step t with only the shard's local `rows` seeing
         keys, in the shapes of the point's pieces (its interval count, full-width tile lists),
         so it runs the timed calls' compiled programs; on the device. Built once per distinct
-        piece and rows in a point: a checked rank's steps repeat pieces (a ring's full blocks),
-        and building one is milliseconds of host work, its emulation's largest share."""
+        piece and rows in a point: a checked rank's steps repeat pieces (a ring's full blocks)."""
         i = int(self.pieces.index[r, t])
         key = (i, np.asarray(rows, np.int64).tobytes())
         if key not in self._row_pieces:
-            self._row_pieces[key] = self.jax.device_put(self._rows_only(i, rows))
+            self._row_pieces[key] = self._rows_only(i, rows)
         return self._row_pieces[key]
 
     def _rows_only(self, i: int, rows: np.ndarray):
-        """Host arrays of distinct piece i with only the local `rows` seeing keys (row_piece)."""
-        from attn_masks import from_slices
-        from shard_strategies.jax_cp import stacked_piece_arrays
+        """Device arrays of distinct piece i with only the local `rows` (whole query tiles:
+        check_rows) seeing keys (row_piece): the piece restricted to those rows, its arrays
+        placed at their tiles (scatter_query_tiles; work in the rows, not in the piece)."""
+        from jax_attn.mask_arrays import scatter_query_tiles
+        from shard_strategies.jax_cp import piece_arrays
 
         piece = self.pieces.pieces[i]
-        n = piece.seqlen_q
-        # below the piece, a copy of its rows that see nothing: the other rows are mapped there
-        slices = (piece.q_ranges, piece.k_ranges, piece.types)
-        taller = from_slices(*slices, 2 * n, piece.seqlen_k)
-        local = np.arange(n)
-        kept = np.isin(local, rows)
-        sub = taller.restrict(np.where(kept, local, n + local), np.arange(piece.seqlen_k))
-        return stacked_piece_arrays(
-            sub, self.impl, self.plan.head_dim, self.dtype, self.pieces.intervals
-        )
+        rows = np.asarray(rows, np.int64)
+        kept = piece.restrict(rows, np.arange(piece.seqlen_k))
+        arrays = piece_arrays(kept, self.impl, self.plan.head_dim, self.dtype)
+        return scatter_query_tiles(arrays, rows, piece.seqlen_q, self.pieces.intervals)
 
     def call_shape(self, r: int, t: int) -> tuple:
         """The key block's length (every step of every rank makes its call) and the pieces'
