@@ -2265,13 +2265,8 @@ def test_a_long_call_is_sampled_once(runs, warm, warmup, samples, by_first_run):
     warm call's first; the timing loop's chains learn the last measured run's length."""
     from types import SimpleNamespace
 
-    from experiments.runners.cp_ranks import (
-        FIRST_PROGRAM_RUN_MS,
-        LONG_CALL_MS,
-        CallTimer,
-        Ranks,
-    )
-    from experiments.runners.timing import SAMPLE_RUN_MS
+    from experiments.runners.cp_ranks import LONG_CALL_MS, CallTimer, Ranks
+    from experiments.runners.timing import FIRST_PROGRAM_RUN_MS, SAMPLE_RUN_MS
 
     measured = [ms for ms in runs if ms is not None]
     ms = measured[-1] if measured else 3.0  # the call's length, as the timing loop finds it

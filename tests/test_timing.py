@@ -269,3 +269,58 @@ def test_a_first_run_is_timed_with_its_inputs_ready_and_the_l2_flushed():
     ms = timing.jax_first_ms(fn, (Pending(),), flush)
     assert flush.count == 1
     assert CALL_S * 1e3 <= ms < (CALL_S + FLUSH_S) * 1e3 * 0.8, ms
+
+
+def test_a_compiling_run_is_timed_from_its_queueing_to_its_result():
+    """jax_compiling_run_ms flushes before the call and starts the clock when the call returns
+    (its compilation done, its run queued), so the time is the run's: neither the compilation
+    nor the flush, and it waits for the result, whose outputs it returns."""
+
+    class Queued:
+        """A queued run's result: CALL_S * 20 until ready."""
+
+        def block_until_ready(self):
+            time.sleep(CALL_S * 20)
+            return self
+
+    def fn(x):
+        time.sleep(FLUSH_S * 4)  # compiling
+        return Queued()
+
+    flush = SleepyFlush()
+    out, ms = timing.jax_compiling_run_ms(fn, (np.ones(3),), flush)
+    assert isinstance(out, Queued) and flush.count == 1
+    assert CALL_S * 20e3 <= ms < (CALL_S * 20 + FLUSH_S) * 1e3, ms
+
+
+@pytest.mark.parametrize(
+    "warmup, first_ms, sampled", [(0, 2500.0, False), (0, 250.0, True), (1, 2500.0, True)]
+)
+def test_a_long_compiling_run_is_a_single_device_points_sample(
+    tmp_path, monkeypatch, warmup, first_ms, sampled
+):
+    """A JAX single-device point asked for no warm-up keeps its compiling run (the one whose
+    outputs its check reads) as its one sample where that run takes FIRST_PROGRAM_RUN_MS or
+    more, and runs no timing loop; a shorter run, or a warm-up asked, times with the loop."""
+    from experiments import run
+
+    loops = []
+    real_loop, real_first = timing.jax_time_calls, timing.jax_compiling_run_ms
+
+    def loop(fn, args, **kw):
+        loops.append(kw)
+        return real_loop(fn, args, **kw)
+
+    def first(fn, args, flush=None):
+        return real_first(fn, args, flush)[0], first_ms
+
+    monkeypatch.setattr(timing, "jax_time_calls", loop)
+    monkeypatch.setattr(timing, "jax_compiling_run_ms", first)
+    args = [a for a in POINT if not a.startswith("--warmup")]
+    assert run.run_cli([*args, f"--warmup={warmup}", f"--out_dir={tmp_path}"]) == 0
+    (rec,) = read_records(tmp_path / "results.jsonl")
+    assert rec["status"] == "ok" and rec["check"]["ok"]
+    assert bool(loops) == sampled
+    if not sampled:
+        assert rec["metrics"]["time_ms"]["median"] == first_ms
+        assert rec["masks"][0]["time_ms"]["n"] == 1

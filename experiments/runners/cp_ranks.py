@@ -21,10 +21,6 @@ from experiments.runners import call_model, checks, frameworks, inputs, timing
 CHECK_TILES = 4  # query tiles of a shard a row check emulates, where the framework can
 MIN_DRAW = 128  # the fewest rows a host draw asks of the device (draw_length)
 LONG_CALL_MS = 100.0  # a timed call at least this long is sampled once (Ranks.time)
-# a program's first call whose first run compiled nothing and took at least this long is timed
-# by that run (Ranks.time): on the H200 (results/h200/cp_predict, run 19) such first runs of
-# 64 x 32K all-gather calls took 5,193 and 19,060 ms against samples of 5,200 and 19,160 ms
-FIRST_PROGRAM_RUN_MS = 1000.0
 # the largest emulated out kept for a forward point (Ranks.emulated): a JAX row check's rows are
 # megabytes, a PyTorch rank's whole shard at 32K tokens and 64 heads 1 GiB
 FORWARD_KEPT_BYTES = 64 << 20
@@ -311,7 +307,7 @@ class Ranks(ABC):
         where that run takes timing.SAMPLE_RUN_MS or more and compiled nothing: the host's
         share of so long a call is under half a percent, and an untimed run and one or two
         samples would double or triple its device time; so is a call whose program never ran
-        (compiled ahead) where that run takes FIRST_PROGRAM_RUN_MS or more (what a program's
+        (compiled ahead) where that run takes timing.FIRST_PROGRAM_RUN_MS or more (what a program's
         first run adds, loading it, is milliseconds). A call whose first run compiled (its
         class's first) and is asked for no warm-up is run once more: that run, its program's
         first warm one, counts as a warm call's first run (at 32K tokens a GPU a class's first
@@ -321,7 +317,7 @@ class Ranks(ABC):
         compiled = first_ms is None
         if compiled and warmup == 0:
             first_ms, warm = timer.run(), True
-        enough = timing.SAMPLE_RUN_MS if warm else FIRST_PROGRAM_RUN_MS
+        enough = timing.SAMPLE_RUN_MS if warm else timing.FIRST_PROGRAM_RUN_MS
         if warmup == 0 and first_ms is not None and first_ms >= enough:
             return CallTimes([first_ms], by_first_run=True, after_compile=compiled)
         times = timer.sample(warmup, 1, first_ms)

@@ -37,6 +37,11 @@ CHAIN_TRIES = 3  # measurements of a call, each chain twice as long, until its t
 # under half a percent): with no warm-up asked, the run that sets a chain's length
 # (_warm_chain_length), and a CP predictor call's first warm run (cp_ranks.Ranks.time)
 SAMPLE_RUN_MS = 20.0
+# a program's first run at least this long counts as a sample, its program compiled or loaded
+# just before (compiling_run_ms; a CP predictor call's first run, cp_ranks.Ranks.time): on the
+# H200 such first runs of 64 x 32K CP calls took 5,193 and 19,060 ms against samples of 5,200
+# and 19,160 ms (results/h200/cp_predict, run 19)
+FIRST_PROGRAM_RUN_MS = 1000.0
 
 
 def chain_length(call_ms: float, chain_ms: float) -> int:
@@ -62,6 +67,25 @@ def jax_first_ms(fn: Callable, args: Sequence, flush: Callable[[], None] | None 
     if flush is not None:
         flush()
     return wall_ms(lambda: jax.block_until_ready(fn(*args)))
+
+
+def jax_compiling_run_ms(
+    fn: Callable, args: Sequence, flush: Callable[[], None] | None = None
+) -> tuple[object, float]:
+    """(outputs, ms) of fn(*args) where that call compiles or loads its program: the inputs
+    ready and the L2 flushed first, the clock started when the call returns (JAX dispatches
+    asynchronously: compiled, and its run queued) and stopped at its result. The run's own
+    time up to the microseconds between queueing and the clock's start, so only a long run's
+    (FIRST_PROGRAM_RUN_MS) is worth keeping as a sample."""
+    import jax
+
+    jax.block_until_ready(args)
+    if flush is not None:
+        flush()
+    out = fn(*args)
+    t0 = time.perf_counter()
+    jax.block_until_ready(out)
+    return out, (time.perf_counter() - t0) * 1e3
 
 
 def _warm_chain_length(
