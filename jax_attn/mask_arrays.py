@@ -212,15 +212,17 @@ def scatter_query_tiles(
     tiles = rows[::bq] // bq
     whole = (tiles[:, None] * bq + np.arange(bq)).ravel()
     if (
-        len(rows) != arrays.seqlen_q
+        not len(rows)
+        or len(rows) != arrays.seqlen_q
         or len(rows) % bq
         or not np.array_equal(rows, whole)
         or np.any(np.diff(tiles) <= 0)
-        or (len(rows) and rows[-1] >= seqlen_q)
+        or rows[0] < 0
+        or rows[-1] >= seqlen_q
     ):
         raise ValueError(
-            f"rows must be {arrays.seqlen_q} rows forming whole, ascending {bq}-row tiles inside "
-            f"[0, {seqlen_q}), got {len(rows)} rows in [{rows.min(initial=0)}, "
+            f"rows must be {arrays.seqlen_q} rows forming one or more whole, ascending {bq}-row "
+            f"tiles inside [0, {seqlen_q}), got {len(rows)} rows in [{rows.min(initial=0)}, "
             f"{rows.max(initial=0)}]"
         )
     nq = -(-seqlen_q // bq)

@@ -283,25 +283,29 @@ def test_a_compiling_run_is_timed_from_its_queueing_to_its_result():
             time.sleep(CALL_S * 20)
             return self
 
+    flush = SleepyFlush()
+
     def fn(x):
+        assert flush.count == 1  # flushed before the call, not racing its queued run
         time.sleep(FLUSH_S * 4)  # compiling
         return Queued()
 
-    flush = SleepyFlush()
     out, ms = timing.jax_compiling_run_ms(fn, (np.ones(3),), flush)
     assert isinstance(out, Queued) and flush.count == 1
     assert CALL_S * 20e3 <= ms < (CALL_S * 20 + FLUSH_S) * 1e3, ms
 
 
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd_bwd"])
 @pytest.mark.parametrize(
     "warmup, first_ms, sampled", [(0, 2500.0, False), (0, 250.0, True), (1, 2500.0, True)]
 )
 def test_a_long_compiling_run_is_a_single_device_points_sample(
-    tmp_path, monkeypatch, warmup, first_ms, sampled
+    tmp_path, monkeypatch, mode, warmup, first_ms, sampled
 ):
     """A JAX single-device point asked for no warm-up keeps its compiling run (the one whose
     outputs its check reads) as its one sample where that run takes FIRST_PROGRAM_RUN_MS or
-    more, and runs no timing loop; a shorter run, or a warm-up asked, times with the loop."""
+    more, runs no timing loop and says so in its record; a shorter run, or a warm-up asked,
+    times with the loop; in every mode."""
     from experiments import run
 
     loops = []
@@ -316,11 +320,13 @@ def test_a_long_compiling_run_is_a_single_device_points_sample(
 
     monkeypatch.setattr(timing, "jax_time_calls", loop)
     monkeypatch.setattr(timing, "jax_compiling_run_ms", first)
-    args = [a for a in POINT if not a.startswith("--warmup")]
-    assert run.run_cli([*args, f"--warmup={warmup}", f"--out_dir={tmp_path}"]) == 0
+    args = [a for a in POINT if not a.startswith(("--warmup", "--mode"))]
+    flags = [f"--warmup={warmup}", f"--mode={mode}", f"--out_dir={tmp_path}"]
+    assert run.run_cli([*args, *flags]) == 0
     (rec,) = read_records(tmp_path / "results.jsonl")
     assert rec["status"] == "ok" and rec["check"]["ok"]
     assert bool(loops) == sampled
+    assert (rec["masks"][0].get("sample") == "compiling run") == (not sampled)
     if not sampled:
         assert rec["metrics"]["time_ms"]["median"] == first_ms
         assert rec["masks"][0]["time_ms"]["n"] == 1

@@ -213,21 +213,23 @@ class JaxRunner:
             rtol_override=self.rtol_override,
         )
 
-    def _time(
-        self, point: Point, fn: Callable, call_args: tuple, first_ms: float | None = None
-    ) -> list[float]:
+    def _time(self, point: Point, fn: Callable, call_args: tuple) -> list[float]:
         """Per-call ms of fn(*call_args): the point's warmup, iters and chains, L2 flush,
-        barrier; or, with no warm-up asked and no barrier, the call's compiling run alone
-        (first_ms, timing.jax_compiling_run_ms) where it took timing.FIRST_PROGRAM_RUN_MS or
-        more: a 128K-token forward+backward baseline of the CP predictor runs 6 s, which its
-        check's run and two samples would spend three times."""
-        long = first_ms is not None and first_ms >= timing.FIRST_PROGRAM_RUN_MS
-        if long and point.warmup == 0 and self._barrier() is None:
-            return [first_ms]
+        barrier."""
         loop = dict(warmup=point.warmup, iters=point.iters, chain_ms=point.chain_ms)
         return timing.jax_time_calls(
             fn, call_args, flush=self.flush, barrier=self._barrier(), **loop
         )
+
+    def _compiling_run_is_the_sample(self, point: Point, first_ms: float | None) -> bool:
+        """Whether a single-device mask's compiling run (first_ms, timing.jax_compiling_run_ms)
+        is its one sample: no warm-up asked, one process (no barrier to line up with), and the
+        run took timing.FIRST_PROGRAM_RUN_MS or more (a 128K-token forward+backward baseline
+        of the CP predictor runs 6 s, which its check's run and two samples would spend three
+        times)."""
+        if first_ms is None or point.warmup != 0 or self._barrier() is not None:
+            return False
+        return first_ms >= timing.FIRST_PROGRAM_RUN_MS
 
     def _dispatch_times(self, point: Point, executor, args: dict) -> list[float]:
         """Per-call ms (slowest process) of dispatching q, k and v together into the executor's
@@ -258,8 +260,8 @@ class JaxRunner:
             attn = frameworks.attention_fn("jax", point, mask)
             first = []  # the compiling run's ms: a long one is the sample (_time)
 
-            def run(fn: Callable, args: tuple) -> object:
-                out, ms = timing.jax_compiling_run_ms(fn, args, self.flush)
+            def run(compiling: Callable, inputs: tuple) -> object:
+                out, ms = timing.jax_compiling_run_ms(compiling, inputs, self.flush)
                 first.append(ms)
                 return out
 
@@ -269,7 +271,10 @@ class JaxRunner:
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         del got
-        times = self._time(point, fn, call_args, first_ms)
+        if self._compiling_run_is_the_sample(point, first_ms):
+            times, extra = [first_ms], {**(extra or {}), "sample": "compiling run"}
+        else:
+            times = self._time(point, fn, call_args)
         resident = timing.L2_FLUSH_BYTES if self.flush is not None else 0
         peak, source = timing.jax_call_peak(
             peak_before, timing.jax_peak_bytes(local), fn, call_args, resident=resident

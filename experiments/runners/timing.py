@@ -37,10 +37,10 @@ CHAIN_TRIES = 3  # measurements of a call, each chain twice as long, until its t
 # under half a percent): with no warm-up asked, the run that sets a chain's length
 # (_warm_chain_length), and a CP predictor call's first warm run (cp_ranks.Ranks.time)
 SAMPLE_RUN_MS = 20.0
-# a program's first run at least this long counts as a sample, its program compiled or loaded
-# just before (compiling_run_ms; a CP predictor call's first run, cp_ranks.Ranks.time): on the
-# H200 such first runs of 64 x 32K CP calls took 5,193 and 19,060 ms against samples of 5,200
-# and 19,160 ms (results/h200/cp_predict, run 19)
+# a program's first run at least this long counts as a sample: a CP predictor call's first run
+# of a program compiled ahead (cp_ranks.Ranks.time; on the H200 such runs of 64 x 32K CP calls
+# took 5,193 and 19,060 ms against samples of 5,200 and 19,160 ms: results/h200/cp_predict,
+# run 19), and a single-device point's compiling run (jax_compiling_run_ms, jax_runner._time)
 FIRST_PROGRAM_RUN_MS = 1000.0
 
 
