@@ -396,6 +396,40 @@ def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
     assert bad.errors["out"] == pytest.approx(alone.errors["out"], rel=1e-9)
 
 
+def test_row_check_reference_runs_beside_the_ranks_emulation(monkeypatch):
+    """check_ranks computes the float64 reference of the rows it compares while the ranks are
+    emulated (neither needs the other): an emulation that waits for the reference to have
+    begun goes on, and the check still passes; both end before check_ranks returns."""
+    import threading
+
+    from experiments.runners import checks
+    from experiments.runners.cp_rank_checks import check_ranks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 1)
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
+    mask = named_mask("causal", point.seqlen_total)
+    ranks = _jax_ranks(point, mask)
+    began, ended, waited = threading.Event(), threading.Event(), []
+    real_reference, real_emulate = JaxRanks.reference_rows, JaxRanks.emulate
+
+    def reference(self, *args):
+        began.set()
+        out = real_reference(self, *args)
+        ended.set()
+        return out
+
+    def emulate(self, r, u, rows=None):
+        waited.append(began.wait(timeout=30))
+        return real_emulate(self, r, u, rows)
+
+    monkeypatch.setattr(JaxRanks, "reference_rows", reference)
+    monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
+    assert check.ok and checked == [0, 3], check.message
+    assert waited == [True, True] and ended.is_set()
+
+
 def _jax_ranks(point, mask):
     from experiments.runners import cp_ranks, frameworks
     from experiments.runners.cp_ranks_jax import JaxRanks

@@ -3,7 +3,9 @@ float64 attention before any of their calls is timed (any framework's Ranks)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,21 +68,35 @@ class _RankRows:
     finite: dict[str, bool]
 
 
-def _rank_rows(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RankRows:
-    """Rank (r, u) emulated (on whole query tiles of its shard where the framework can:
-    Ranks.check_rows), its results kept at sampled rows of those tokens and its heads (its
-    blocks' dK/dV: finite only, as a row check of the whole problem would)."""
-    plan = ranks.plan
+class _RowPlan(NamedTuple):
+    """Which rows of rank (r, u) a row check emulates (Ranks.check_rows; None: all) and
+    compares (plan: global rows, the keys they see, heads), and where those sit in its
+    emulated rows (local): all known before the rank runs."""
+
+    rows: np.ndarray | None
+    plan: checks.CheckPlan
+    local: np.ndarray
+
+
+def _row_plan(ranks: Ranks, mask, r: int, u: int, seed: int) -> _RowPlan:
+    """Rank (r, u)'s rows to emulate (whole query tiles of its shard where the framework can:
+    Ranks.check_rows) and its sampled rows among those tokens, in its heads."""
     rows = ranks.check_rows(r, mask.seqlen_q)
-    res = ranks.emulated(r, u, rows)
-    pos = plan.layout.positions[r] if rows is None else plan.layout.positions[r][rows]
+    pos = ranks.plan.layout.positions[r]
+    pos = pos if rows is None else pos[rows]
     rows_plan = checks.sample_rows(mask, pos[pos < mask.seqlen_q], seed, len(ranks.q_heads[u]))
     order = np.argsort(pos)
-    local = order[np.searchsorted(pos[order], rows_plan.rows)]
+    return _RowPlan(rows, rows_plan, order[np.searchsorted(pos[order], rows_plan.rows)])
+
+
+def _rank_rows(ranks: Ranks, r: int, u: int, planned: _RowPlan) -> _RankRows:
+    """Rank (r, u) emulated on its planned rows, its results kept at the sampled rows and its
+    heads (its blocks' dK/dV: finite only, as a row check of the whole problem would)."""
+    res = ranks.emulated(r, u, planned.rows)
     parts = res.get("dkv", [])
     finite = {n: all(ranks.all_finite(p[i]) for p in parts) for i, n in ((1, "dk"), (2, "dv"))}
-    got = {n: res[n][:, local] for n in ("out", "dq") if n in res}
-    return _RankRows(rows_plan, got, finite)
+    got = {n: res[n][:, planned.local] for n in ("out", "dq") if n in res}
+    return _RankRows(planned.plan, got, finite)
 
 
 Known = dict[tuple[int, int], dict[str, np.ndarray]]  # (global row, global q head) -> values
@@ -105,6 +121,32 @@ class ReferenceRows:
         return self.values
 
 
+def _add_references(
+    ranks: Ranks, mask, u: int, plans: list[checks.CheckPlan], grads: bool, known: Known
+) -> None:
+    """Float64 values of every (row, head) the ranks of one Ulysses position compare that
+    `known` lacks (an earlier point of the same problem computed the others), from one
+    reference over all their missing rows (the keys those rows see drawn and converted once,
+    not once per rank: at 64 devices half a million keys of every K/V head), added to it."""
+    heads = plans[0].heads
+    global_heads = [int(h) for h in ranks.q_heads[u][heads]]
+    wanted = {"out", "dq"} if grads else {"out"}
+    missing = [
+        np.array(
+            [
+                r
+                for r in p.rows
+                if any(not wanted <= known.get((int(r), h), {}).keys() for h in global_heads)
+            ]
+        )
+        for p in plans
+    ]
+    if any(rows.size for rows in missing):
+        scale = 1.0 / np.sqrt(ranks.plan.head_dim)
+        for at, values in _reference_rows(ranks, mask, u, missing, heads, grads, scale).items():
+            known[at] = {**known.get(at, {}), **values}
+
+
 def _compare_rows(
     ranks: Ranks,
     mask,
@@ -115,29 +157,12 @@ def _compare_rows(
     known: Known | None = None,
 ) -> list[checks.CheckResult]:
     """Each of the ranks of one Ulysses position compared with float64 attention at its rows,
-    from reference values of every (row, head) they compare: taken from `known` where an
-    earlier point of the same problem computed them, the rest from one reference over all
-    their missing rows (the keys those rows see drawn and converted once, not once per rank:
-    at 64 devices half a million keys of every K/V head), added to `known`."""
+    from the reference values of every (row, head) they compare (_add_references: those
+    `known` lacks computed and added to it)."""
     known = {} if known is None else known
-    heads = members[0].plan.heads
-    global_heads = [int(h) for h in ranks.q_heads[u][heads]]
-    scale = 1.0 / np.sqrt(members[0].got["out"].shape[-1])
+    _add_references(ranks, mask, u, [m.plan for m in members], grads, known)
+    global_heads = [int(h) for h in ranks.q_heads[u][members[0].plan.heads]]
     names = ("out", "dq") if grads else ("out",)
-    wanted = set(names)
-    missing = [
-        np.array(
-            [
-                r
-                for r in m.plan.rows
-                if any(not wanted <= known.get((int(r), h), {}).keys() for h in global_heads)
-            ]
-        )
-        for m in members
-    ]
-    if any(rows.size for rows in missing):
-        for at, values in _reference_rows(ranks, mask, u, missing, heads, grads, scale).items():
-            known[at] = {**known.get(at, {}), **values}
     return [
         checks.compare(
             mask,
@@ -147,7 +172,7 @@ def _compare_rows(
             grads=grads,
             rtol=rtol,
             finite=m.finite,
-            scale=scale,
+            scale=1.0 / np.sqrt(ranks.plan.head_dim),
             refs={n: _gathered(known, m.plan.rows, global_heads, n) for n in names},
         )
         for m in members
@@ -185,7 +210,8 @@ def _rank_check(
     ranks: Ranks, mask, r: int, u: int, grads: bool, rtol: float, seed: int
 ) -> checks.CheckResult:
     """Rank (r, u) alone: emulated, and compared with float64 attention at sampled rows."""
-    return _compare_rows(ranks, mask, u, [_rank_rows(ranks, mask, r, u, seed)], grads, rtol)[0]
+    planned = _row_plan(ranks, mask, r, u, seed)
+    return _compare_rows(ranks, mask, u, [_rank_rows(ranks, r, u, planned)], grads, rtol)[0]
 
 
 def check_ranks(
@@ -205,10 +231,19 @@ def check_ranks(
     busiest = int(np.argmax(plan.piece_area.sum(axis=1)))
     members = sorted({(plan.ring_rank(0), plan.ulysses_rank(0)), (busiest, 0)})
     seed = point.seed + index
+    known = {} if known is None else known
     results = []
     for u in sorted({u for _, u in members}):
         ring = [r for r, v in members if v == u]
-        rows = [_rank_rows(ranks, mask, r, u, seed) for r in ring]
+        planned = [_row_plan(ranks, mask, r, u, seed) for r in ring]
+        # the float64 reference (host work and input draws) beside the ranks' emulation (device
+        # work): neither depends on the other, and both end before any call is timed
+        with ThreadPoolExecutor(1) as pool:
+            refs = pool.submit(
+                _add_references, ranks, mask, u, [p.plan for p in planned], grads, known
+            )
+            rows = [_rank_rows(ranks, r, u, p) for r, p in zip(ring, planned)]
+            refs.result()
         checked = _compare_rows(ranks, mask, u, rows, grads, rtol, known)
         results += [(global_rank(plan, r, u), c) for r, c in zip(ring, checked)]
     return _merge_checks(results), [g for g, _ in results]

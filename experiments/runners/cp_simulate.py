@@ -827,7 +827,9 @@ class CPSimulator:
         known = self._references.of(reference_problem(point, impl, index))
         check, checked = check_ranks(ranks, point, mask, index, rtol, known)
         wall["emulate"] = ranks.emulate_seconds  # the check's runs of the ranks
-        wall["reference"] = time.perf_counter() - start - wall["emulate"]  # draws, float64
+        # the rest of the check: the float64 reference (draws, host work) where it outlasts the
+        # ranks' runs beside which it is computed, and the comparison
+        wall["reference"] = time.perf_counter() - start - wall["emulate"]
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()
