@@ -399,8 +399,12 @@ def test_row_check_draws_the_keys_once_for_both_ranks(monkeypatch):
 def test_row_check_reference_runs_beside_the_ranks_emulation(monkeypatch):
     """check_ranks computes the float64 reference of the rows it compares while the ranks are
     emulated (neither needs the other): an emulation that waits for the reference to have
-    begun goes on, and the check still passes; both end before check_ranks returns."""
+    begun goes on, and the check still passes; both end before check_ranks returns. The x64
+    mode the JAX reference enters stays in its thread (else the emulation would trace in
+    float64 beside it)."""
     import threading
+
+    import jax
 
     from experiments.runners import checks
     from experiments.runners.cp_rank_checks import check_ranks
@@ -428,6 +432,22 @@ def test_row_check_reference_runs_beside_the_ranks_emulation(monkeypatch):
     check, checked = check_ranks(ranks, point, mask, 0, rtol=1e-4)
     assert check.ok and checked == [0, 3], check.message
     assert waited == [True, True] and ended.is_set()
+    # the JAX reference computes under jax.enable_x64, which must stay in its own thread
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_x64():
+        with jax.enable_x64(True):
+            inside.set()
+            release.wait(timeout=30)
+
+    holder = threading.Thread(target=hold_x64)
+    holder.start()
+    assert inside.wait(timeout=30)
+    try:
+        assert jax.numpy.asarray(1.0).dtype == jax.numpy.float32
+    finally:
+        release.set()
+        holder.join()
 
 
 def _jax_ranks(point, mask):
