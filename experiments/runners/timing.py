@@ -40,7 +40,8 @@ SAMPLE_RUN_MS = 20.0
 # a program's first run at least this long counts as a sample: a CP predictor call's first run
 # of a program compiled ahead (cp_ranks.Ranks.time; on the H200 such runs of 64 x 32K CP calls
 # took 5,193 and 19,060 ms against samples of 5,200 and 19,160 ms: results/h200/cp_predict,
-# run 19), and a single-device point's compiling run (jax_compiling_run_ms, jax_runner._time)
+# run 19), and a single-device point's compiling run (jax_compiling_run_ms,
+# jax_runner.JaxRunner._compiling_run_is_the_sample)
 FIRST_PROGRAM_RUN_MS = 1000.0
 
 
@@ -63,10 +64,17 @@ def jax_first_ms(fn: Callable, args: Sequence, flush: Callable[[], None] | None 
     ready and the L2 flushed before the clock starts, stopped at its result."""
     import jax
 
+    _ready_and_flushed(args, flush)
+    return wall_ms(lambda: jax.block_until_ready(fn(*args)))
+
+
+def _ready_and_flushed(args: Sequence, flush: Callable[[], None] | None) -> None:
+    """Wait for a call's inputs, then flush the L2 (and wait for it), before a run's clock."""
+    import jax
+
     jax.block_until_ready(args)
     if flush is not None:
         flush()
-    return wall_ms(lambda: jax.block_until_ready(fn(*args)))
 
 
 def jax_compiling_run_ms(
@@ -79,9 +87,7 @@ def jax_compiling_run_ms(
     (FIRST_PROGRAM_RUN_MS) is worth keeping as a sample."""
     import jax
 
-    jax.block_until_ready(args)
-    if flush is not None:
-        flush()
+    _ready_and_flushed(args, flush)
     out = fn(*args)
     t0 = time.perf_counter()
     jax.block_until_ready(out)
