@@ -4,6 +4,8 @@ float64 oracle, plus a GPU-marked run of the real lowering."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,10 +198,41 @@ def test_config_validation_names_value_and_range() -> None:
         KernelConfig(block_k_dq=96)
     with pytest.raises(ValueError, match=r"num_stages_bwd=0.*\[1, 4\]"):
         KernelConfig(num_stages_bwd=0)
-    three = KernelConfig(block_k=128, max_concurrent_steps=3)
-    three.check(128, jnp.bfloat16)  # fits with one Q buffer, not with the persistent two
+    three = KernelConfig(block_k=256, max_concurrent_steps=3)
+    three.check(64, jnp.bfloat16)  # fits with one Q buffer, not with the persistent two
     with pytest.raises(ValueError, match="persistent_fwd needs .* shared memory"):
-        dataclasses.replace(three, persistent_fwd=True).check(128, jnp.bfloat16)
+        dataclasses.replace(three, persistent_fwd=True).check(64, jnp.bfloat16)
+    # 192-key steps at D=128 with one Q buffer: Mosaic GPU asks 233,576 bytes (measured on
+    # the H200) of the 232,448 a CTA may have, and check() says so before Mosaic does
+    with pytest.raises(ValueError, match="block_k=192 .* needs 233576 bytes .* at most 232448"):
+        KernelConfig(block_k=192, max_concurrent_steps=2).check(128, jnp.bfloat16)
+
+
+def test_forward_smem_count_is_mosaic_gpus(monkeypatch) -> None:
+    """KernelConfig.smem_bytes is the shared memory the forward kernel asks Mosaic GPU for
+    (read from Mosaic's refusal under a bound of 0 bytes) at every head dim, key step, ring
+    depth, Q buffer count and interval count, so check() refuses what Mosaic would refuse
+    and nothing else."""
+    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(core, "_SMEM_SIZE_BOUND"):
+        pytest.skip("this jax's Mosaic GPU has no shared-memory bound to lower")
+    monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 0)
+    masks = {name: make_mask(name, 1024, seed=1) for name in ("causal_document", "share_question")}
+    cases = itertools.product((64, 128), (64, 128, 192, 256), (2, 3, 4), (False, True))
+    for i, (d, block_k, stages, persistent) in enumerate(cases):
+        config = KernelConfig(
+            block_k=block_k, max_concurrent_steps=stages, persistent_fwd=persistent
+        )
+        mask = masks["share_question" if i % 2 else "causal_document"]
+        arrays = prepare_mask(mask, *config.tiles)
+        q = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
+        static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
+        forward = jax.jit(mosaic_api._attention_jit, static_argnums=4)
+        with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
+            forward.trace(q, q, q, arrays, static).lower(lowering_platforms=("cuda",))
+        asked = int(re.search(r"smem_bytes=(\d+)", str(refused.value)).group(1))
+        intervals = int(arrays.lo.shape[-1])
+        assert config.smem_bytes(d, 2, intervals) == asked, (d, block_k, stages, persistent)
 
 
 def test_register_split_fits_the_ctas_launch_registers() -> None:

@@ -11,6 +11,9 @@ PRODUCER = CONSUMER_WARPGROUPS  # index of the warpgroup that issues the TMA loa
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one Hopper CTA may use
+SMEM_ALIGNMENT = 1024  # Pallas Mosaic GPU starts every shared-memory buffer at a multiple of it
+MBARRIER_BYTES = 8  # one mbarrier
+REDUCTION_SCRATCH_BYTES = 2048  # Pallas Mosaic GPU's default scratch for reductions
 MAX_INTERVALS = 8
 REGISTER_BUDGET = 504  # 3 x 168: the CTA's launch registers per thread, summed over warpgroups
 MIN_CONSUMER_REGISTERS = 168  # 64K registers over the CTA's 384 threads, no setmaxnreg raise
@@ -185,12 +188,22 @@ class KernelConfig:
         return self.mask_block_q, self.block_k
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, intervals: int = 1) -> int:
-        """Shared memory one CTA allocates (Q/O tiles, the K/V ring, row bounds, LSE)."""
-        buffers = 2 if self.persistent_fwd else 1  # Q/O, row bounds and LSE per item
-        q = buffers * self.mask_block_q * head_dim * itemsize
-        kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
-        rows = buffers * CONSUMER_WARPGROUPS * self.block_q * 4 * (2 * intervals + 1)
-        return q + kv + rows + 1024  # barriers and alignment slack
+        """Shared memory one forward CTA asks for, counted as Pallas Mosaic GPU counts it: each
+        buffer (Q/O tiles, the K and V rings, row bounds, LSE) starts at a multiple of
+        SMEM_ALIGNMENT, each barrier takes MBARRIER_BYTES, and the row max and sum reserve
+        REDUCTION_SCRATCH_BYTES (Pallas's default reduction_scratch_bytes)."""
+        per_item = (2 if self.persistent_fwd else 1) * CONSUMER_WARPGROUPS  # Q/O, rows, LSE
+        stages = self.max_concurrent_steps
+        buffers = (
+            per_item * self.block_q * head_dim * itemsize,
+            stages * self.block_k * head_dim * itemsize,
+            stages * self.block_k * head_dim * itemsize,
+            per_item * 2 * intervals * self.block_q * 4,
+            per_item * self.block_q * 4,
+        )
+        barriers = 4 * stages + 2 * per_item + 1  # K, V ready and released; Q ready, O stored
+        aligned = sum(-(-b // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for b in buffers)
+        return aligned + barriers * MBARRIER_BYTES + REDUCTION_SCRATCH_BYTES
 
     def check(self, head_dim: int, dtype: object, intervals: int = 1) -> None:
         """ValueError unless this config can run inputs of `head_dim` and `dtype`."""
