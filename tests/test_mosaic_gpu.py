@@ -208,31 +208,37 @@ def test_config_validation_names_value_and_range() -> None:
         KernelConfig(block_k=192, max_concurrent_steps=2).check(128, jnp.bfloat16)
 
 
-def test_forward_smem_count_is_mosaic_gpus(monkeypatch) -> None:
+def test_forward_smem_count_is_mosaic_gpus() -> None:
     """KernelConfig.smem_bytes is the shared memory the forward kernel asks Mosaic GPU for
     (read from Mosaic's refusal under a bound of 0 bytes) at every head dim, key step, ring
-    depth, Q buffer count and interval count, so check() refuses what Mosaic would refuse
-    and nothing else."""
+    depth and Q buffer count, with one, two and five key intervals per row, so check() refuses
+    what Mosaic would refuse and nothing else."""
     core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
-    if not hasattr(core, "_SMEM_SIZE_BOUND"):
+    if not hasattr(core, "artificial_shared_memory_limit"):
         pytest.skip("this jax's Mosaic GPU has no shared-memory bound to lower")
-    monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 0)
-    masks = {name: make_mask(name, 1024, seed=1) for name in ("causal_document", "share_question")}
+    keys = [(0, 64), (128, 192), (256, 320), (384, 448), (512, 1024)]  # every row: 5 intervals
+    masks = [
+        make_mask("causal_document", 1024, seed=1),
+        make_mask("share_question", 1024, seed=1),
+        from_slices([(0, 1024)] * 5, keys, [MaskType.FULL] * 5, 1024),
+    ]
     cases = itertools.product((64, 128), (64, 128, 192, 256), (2, 3, 4), (False, True))
     for i, (d, block_k, stages, persistent) in enumerate(cases):
         config = KernelConfig(
             block_k=block_k, max_concurrent_steps=stages, persistent_fwd=persistent
         )
-        mask = masks["share_question" if i % 2 else "causal_document"]
-        arrays = prepare_mask(mask, *config.tiles)
+        arrays = prepare_mask(masks[(i // 2) % len(masks)], *config.tiles)
         q = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
         static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
         forward = jax.jit(mosaic_api._attention_jit, static_argnums=4)
-        with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
-            forward.trace(q, q, q, arrays, static).lower(lowering_platforms=("cuda",))
-        asked = int(re.search(r"smem_bytes=(\d+)", str(refused.value)).group(1))
+        with core.artificial_shared_memory_limit(0):
+            with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
+                forward.trace(q, q, q, arrays, static).lower(lowering_platforms=("cuda",))
+        asked = re.search(r"smem_bytes=(\d+)", str(refused.value))
+        assert asked, str(refused.value)
         intervals = int(arrays.lo.shape[-1])
-        assert config.smem_bytes(d, 2, intervals) == asked, (d, block_k, stages, persistent)
+        case = (d, block_k, stages, persistent, intervals)
+        assert config.smem_bytes(d, 2, intervals) == int(asked.group(1)), case
 
 
 def test_register_split_fits_the_ctas_launch_registers() -> None:

@@ -16,7 +16,7 @@ import pytest
 from attn_masks import MaskType, from_slices, random_slices, reference_attention
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
-from jax_attn.mosaic_gpu import KernelConfig
+from jax_attn.mosaic_gpu import KernelConfig, default_config
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
@@ -151,6 +151,9 @@ WARP_SPECIALISED = {
         KernelConfig(block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         "causal_document_600",
     ),
+    # the D=64 default: 128 q rows a dK/dV step (one step a 128-row mask tile)
+    "ws_d64_default": (default_config(64, jnp.bfloat16), "causal_document_600"),
+    "ws_d64_default_ragged_fp16": (default_config(64, jnp.float16), "causal_gqa_ragged_fp16"),
     # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
     # fp32 partial dK, dV summed after the kernel
     "ws_head_split_ragged_fp16": (
