@@ -211,8 +211,9 @@ def test_config_validation_names_value_and_range() -> None:
 def test_forward_smem_count_is_mosaic_gpus() -> None:
     """KernelConfig.smem_bytes is the shared memory the forward kernel asks Mosaic GPU for
     (read from Mosaic's refusal under a bound of 0 bytes) at every head dim, key step, ring
-    depth and Q buffer count, with one, two and five key intervals per row, so check() refuses
-    what Mosaic would refuse and nothing else."""
+    depth and Q buffer count, each config with one, two or five key intervals per row (16
+    configs each, both Q buffer counts among them), so check() refuses what Mosaic would
+    refuse and nothing else."""
     core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
     if not hasattr(core, "artificial_shared_memory_limit"):
         pytest.skip("this jax's Mosaic GPU has no shared-memory bound to lower")

@@ -6,6 +6,7 @@ lacks by jax_attn.mosaic_gpu.interpret (the kernels are the ones the GPU runs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -154,6 +155,11 @@ WARP_SPECIALISED = {
     # the D=64 default: 128 q rows a dK/dV step (one step a 128-row mask tile)
     "ws_d64_default": (default_config(64, jnp.bfloat16), "causal_document_600"),
     "ws_d64_default_ragged_fp16": (default_config(64, jnp.float16), "causal_gqa_ragged_fp16"),
+    "ws_d64_default_unsplit": (
+        dataclasses.replace(default_config(64, jnp.bfloat16), dkv_head_split=1),
+        "causal_document_600",
+    ),
+    "ws_d64_default_intervals": (default_config(64, jnp.bfloat16), "random_slices_fp16"),
     # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
     # fp32 partial dK, dV summed after the kernel
     "ws_head_split_ragged_fp16": (
@@ -345,6 +351,16 @@ def test_lowers_for_hopper(d: int) -> None:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
+    # the default, and fused on top of it (the fused kernel's rows at 64: at 128 its dS^T tiles
+    # and fp32 dQ stage exceed shared memory, which KernelConfig refuses by name)
+    default = default_config(d, jnp.bfloat16)
+    for config in (default, dataclasses.replace(default, fused_bwd=True, block_q_dkv=64)):
+        tiled = prepare_mask(mask, *config.tiles)
+        traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
+    with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
+        dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True)
 
 
 @pytest.mark.gpu

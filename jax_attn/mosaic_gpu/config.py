@@ -37,7 +37,8 @@ class KernelConfig:
     Backward: the dK/dV and dQ kernels walk the same mask tiles in sub-tiles of
     block_{q,k}_{dkv,dq} rows/keys (None: 64; multiples of 64 dividing the mask tile) through a
     ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
-    the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add).
+    the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add); it needs
+    block_q_dkv 64 or None (at 128 its shared memory does not fit).
     bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
     64 keys each and a producer; 128-key mask tiles). dq_warpgroups: the same for the dQ kernel
     (two consumers of 64 rows of a 128-row mask tile sharing one producer's K/V ring).
@@ -151,6 +152,12 @@ class KernelConfig:
                 f"dkv_head_split={self.dkv_head_split} needs the warp-specialised unfused dK/dV "
                 f"kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
                 f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
+            )
+        if self.fused_bwd and (self.block_q_dkv or 64) != 64:
+            raise ValueError(
+                f"fused_bwd with block_q_dkv={self.block_q_dkv}: the fused kernel's dS^T tiles and "
+                "fp32 dQ stage at that many rows exceed a CTA's shared memory (233,552 bytes at "
+                "D=64); valid: block_q_dkv=64 (or None) with fused_bwd"
             )
         if self.deal_by_walk_start and not self.persistent_fwd:
             raise ValueError(
@@ -268,14 +275,17 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
 
 
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
-    """The fastest config measured on an H200 (results/h200/mosaic_variants): the persistent
-    forward, P V accumulated in place, the warp-specialised dK/dV and dQ kernels (dQ over
-    128-key steps), the other grids' launch order chosen per call (launch_tiles_fastest),
-    two-stage rings, the dK/dV head split chosen per call (dkv_head_split). D=128: FA3-like
-    128-key steps, consumers at 240 registers. D=64: 256-key forward steps (half the softmax
-    steps; the backward's CTAs split each 256-key tile in two), P computed while dP's matmul
-    runs, 128 q rows a dK/dV step (S^T and dP^T 128 wide: 1-2.7% faster forward+backward on an
-    H100, results/h100/mosaic_variants/49-*, 50-*; at D=128 it spills, 17-18% slower)."""
+    """The fastest config measured (results/h200/mosaic_variants; the D=64 dK/dV step on an
+    H100, results/h100/mosaic_variants): the persistent forward, P V accumulated in place, the
+    warp-specialised dK/dV and dQ kernels (dQ over 128-key steps), the other grids' launch
+    order chosen per call (launch_tiles_fastest), two-stage rings, the dK/dV head split chosen
+    per call (dkv_head_split). D=128: FA3-like 128-key steps, consumers at 240 registers.
+    D=64: 256-key forward steps (half the softmax steps; the backward's CTAs split each
+    256-key tile in two), P computed while dP's matmul runs, 128 q rows a dK/dV step (S^T and
+    dP^T 128 wide: 0.6-2.7% faster forward+backward on full and causal masks on an H100, 49-*
+    and 50-*; at D=128, 17-18% slower, likely registers). Fused (fused_bwd) needs
+    block_q_dkv=64.
+    """
     del dtype
     common = dict(
         block_q=64,
