@@ -153,7 +153,6 @@ WARP_SPECIALISED = {
         "causal_document_600",
     ),
     # the D=64 default: 128 q rows a dK/dV step (one step a 128-row mask tile)
-    "ws_d64_default": (default_config(64, jnp.bfloat16), "causal_document_600"),
     "ws_d64_default_ragged_fp16": (default_config(64, jnp.float16), "causal_gqa_ragged_fp16"),
     "ws_d64_default_unsplit": (
         dataclasses.replace(default_config(64, jnp.bfloat16), dkv_head_split=1),
