@@ -142,8 +142,7 @@ def _add_references(
         for p in plans
     ]
     if any(rows.size for rows in missing):
-        scale = 1.0 / np.sqrt(ranks.plan.head_dim)
-        for at, values in _reference_rows(ranks, mask, u, missing, heads, grads, scale).items():
+        for at, values in _reference_rows(ranks, mask, u, missing, heads, grads).items():
             known[at] = {**known.get(at, {}), **values}
 
 
@@ -172,7 +171,7 @@ def _compare_rows(
             grads=grads,
             rtol=rtol,
             finite=m.finite,
-            scale=1.0 / np.sqrt(ranks.plan.head_dim),
+            scale=ranks.scale,
             refs={n: _gathered(known, m.plan.rows, global_heads, n) for n in names},
         )
         for m in members
@@ -191,13 +190,12 @@ def _reference_rows(
     rows_of: list[np.ndarray],
     heads: np.ndarray,
     grads: bool,
-    scale: float,
 ) -> Known:
     """Float64 out (and dq) of the ranks' rows `rows_of` in the sampled local `heads` of
     Ulysses position u, keyed by (global row, global q head)."""
     drawn = [rows for rows in rows_of if rows.size]
     rows = np.concatenate(drawn)
-    refs = ranks.reference_rows(mask, drawn, u, heads, grads, scale)
+    refs = ranks.reference_rows(mask, drawn, u, heads, grads, ranks.scale)
     global_heads = ranks.q_heads[u][heads]
     return {
         (int(r), int(h)): {n: ref[:, i, j] for n, ref in refs.items()}

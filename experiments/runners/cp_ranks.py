@@ -200,6 +200,12 @@ class Ranks(ABC):
         a shard (check_rows), or None: a row check emulates whole shards."""
         return None
 
+    @property
+    def scale(self) -> float:
+        """The attention's softmax scale, 1 / sqrt(head dim): the ranks' calls and their checks'
+        float64 reference use it alike."""
+        return 1.0 / float(np.sqrt(self.plan.head_dim))
+
     def check_rows(self, r: int, seqlen: int) -> np.ndarray | None:
         """Local rows of ring rank r's shard that a row check emulates: up to CHECK_TILES whole
         query tiles holding real tokens (the first, the last, evenly between); each kernel call

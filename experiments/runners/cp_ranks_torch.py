@@ -11,7 +11,6 @@ uses the piece's visible area times its heads as its work (call_model.area_featu
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -36,7 +35,6 @@ class TorchRanks(Ranks):
         self.torch, self.cp = torch, torch_cp
         self.device = runner.device
         self.dtype = frameworks.framework_dtype("torch", point.dtype)
-        self.scale = 1.0 / math.sqrt(plan.head_dim)
         self.pieces = torch_cp.plan_pieces(plan, impl)
         self._digests: dict[tuple[int, int], str] = {}
 
