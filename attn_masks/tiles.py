@@ -76,6 +76,17 @@ class TileList:
         off = np.abs(step - np.median(step, axis=-1, keepdims=True))
         return float(np.maximum(off - 1, 0).mean() / mean)
 
+    def partial_share(self) -> float:
+        """The share of the listed tiles that are partial (not fully visible): 0 for full,
+        about one tile per row of tiles for causal, 0.1-0.6 for document masks; 0 where
+        nothing is listed."""
+        count = np.asarray(self.count)
+        listed = int(count.sum())
+        if listed == 0:
+            return 0.0
+        valid = np.arange(self.width) < count[..., None]
+        return 1.0 - int(np.asarray(self.full)[valid].sum()) / listed
+
     def walk_peak(self) -> float:
         """The longest walk (count) over the mean walk, rounded to a power of sqrt(2) (a
         coarse, hashable fact for a kernel's static choices): 1 where all walks are equal

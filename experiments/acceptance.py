@@ -121,7 +121,7 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
     """(impl, case) pairs: every impl on five masks (and two in the other half dtype), some
     library kernels on every static mask; the own kernels on every mask, both half
     dtypes, D 64 and 128, MHA and GQA (at both head dims), fp32, random slices with Sq != Sk,
-    and three masks at a tile-aligned length. only: these impls."""
+    and four cases at a tile-aligned length. only: these impls."""
     from experiments.runners import frameworks
 
     main = dict(seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=128, dtype="bfloat16")
@@ -145,6 +145,8 @@ def cases(framework: str, s: int = SEQLEN, only: tuple[str, ...] = ()) -> list[t
         out.append((impl, Case("random", **dict(other, seqlen_q=s - s // 4))))
         aligned = dict(seqlen_q=ALIGNED, seqlen_k=ALIGNED)
         out += [(impl, Case(m, **dict(main, **aligned))) for m in ALIGNED_MASKS]
+        # whole tiles only: where Mosaic's D=64 default steps its dK/dV kernel over 128 q rows
+        out.append((impl, Case("full", **dict(main, head_dim=64, **aligned))))
     return [(impl, case) for impl, case in out if not only or impl in only]
 
 

@@ -22,6 +22,11 @@ DEFAULT_BLOCK = 64
 # masks) or at most 0.026 (full, causal, prefix-LM causal, windows); the two long-document
 # masks fall on either side of it with the length and tiles (0.02-0.065).
 UNEVEN_WALK_SPREAD = 0.05
+# Share of partial tiles (TileList.partial_share) up to which a mask counts as having few: in
+# 128x256 tiles at 8K-64K causal, prefix-LM causal and windows with global tokens measure
+# 0.007-0.083, the document, window and blockwise masks 0.1-0.6 (full and block-causal
+# documents 0).
+FEW_PARTIAL_SHARE = 0.08
 
 jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])
 
@@ -29,7 +34,15 @@ jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["lo", "hi", "kv", "q"],
-    meta_fields=["seqlen_q", "seqlen_k", "block_q", "block_k", "uneven_walks", "walk_peak"],
+    meta_fields=[
+        "seqlen_q",
+        "seqlen_k",
+        "block_q",
+        "block_k",
+        "uneven_walks",
+        "walk_peak",
+        "few_partial_tiles",
+    ],
 )
 @dataclasses.dataclass(frozen=True)
 class MaskArrays:
@@ -44,7 +57,8 @@ class MaskArrays:
     masks share one program whatever their walks. walk_peak: the longest dK/dV walk (q tiles
     of one key tile) over the mean, rounded to a power of sqrt(2) so that masks of one shape
     share few programs (static: a kernel may split its longest walks by it); 0 for a stack or
-    no walk.
+    no walk. few_partial_tiles: at most FEW_PARTIAL_SHARE of the listed tiles are partial
+    (static: a kernel may choose its step shape by it); False for a stack.
     """
 
     lo: jax.Array | np.ndarray
@@ -57,6 +71,7 @@ class MaskArrays:
     block_k: int
     uneven_walks: bool = False
     walk_peak: float = 0.0
+    few_partial_tiles: bool = False
 
     @property
     def num_intervals(self) -> int:
@@ -81,6 +96,7 @@ def prepare_mask(
         block_k=block_k,
         uneven_walks=spread > UNEVEN_WALK_SPREAD,
         walk_peak=lists.q.walk_peak(),
+        few_partial_tiles=lists.kv.partial_share() <= FEW_PARTIAL_SHARE,
     )
 
 

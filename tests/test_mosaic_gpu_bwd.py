@@ -152,13 +152,20 @@ WARP_SPECIALISED = {
         KernelConfig(block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
         "causal_document_600",
     ),
-    # the D=64 default: 128 q rows a dK/dV step (one step a 128-row mask tile)
-    "ws_d64_default_ragged_fp16": (default_config(64, jnp.float16), "causal_gqa_ragged_fp16"),
-    "ws_d64_default_unsplit": (
-        dataclasses.replace(default_config(64, jnp.bfloat16), dkv_head_split=1),
+    # the D=64 default on masks with few partial tiles: 128 q rows a dK/dV step (one step a
+    # 128-row mask tile; these small masks have many, so the rows are set here)
+    "ws_d64_rows128_ragged_fp16": (
+        dataclasses.replace(default_config(64, jnp.float16), block_q_dkv=128),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_d64_rows128_unsplit": (
+        dataclasses.replace(default_config(64, jnp.bfloat16), block_q_dkv=128, dkv_head_split=1),
         "causal_document_600",
     ),
-    "ws_d64_default_intervals": (default_config(64, jnp.bfloat16), "random_slices_fp16"),
+    "ws_d64_rows128_intervals": (
+        dataclasses.replace(default_config(64, jnp.bfloat16), block_q_dkv=128),
+        "random_slices_fp16",
+    ),
     # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
     # fp32 partial dK, dV summed after the kernel
     "ws_head_split_ragged_fp16": (
@@ -350,16 +357,17 @@ def test_lowers_for_hopper(d: int) -> None:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
-    # the default, and fused on top of it (the fused kernel's rows at 64: at 128 its dS^T tiles
-    # and fp32 dQ stage exceed shared memory, which KernelConfig refuses by name)
+    # the default, with 128 dK/dV rows, and fused on top of it (the fused kernel's rows at 64:
+    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
-    for config in (default, dataclasses.replace(default, fused_bwd=True, block_q_dkv=64)):
+    wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
     with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
-        dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True)
+        dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True, block_q_dkv=128)
 
 
 @pytest.mark.gpu

@@ -62,6 +62,7 @@ from .config import (
     DTYPES,
     HEAD_DIMS,
     KernelConfig,
+    dkv_block_q,
     dkv_head_split,
     launch_tiles_fastest,
 )
@@ -315,7 +316,13 @@ def _kernels(
         _check_split("dq_warpgroups", "the mask's block_q", mbq, "block_q_dq", dq_tile)
     return (
         Kernel(
-            block_q=_kernel_tile(config.block_q_dkv, "block_q_dkv", mbq),
+            block_q=_kernel_tile(
+                dkv_block_q(
+                    config, head_dim=q.shape[3], few_partial_tiles=arrays.few_partial_tiles
+                ),
+                "block_q_dkv",
+                mbq,
+            ),
             block_k=dkv_tile,
             fused=config.fused_bwd,
             head_split=split,

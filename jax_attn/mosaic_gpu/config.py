@@ -35,10 +35,11 @@ class KernelConfig:
     step through a ring of max_concurrent_steps shared-memory stages filled by the producer
     warpgroup. The mask tiles (MaskArrays) are (mask_block_q, block_k).
     Backward: the dK/dV and dQ kernels walk the same mask tiles in sub-tiles of
-    block_{q,k}_{dkv,dq} rows/keys (None: 64; multiples of 64 dividing the mask tile) through a
-    ring of num_stages_bwd stages (None: max_concurrent_steps). fused_bwd: one backward kernel,
-    the dK/dV one also adding each step's dQ into fp32 global memory (TMA reduce-add); it needs
-    block_q_dkv 64 or None (at 128 its shared memory does not fit).
+    block_{q,k}_{dkv,dq} rows/keys (None: 64, except block_q_dkv, chosen per call by
+    dkv_block_q; multiples of 64 dividing the mask tile) through a ring of num_stages_bwd
+    stages (None: max_concurrent_steps). fused_bwd: one backward kernel, the dK/dV one also
+    adding each step's dQ into fp32 global memory (TMA reduce-add); it needs block_q_dkv 64 or
+    None (at 128 its shared memory does not fit).
     bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
     64 keys each and a producer; 128-key mask tiles). dq_warpgroups: the same for the dQ kernel
     (two consumers of 64 rows of a 128-row mask tile sharing one producer's K/V ring).
@@ -274,6 +275,24 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
     return 2 if walk_peak * HOPPER_SMS >= DKV_SPLIT_BOUND * dkv_ctas else 1
 
 
+def dkv_block_q(config: KernelConfig, *, head_dim: int, few_partial_tiles: bool) -> int:
+    """The dK/dV kernel's q rows a step: config.block_q_dkv, or where it is None, 128 at
+    head_dim 64 for the warp-specialised unfused kernel without ping-pong on a mask with few
+    partial tiles (MaskArrays.few_partial_tiles), else 64. Measured forward+backward on an H100
+    at 16K and 32K, 64:8 heads (results/h100/mosaic_variants): 128 rows 0.6-2.7% faster on
+    full and causal, 0.1-7% slower on the document, window, blockwise and share_question
+    masks (53-* and 52-*)."""
+    if config.block_q_dkv is not None:
+        return config.block_q_dkv
+    wide = (
+        head_dim <= 64
+        and few_partial_tiles
+        and config.bwd_warpgroups == CONSUMER_WARPGROUPS
+        and not (config.fused_bwd or config.bwd_pingpong)
+    )
+    return 128 if wide else 64
+
+
 def default_config(head_dim: int, dtype: object) -> KernelConfig:
     """The fastest config measured (results/h200/mosaic_variants; the D=64 dK/dV step on an
     H100, results/h100/mosaic_variants): the persistent forward, P V accumulated in place, the
@@ -281,10 +300,9 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     order chosen per call (launch_tiles_fastest), two-stage rings, the dK/dV head split chosen
     per call (dkv_head_split). D=128: FA3-like 128-key steps, consumers at 240 registers.
     D=64: 256-key forward steps (half the softmax steps; the backward's CTAs split each
-    256-key tile in two), P computed while dP's matmul runs, 128 q rows a dK/dV step (S^T and
-    dP^T 128 wide: 0.6-2.7% faster forward+backward on full and causal masks on an H100, 49-*
-    and 50-*; at D=128, 17-18% slower, likely registers). Fused (fused_bwd) needs
-    block_q_dkv=64.
+    256-key tile in two), P computed while dP's matmul runs. The dK/dV kernel's q rows a step
+    are chosen per call (dkv_block_q): 128 on masks with few partial tiles at D=64 (S^T and
+    dP^T 128 wide; at D=128, 17-18% slower, likely registers), else 64.
     """
     del dtype
     common = dict(
@@ -300,7 +318,7 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     )
     if head_dim > 64:
         return KernelConfig(block_k=128, consumer_registers=240, **common)
-    return KernelConfig(block_k=256, bwd_overlap=True, block_q_dkv=128, **common)
+    return KernelConfig(block_k=256, bwd_overlap=True, **common)
 
 
 def block_sizes(head_dim: int, dtype: object) -> tuple[int, int]:
