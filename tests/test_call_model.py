@@ -158,6 +158,23 @@ def test_class_rate_is_measured_over_modelled_time():
         call_model.class_rate(x, [1.0, 1.0], np.zeros(3))
 
 
+def test_rate_trend_is_log_linear_in_the_call_length():
+    lengths = np.array([10.0, 100.0, 1000.0])
+    rates = 2.0 * lengths**-0.05  # longer calls slower per modelled ms
+    assert call_model.rate_trend(lengths, rates, 10_000.0) == pytest.approx(2.0 * 10_000**-0.05)
+    assert call_model.rate_trend(lengths, rates, 100.0) == pytest.approx(rates[1])
+    # off the line: the least-squares line through the logs
+    noisy = rates * np.array([1.02, 0.97, 1.01])
+    slope, icpt = np.polyfit(np.log(lengths), np.log(noisy), 1)
+    want = np.exp(icpt + slope * np.log(300.0))
+    assert call_model.rate_trend(lengths, noisy, 300.0) == pytest.approx(want)
+    # one length: the classes' mean log rate
+    same = call_model.rate_trend(np.full(3, 50.0), np.array([1.0, 1.1, 1.2]), 9e3)
+    assert same == pytest.approx(np.exp(np.mean(np.log([1.0, 1.1, 1.2]))))
+    with pytest.raises(ValueError, match="needs classes and a positive length, got 0, 5.0"):
+        call_model.rate_trend(np.array([]), np.array([]), 5.0)
+
+
 def test_other_quantiles_follow_the_median_in_order():
     stats = [
         {"min": 0.9, "p20": 0.95, "median": 1.0, "p80": 1.1, "max": 1.3},

@@ -869,6 +869,64 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch, share):
         assert stats["p20"] == pytest.approx(0.94 * stats["median"], rel=1e-9)  # the kind's
 
 
+@pytest.mark.parametrize("others", [3, 2])
+@pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])
+def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, others):
+    """A long class none of whose calls was timed, of a kind with timed calls of `others`
+    other classes that follow the kind's law exactly (rate 1 at every length): from three
+    classes on, no rate call is timed; its calls are predicted at the trend's rate (1 here),
+    and a checked class times one held-out call (the class runs 5% over the law, the error
+    it states). With two, the class times a rate call first, as before."""
+    from types import SimpleNamespace
+
+    from experiments.runners import timing
+    from experiments.runners.cp_ranks import LONG_CALL_MS
+    from experiments.runners.cp_simulate import CPSimulator
+
+    law = np.array([10.0, 0.9, 1.6])
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=share
+    )
+    rng = np.random.default_rng(5)
+    features = {}
+    for c in range(others):  # the other classes, each at its own scale of work
+        for i in range(4):
+            features[(f"other{c}", i)] = np.array([1.0, *rng.integers(5, 60, 2) * 4**c])
+    features |= {("new", i): np.array([1.0, *rng.integers(200, 400, 2)]) for i in range(9)}
+    timed = []
+
+    def fake_time(ranks, point, key, call, role):
+        timed.append(role)
+        simulator._timings[key] = stats = timing.time_stats([1.05 * float(features[key] @ law)])
+        return stats
+
+    monkeypatch.setattr(simulator, "_time", fake_time)
+    for key, x in features.items():
+        if key[0] != "new":
+            simulator._timings[key] = timing.time_stats([float(x @ law)])
+    simulator._kinds["kind"] = {k: x for k, x in features.items() if k[0] != "new"}
+    if share < 1:  # another class of the kind was checked: this one is not drawn
+        simulator._kinds_checked.add("kind")
+    members = {k: (None, x) for k, x in features.items() if k[0] == "new"}
+    assert min(float(x @ law) for _, x in members.values()) > LONG_CALL_MS
+    count, predicted, checked = simulator._across_shapes(
+        None, SimpleNamespace(seed=0), ("new",), "kind", members
+    )
+    if others == 2:
+        assert timed[0] == "rate" and count == len(timed) == 1 + (share == 1.0)
+        return
+    assert timed == (["rate_held_out"] if share == 1.0 else []) and count == len(timed)
+    if share == 1.0:
+        ((guessed, measured),) = checked
+        assert measured == pytest.approx(1.05 * guessed)  # predicted at the law's rate
+        for key, stats in predicted.items():  # the rest at the held-out call's own rate
+            assert stats["median"] == pytest.approx(1.05 * float(features[key] @ law))
+    else:
+        assert checked == [] and set(predicted) == set(members)
+        for key, stats in predicted.items():
+            assert stats["median"] == pytest.approx(float(features[key] @ law))
+
+
 def test_row_checks_emulate_whole_real_query_tiles():
     """A row check's rows on every rank are up to CHECK_TILES whole, aligned query tiles holding
     real tokens, its real tiles' first and last among them; the whole shard where it is short

@@ -735,7 +735,8 @@ class CPSimulator:
         so far (those any earlier point timed, else call_model.LONG_RATE_CALLS timed now: its
         cheapest call that the kind's model puts at LONG_CALL_MS and at RATE_CALL_SHARE of its
         median untimed call or more, a rate in the throughput regime for a fraction of the
-        median call's seconds); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
+        median call's seconds; none where none was timed and _rate_trend gives the rate from
+        the kind's other classes); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
         more, drawn at random, are predicted at that rate and timed as the held-out check
         every point the class serves states, and join the rate the rest are predicted at.
         Seconds a call at 2M tokens, where the class's own calibration would time a dozen.
@@ -752,12 +753,14 @@ class CPSimulator:
         mine = {cls, (RECORDED, _digest(cls))}  # its calls and those only the records hold
         rated.update({k: v for k, v in self._kinds[kind].items() if k[:-1] in mine})
         rated.update({k: x[k] for k in members if k in self._timings})
-        scale = self._class_rate(rated, coef) if rated else 1.0
-        if scale * np.median(list(guess.values())) < LONG_CALL_MS:
+        median = float(np.median(list(guess.values())))
+        trend = None if rated else self._rate_trend(kind, cls, coef, median)
+        scale = self._class_rate(rated, coef) if rated else trend or 1.0
+        if scale * median < LONG_CALL_MS:
             return None, {}, []
         checked = self._validated.setdefault(cls, [])
         timed = 0
-        while len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
+        while trend is None and len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
             # the cheapest call past LONG_CALL_MS and RATE_CALL_SHARE of the median one
             middle = call_model.RATE_CALL_SHARE * float(np.median([guess[k] for k in untimed]))
             long = [k for k in untimed if guess[k] >= max(LONG_CALL_MS / scale, middle)]
@@ -770,16 +773,35 @@ class CPSimulator:
         while len(checked) < wanted and untimed:
             self._kinds_checked.add(kind)
             key = untimed.pop(int(rng.integers(len(untimed))))
-            rate = self._class_rate(rated, coef)
+            rate = self._class_rate(rated, coef) if rated else trend
             ms = self._time(ranks, point, key, members[key][0], "rate_held_out")["median"]
             checked.append((rate * guess[key], ms))
             rated[key], timed = x[key], timed + 1
-        rate = self._class_rate(rated, coef)
+        rate = self._class_rate(rated, coef) if rated else trend
         ratios = call_model.quantile_ratios(
             [self._timings[key] for key in self._kinds[kind]], QUANTILES
         )
         predicted = {key: call_model.scaled_quantiles(rate * guess[key], ratios) for key in untimed}
         return timed, predicted, list(checked)  # every point it serves states its check
+
+    def _rate_trend(self, kind: tuple, cls: tuple, coef: np.ndarray, length: float) -> float | None:
+        """call_model.rate_trend at `length` ms of the kind's other classes than `cls` with
+        calls in its model's table (timed here or recorded, one class either way), or None
+        while fewer than call_model.RATE_TREND_CLASSES classes have them."""
+        by_class: dict[str, list[tuple]] = {}
+        for key in self._kinds.get(kind, {}):
+            name = key[1] if key[0] == RECORDED else _digest(key[:-1])
+            if name != _digest(cls):
+                by_class.setdefault(name, []).append(key)
+        if len(by_class) < call_model.RATE_TREND_CLASSES:
+            return None
+        table = self._kinds[kind]
+        lengths, rates = [], []
+        for keys in by_class.values():
+            x = np.array([table[key] for key in keys])
+            lengths.append(float(np.median(x @ coef)))
+            rates.append(self._class_rate({key: table[key] for key in keys}, coef))
+        return call_model.rate_trend(np.array(lengths), np.array(rates), length)
 
     def _checked(self, cls: tuple, kind: tuple) -> bool:
         """Whether the model of class `cls` (of `kind`) is checked on held-out timed calls,
