@@ -892,7 +892,7 @@ def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, others)
     for c in range(others):  # the other classes, each at its own scale of work
         for i in range(4):
             features[(f"other{c}", i)] = np.array([1.0, *rng.integers(5, 60, 2) * 4**c])
-    features |= {("new", i): np.array([1.0, *rng.integers(200, 400, 2)]) for i in range(9)}
+    features |= {("new", i): np.array([1.0, *rng.integers(200, 400, 2)]) for i in range(12)}
     timed = []
 
     def fake_time(ranks, point, key, call, role):
@@ -907,7 +907,8 @@ def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, others)
     simulator._kinds["kind"] = {k: x for k, x in features.items() if k[0] != "new"}
     if share < 1:  # another class of the kind was checked: this one is not drawn
         simulator._kinds_checked.add("kind")
-    members = {k: (None, x) for k, x in features.items() if k[0] == "new"}
+    later = {k: (None, x) for k, x in features.items() if k[0] == "new" and k[1] >= 9}
+    members = {k: (None, x) for k, x in features.items() if k[0] == "new" and k[1] < 9}
     assert min(float(x @ law) for _, x in members.values()) > LONG_CALL_MS
     count, predicted, checked = simulator._across_shapes(
         None, SimpleNamespace(seed=0), ("new",), "kind", members
@@ -925,6 +926,12 @@ def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, others)
         assert checked == [] and set(predicted) == set(members)
         for key, stats in predicted.items():
             assert stats["median"] == pytest.approx(float(features[key] @ law))
+    # a later point's calls of the class: nothing more timed, the same check stated
+    timed.clear()
+    count, predicted, again = simulator._across_shapes(
+        None, SimpleNamespace(seed=1), ("new",), "kind", later
+    )
+    assert count == 0 and timed == [] and again == checked and set(predicted) == set(later)
 
 
 def test_row_checks_emulate_whole_real_query_tiles():

@@ -760,7 +760,7 @@ class CPSimulator:
             return None, {}, []
         checked = self._validated.setdefault(cls, [])
         timed = 0
-        while trend is None and len(rated) - len(checked) < call_model.LONG_RATE_CALLS and untimed:
+        while trend is None and len(rated) < call_model.LONG_RATE_CALLS and untimed:
             # the cheapest call past LONG_CALL_MS and RATE_CALL_SHARE of the median one
             middle = call_model.RATE_CALL_SHARE * float(np.median([guess[k] for k in untimed]))
             long = [k for k in untimed if guess[k] >= max(LONG_CALL_MS / scale, middle)]
