@@ -78,8 +78,8 @@ class TileList:
 
     def partial_share(self) -> float:
         """The share of the listed tiles that are partial (not fully visible): 0 for full,
-        about one tile per row of tiles for causal, 0.1-0.6 for document masks; 0 where
-        nothing is listed."""
+        about one tile per row of tiles for causal, 0.1-0.6 for most document masks at
+        8K-32K tokens in 128x256 tiles; 0 where nothing is listed."""
         count = np.asarray(self.count)
         listed = int(count.sum())
         if listed == 0:

@@ -22,10 +22,11 @@ DEFAULT_BLOCK = 64
 # masks) or at most 0.026 (full, causal, prefix-LM causal, windows); the two long-document
 # masks fall on either side of it with the length and tiles (0.02-0.065).
 UNEVEN_WALK_SPREAD = 0.05
-# Share of partial tiles (TileList.partial_share) up to which a mask counts as having few: in
-# 128x256 tiles at 8K-64K causal, prefix-LM causal and windows with global tokens measure
-# 0.007-0.083, the document, window and blockwise masks 0.1-0.6 (full and block-causal
-# documents 0).
+# Share of partial tiles (TileList.partial_share) up to which a mask counts as having few. In
+# 128x256 tiles at 8K-64K: full and block_causal_document 0; causal and prefix-LM causal
+# 0.007-0.061; global_sliding_window 0.016-0.083 (over the bound at 8K); the document, window,
+# blockwise and share_question masks 0.09-0.62, except causal_blockwise at 64K (0.034) and
+# full_document_long at 32K-64K (0.058-0.067), which fall under it.
 FEW_PARTIAL_SHARE = 0.08
 
 jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])

@@ -163,11 +163,14 @@ def test_rate_trend_is_log_linear_in_the_call_length():
     rates = 2.0 * lengths**-0.05  # longer calls slower per modelled ms
     assert call_model.rate_trend(lengths, rates, 10_000.0) == pytest.approx(2.0 * 10_000**-0.05)
     assert call_model.rate_trend(lengths, rates, 100.0) == pytest.approx(rates[1])
-    # off the line: the least-squares line through the logs
+    # off the line: a least-squares line through the logs passes through their means, so at
+    # the lengths' geometric mean it gives the rates' geometric mean
     noisy = rates * np.array([1.02, 0.97, 1.01])
-    slope, icpt = np.polyfit(np.log(lengths), np.log(noisy), 1)
-    want = np.exp(icpt + slope * np.log(300.0))
-    assert call_model.rate_trend(lengths, noisy, 300.0) == pytest.approx(want)
+    at = np.exp(np.mean(np.log(lengths)))
+    assert call_model.rate_trend(lengths, noisy, at) == pytest.approx(
+        np.exp(np.mean(np.log(noisy)))
+    )
+    assert call_model.rate_trend(lengths, noisy, at) != pytest.approx(np.mean(noisy), rel=1e-6)
     # one length: the classes' mean log rate
     same = call_model.rate_trend(np.full(3, 50.0), np.array([1.0, 1.1, 1.2]), 9e3)
     assert same == pytest.approx(np.exp(np.mean(np.log([1.0, 1.1, 1.2]))))

@@ -869,69 +869,117 @@ def test_a_class_rate_starts_from_its_calls_timed_before(monkeypatch, share):
         assert stats["p20"] == pytest.approx(0.94 * stats["median"], rel=1e-9)  # the kind's
 
 
-@pytest.mark.parametrize("others", [3, 2])
+@pytest.mark.parametrize("recorded_third", [False, True], ids=["live", "recorded"])
 @pytest.mark.parametrize("share", [1.0, 1e-9], ids=["checked", "unchecked"])
-def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, others):
-    """A long class none of whose calls was timed, of a kind with timed calls of `others`
-    other classes that follow the kind's law exactly (rate 1 at every length): from three
-    classes on, no rate call is timed; its calls are predicted at the trend's rate (1 here),
-    and a checked class times one held-out call (the class runs 5% over the law, the error
-    it states). With two, the class times a rate call first, as before."""
+def test_a_new_long_class_takes_its_kinds_rate_trend(monkeypatch, share, recorded_third):
+    """A long class none of whose calls was timed, of a kind whose other three classes run at
+    rates 2 L^-0.1 of the kind's model (L: their median modelled ms; one of them known only
+    from the records, or also recorded under its digest): no rate call is timed; a point with
+    one call of it predicts that call at the rate the trend gives at its length and times
+    nothing; a later point with more calls times one held out (for a checked class), predicted
+    at the trend too; the point after that times nothing and states that check again."""
     from types import SimpleNamespace
 
     from experiments.runners import timing
     from experiments.runners.cp_ranks import LONG_CALL_MS
-    from experiments.runners.cp_simulate import CPSimulator
+    from experiments.runners.cp_simulate import RECORDED, CPSimulator, _digest
 
-    law = np.array([10.0, 0.9, 1.6])
+    law = np.array([10.0, 0.9, 1.6])  # the kind's model, as fitted (monkeypatched below)
     simulator = CPSimulator(
         SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=share
     )
-    rng = np.random.default_rng(5)
-    features = {}
-    for c in range(others):  # the other classes, each at its own scale of work
-        for i in range(4):
-            features[(f"other{c}", i)] = np.array([1.0, *rng.integers(5, 60, 2) * 4**c])
-    features |= {("new", i): np.array([1.0, *rng.integers(200, 400, 2)]) for i in range(12)}
+    monkeypatch.setattr(simulator, "_kind_model", lambda kind: law)
+
+    def rate_at(length):
+        return 2.0 * length**-0.1
+
+    table = {}
+    for c, scale in enumerate((1, 4, 16)):  # each class's calls share one length
+        x = np.array([1.0, 20.0 * scale, 30.0 * scale])
+        ms = rate_at(float(x @ law)) * float(x @ law)
+        keys = [(f"other{c}", i) for i in range(3)]
+        if c == 2 and recorded_third:
+            keys = [(RECORDED, _digest(("other2",)), f"id{i}") for i in range(3)]
+        if c == 1:  # also recorded under its digest: still one class
+            keys += [(RECORDED, _digest(("other1",)), "id9")]
+        for key in keys:
+            table[key] = x
+            simulator._timings[key] = timing.time_stats([ms])
+    simulator._kinds["kind"] = table
+    if share < 1:  # another class of the kind was checked: this one is not drawn
+        simulator._kinds_checked.add("kind")
     timed = []
+    new = {("new", i): np.array([1.0, 300.0 + 10 * i, 500.0 - 5 * i]) for i in range(10)}
 
     def fake_time(ranks, point, key, call, role):
         timed.append(role)
-        simulator._timings[key] = stats = timing.time_stats([1.05 * float(features[key] @ law)])
+        simulator._timings[key] = stats = timing.time_stats([1.05 * float(new[key] @ law)])
         return stats
 
     monkeypatch.setattr(simulator, "_time", fake_time)
-    for key, x in features.items():
-        if key[0] != "new":
-            simulator._timings[key] = timing.time_stats([float(x @ law)])
-    simulator._kinds["kind"] = {k: x for k, x in features.items() if k[0] != "new"}
-    if share < 1:  # another class of the kind was checked: this one is not drawn
-        simulator._kinds_checked.add("kind")
-    later = {k: (None, x) for k, x in features.items() if k[0] == "new" and k[1] >= 9}
-    members = {k: (None, x) for k, x in features.items() if k[0] == "new" and k[1] < 9}
-    assert min(float(x @ law) for _, x in members.values()) > LONG_CALL_MS
-    count, predicted, checked = simulator._across_shapes(
-        None, SimpleNamespace(seed=0), ("new",), "kind", members
-    )
-    if others == 2:
-        assert timed[0] == "rate" and count == len(timed) == 1 + (share == 1.0)
-        return
-    assert timed == (["rate_held_out"] if share == 1.0 else []) and count == len(timed)
-    if share == 1.0:
-        ((guessed, measured),) = checked
-        assert measured == pytest.approx(1.05 * guessed)  # predicted at the law's rate
-        for key, stats in predicted.items():  # the rest at the held-out call's own rate
-            assert stats["median"] == pytest.approx(1.05 * float(features[key] @ law))
-    else:
-        assert checked == [] and set(predicted) == set(members)
+
+    def across(keys, seed):
+        members = {k: (None, new[k]) for k in keys}
+        return simulator._across_shapes(None, SimpleNamespace(seed=seed), ("new",), "kind", members)
+
+    guess = {k: float(x @ law) for k, x in new.items()}
+    assert min(guess.values()) > LONG_CALL_MS
+    # one call: predicted at the trend's rate at its length, nothing timed, no check stated
+    count, predicted, checked = across([("new", 0)], 0)
+    assert count == 0 and timed == [] and checked == []
+    want = rate_at(guess[("new", 0)]) * guess[("new", 0)]
+    assert predicted[("new", 0)]["median"] == pytest.approx(want, rel=1e-9)
+    # more calls: the trend at their median length; a checked class times one held out
+    keys = [("new", i) for i in range(1, 8)]
+    count, predicted, checked = across(keys, 1)
+    rate = rate_at(float(np.median([guess[k] for k in keys])))
+    if share < 1:
+        assert count == 0 and timed == [] and checked == [] and set(predicted) == set(keys)
         for key, stats in predicted.items():
-            assert stats["median"] == pytest.approx(float(features[key] @ law))
-    # a later point's calls of the class: nothing more timed, the same check stated
+            assert stats["median"] == pytest.approx(rate * guess[key], rel=1e-9)
+        return
+    assert count == 1 and timed == ["rate_held_out"]
+    ((guessed, measured),) = checked
+    assert guessed == pytest.approx(rate * measured / 1.05, rel=1e-9)
+    for key, stats in predicted.items():  # the rest at the held-out call's own rate
+        assert stats["median"] == pytest.approx(1.05 * guess[key], rel=1e-9)
+    # a later point: nothing more timed, the same check stated
     timed.clear()
-    count, predicted, again = simulator._across_shapes(
-        None, SimpleNamespace(seed=1), ("new",), "kind", later
-    )
-    assert count == 0 and timed == [] and again == checked and set(predicted) == set(later)
+    count, predicted, again = across([("new", 8), ("new", 9)], 2)
+    assert count == 0 and timed == [] and again == checked and len(predicted) == 2
+
+
+def test_a_kind_with_two_other_classes_times_a_rate_call(monkeypatch):
+    """Two other classes (one live and recorded, one recorded): too few for a trend, so the
+    class times its rate call first, as without one."""
+    from types import SimpleNamespace
+
+    from experiments.runners import timing
+    from experiments.runners.cp_simulate import RECORDED, CPSimulator, _digest
+
+    law = np.array([10.0, 0.9, 1.6])
+    simulator = CPSimulator(SimpleNamespace(on_gpu=False), None, timed_calls=4)
+    monkeypatch.setattr(simulator, "_kind_model", lambda kind: law)
+    table = {}
+    for key, x in (
+        (("a", 0), np.array([1.0, 40.0, 60.0])),
+        ((RECORDED, _digest(("a",)), "id0"), np.array([1.0, 80.0, 60.0])),
+        ((RECORDED, _digest(("b",)), "id1"), np.array([1.0, 200.0, 300.0])),
+    ):
+        table[key] = x
+        simulator._timings[key] = timing.time_stats([float(x @ law)])
+    simulator._kinds["kind"] = table
+    roles = []
+
+    def fake_time(ranks, point, key, call, role):
+        roles.append(role)
+        simulator._timings[key] = stats = timing.time_stats([float(members[key][1] @ law)])
+        return stats
+
+    monkeypatch.setattr(simulator, "_time", fake_time)
+    members = {("new", i): (None, np.array([1.0, 300.0 + i, 500.0])) for i in range(6)}
+    simulator._across_shapes(None, SimpleNamespace(seed=0), ("new",), "kind", members)
+    assert roles[0] == "rate"
 
 
 def test_row_checks_emulate_whole_real_query_tiles():

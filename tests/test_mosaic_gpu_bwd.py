@@ -166,6 +166,8 @@ WARP_SPECIALISED = {
         dataclasses.replace(default_config(64, jnp.bfloat16), block_q_dkv=128),
         "random_slices_fp16",
     ),
+    # the D=64 default as it is: 64 rows a dK/dV step on a mask of many partial tiles
+    "ws_d64_default_documents": (default_config(64, jnp.bfloat16), "causal_document_600"),
     # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
     # fp32 partial dK, dV summed after the kernel
     "ws_head_split_ragged_fp16": (

@@ -25,8 +25,8 @@ at least KIND_FIT_MIN_MS, times the class's own rate (class_rate) from LONG_RATE
 calls of it, with LONG_VALIDATION_CALLS more of it timed as its held-out check. Where the kind
 has rates of RATE_TREND_CLASSES other classes, a class none of whose calls was timed takes its
 rate from their trend in call length instead (rate_trend) and times no rate call: longer calls
-of a kind run slower per unit of modelled work (on the H100, once_bwd at 32K queries: 4% over
-the kind's model at 262K keys, 7% at 2M).
+of a kind run slower per unit of modelled work (on the H100 the kind's model alone puts
+once_bwd at 32K queries 4% short at 262K keys and 7% short at 2M).
 """
 
 from __future__ import annotations
@@ -212,9 +212,10 @@ def class_rate(x: np.ndarray, measured: np.ndarray, coef: np.ndarray) -> float:
 def rate_trend(lengths: np.ndarray, rates: np.ndarray, length: float) -> float:
     """The rate of a class whose calls the kind's model puts at `length` ms (their median),
     from the rates of the kind's other classes at theirs: log rate linear in log length, least
-    squares (their mean where they share one length). Replayed on the H100 runs' records with
-    each long class left out (results/cpu/cp_rate_trend): 5.2% (H100) and 5.0% (H200) at the
-    90th percentile over the long classes' calls, against 5.6% and 6.7% from one timed call."""
+    squares (their geometric mean where they share one length). Replayed on the records of
+    both card kinds with each long class left out (results/cpu/cp_rate_trend): 5.2% (H100) and
+    5.0% (H200) at the 90th percentile over the long classes' calls, against 5.6% and 6.7%
+    from one timed call of the class."""
     x = np.log(np.asarray(lengths, np.float64))
     y = np.log(np.asarray(rates, np.float64))
     if len(x) == 0 or length <= 0:

@@ -519,10 +519,10 @@ class CPSimulator:
         held-out calls the counts report (for the validation_share of classes _checked picks;
         "unchecked" counts the calls predicted in classes that state no check). A class whose
         calls the model of their kind (any shapes) puts past LONG_CALL_MS is predicted from
-        that model at the class's own rate instead, from a call or two of it timed
-        (_across_shapes). With k > 0, calls whose pieces hold no tile take one timed call of
-        their class's (_idle) and join neither model; calls the records hold take their
-        recorded times (_restore)."""
+        that model at the class's own rate instead, from a call or two of it timed, or at the
+        rate its kind's other classes give it (_across_shapes). With k > 0, calls whose pieces
+        hold no tile take one timed call of their class's (_idle) and join neither model; calls
+        the records hold take their recorded times (_restore)."""
         plan = sched.plan
         ring_of = np.array([plan.ring_rank(g) for g in range(plan.world_size)])
         self._class_kinds = classes.kinds
@@ -736,7 +736,9 @@ class CPSimulator:
         cheapest call that the kind's model puts at LONG_CALL_MS and at RATE_CALL_SHARE of its
         median untimed call or more, a rate in the throughput regime for a fraction of the
         median call's seconds; none where none was timed and _rate_trend gives the rate from
-        the kind's other classes); then, for a _checked class, call_model.LONG_VALIDATION_CALLS
+        the kind's other classes, which also decides whether the calls count as long); then,
+        for a _checked class (a class on the trend only where calls are left to predict after
+        the check), call_model.LONG_VALIDATION_CALLS
         more, drawn at random, are predicted at that rate and timed as the held-out check
         every point the class serves states, and join the rate the rest are predicted at.
         Seconds a call at 2M tokens, where the class's own calibration would time a dozen.
@@ -770,6 +772,8 @@ class CPSimulator:
             untimed.remove(key)
         rng = np.random.default_rng(point.seed + len(self._timings))
         wanted = call_model.LONG_VALIDATION_CALLS if self._checked(cls, kind) else 0
+        if trend is not None and len(untimed) <= wanted:  # the check would be every call left:
+            wanted = 0  # predicted at the trend, the check left to a point with more of them
         while len(checked) < wanted and untimed:
             self._kinds_checked.add(kind)
             key = untimed.pop(int(rng.integers(len(untimed))))
@@ -786,21 +790,23 @@ class CPSimulator:
 
     def _rate_trend(self, kind: tuple, cls: tuple, coef: np.ndarray, length: float) -> float | None:
         """call_model.rate_trend at `length` ms of the kind's other classes than `cls` with
-        calls in its model's table (timed here or recorded, one class either way), or None
-        while fewer than call_model.RATE_TREND_CLASSES classes have them."""
+        calls in its model's table (timed here or recorded, one class either way) that the
+        model gives time, or None while fewer than call_model.RATE_TREND_CLASSES classes have
+        them or `length` is not positive."""
         by_class: dict[str, list[tuple]] = {}
         for key in self._kinds.get(kind, {}):
             name = key[1] if key[0] == RECORDED else _digest(key[:-1])
             if name != _digest(cls):
                 by_class.setdefault(name, []).append(key)
-        if len(by_class) < call_model.RATE_TREND_CLASSES:
-            return None
-        table = self._kinds[kind]
+        table = self._kinds.get(kind, {})
         lengths, rates = [], []
         for keys in by_class.values():
-            x = np.array([table[key] for key in keys])
-            lengths.append(float(np.median(x @ coef)))
-            rates.append(self._class_rate({key: table[key] for key in keys}, coef))
+            modelled = np.array([table[key] for key in keys]) @ coef
+            if np.median(modelled) > 0:
+                lengths.append(float(np.median(modelled)))
+                rates.append(self._class_rate({key: table[key] for key in keys}, coef))
+        if len(lengths) < call_model.RATE_TREND_CLASSES or length <= 0:
+            return None
         return call_model.rate_trend(np.array(lengths), np.array(rates), length)
 
     def _checked(self, cls: tuple, kind: tuple) -> bool:

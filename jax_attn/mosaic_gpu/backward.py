@@ -318,7 +318,10 @@ def _kernels(
         Kernel(
             block_q=_kernel_tile(
                 dkv_block_q(
-                    config, head_dim=q.shape[3], few_partial_tiles=arrays.few_partial_tiles
+                    config,
+                    head_dim=q.shape[3],
+                    mask_block_q=mbq,
+                    few_partial_tiles=arrays.few_partial_tiles,
                 ),
                 "block_q_dkv",
                 mbq,

@@ -275,17 +275,20 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
     return 2 if walk_peak * HOPPER_SMS >= DKV_SPLIT_BOUND * dkv_ctas else 1
 
 
-def dkv_block_q(config: KernelConfig, *, head_dim: int, few_partial_tiles: bool) -> int:
+def dkv_block_q(
+    config: KernelConfig, *, head_dim: int, mask_block_q: int, few_partial_tiles: bool
+) -> int:
     """The dK/dV kernel's q rows a step: config.block_q_dkv, or where it is None, 128 at
-    head_dim 64 for the warp-specialised unfused kernel without ping-pong on a mask with few
-    partial tiles (MaskArrays.few_partial_tiles), else 64. Measured forward+backward on an H100
-    at 16K and 32K, 64:8 heads (results/h100/mosaic_variants): 128 rows 0.6-2.7% faster on
-    full and causal, 0.1-7% slower on the document, window, blockwise and share_question
-    masks (53-* and 52-*)."""
+    head_dim 64 for the warp-specialised unfused kernel without ping-pong on mask tiles of a
+    multiple of 128 rows with few partial ones (MaskArrays.few_partial_tiles), else 64.
+    Measured forward+backward on an H100 at 16K and 32K, 64:8 heads
+    (results/h100/mosaic_variants): 128 rows 0.6-2.7% faster on full and causal, 0.1-7.4%
+    slower on the document, window, blockwise and share_question masks (52-* and 53-*)."""
     if config.block_q_dkv is not None:
         return config.block_q_dkv
     wide = (
         head_dim <= 64
+        and mask_block_q % 128 == 0
         and few_partial_tiles
         and config.bwd_warpgroups == CONSUMER_WARPGROUPS
         and not (config.fused_bwd or config.bwd_pingpong)

@@ -38,6 +38,8 @@ def main(paths: list[str]) -> None:
         if c["median"] >= call_model.KIND_FIT_MIN_MS and c["row_span"] + c["col_span"] > 0:
             kinds[c["kind"]].append(c)
     errors = collections.defaultdict(list)
+    paired = collections.defaultdict(list)  # calls with both a rate call's and a trend's rate
+    slow = []  # (call, q, k, heads, median ms, the kind's model alone: mean error %)
     classes = 0
     for long in kinds.values():
         by_class = collections.defaultdict(list)
@@ -56,6 +58,12 @@ def main(paths: list[str]) -> None:
             rates = [call_model.class_rate(features(m), medians(m), coef) for m in rest.values()]
             classes += 1
             errors["the kind's model alone"] += list(guess / measured - 1)
+            first = own[0]
+            slow.append(
+                (first["call"], first["q"], first["k"], f"{first['heads']}:{first['heads_kv']}",
+                 float(np.median(measured)), 100 * float(np.mean(guess / measured - 1)))
+            )  # fmt: skip
+            trend = None
             if len(rest) >= call_model.RATE_TREND_CLASSES:
                 trend = call_model.rate_trend(np.array(lengths), np.array(rates), np.median(guess))
                 errors["rate_trend of the other classes"] += list(trend * guess / measured - 1)
@@ -65,13 +73,26 @@ def main(paths: list[str]) -> None:
                 keep = np.arange(len(own)) != pick
                 rate = measured[pick] / guess[pick]
                 errors["one rate call"] += list(rate * guess[keep] / measured[keep] - 1)
+                if trend is not None:
+                    paired["one rate call"] += list(rate * guess[keep] / measured[keep] - 1)
+                    paired["rate_trend"] += list(trend * guess[keep] / measured[keep] - 1)
     print(f"{len(calls)} timed calls, {classes} classes of at least {LONG_CALL_MS:.0f} ms")
+    print("classes of at least 1 s: the kind's model alone over the measured time, mean")
+    for call, q, k, heads, ms, error in sorted(slow):
+        if ms >= 1000:
+            print(f"  {call:10s} q={q:<8d} k={k:<8d} heads {heads:5s} {ms:8.0f} ms {error:+.1f}%")
+    print("relative error of the predicted medians")
     for label, e in errors.items():
         e = 100 * np.abs(np.array(e))
         print(
             f"{label:32s} {len(e):4d} calls: median {np.median(e):.2f}%, "
             f"p90 {np.percentile(e, 90):.2f}%, max {e.max():.1f}%"
         )
+    print("the same calls, where a class has both a rate call and a trend")
+    for label, e in paired.items():
+        e = 100 * np.abs(np.array(e))
+        p90 = np.percentile(e, 90)
+        print(f"{label:32s} {len(e):4d} calls: median {np.median(e):.2f}%, p90 {p90:.2f}%")
 
 
 if __name__ == "__main__":
