@@ -738,9 +738,9 @@ class CPSimulator:
         median call's seconds; none where none was timed and _rate_trend gives the rate from
         the kind's other classes, which also decides whether the calls count as long); then,
         for a _checked class (a class on the trend only where calls are left to predict after
-        the check), call_model.LONG_VALIDATION_CALLS
-        more, drawn at random, are predicted at that rate and timed as the held-out check
-        every point the class serves states, and join the rate the rest are predicted at.
+        the check), call_model.LONG_VALIDATION_CALLS more, drawn at random, are predicted at
+        that rate and timed as the held-out check every point the class serves states, and
+        join the rate the rest are predicted at.
         Seconds a call at 2M tokens, where the class's own calibration would time a dozen.
         (None, {}, []) where that model does not apply: no model of the kind yet, or calls
         shorter than that."""
