@@ -815,7 +815,9 @@ class CPSimulator:
         (_digest) so that every process of a resumed run draws the same ones, all of them at
         a share of 1; and a kind's first class to be modelled where no class of the kind was
         checked yet, so every kind's model has a check (a process resuming a run may check
-        a few more)."""
+        a few more) where its classes have calls left to predict after one: a class on its
+        kind's rate trend times its check only then (_across_shapes), and its points state
+        none before."""
         if cls not in self._checks:
             drawn = int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
             self._checks[cls] = drawn or kind not in self._kinds_checked
