@@ -80,12 +80,10 @@ class TileList:
         """The share of the listed tiles that are partial (not fully visible): 0 for full,
         about one tile per row of tiles for causal, 0.1-0.6 for most document masks at
         8K-32K tokens in 128x256 tiles; 0 where nothing is listed."""
-        count = np.asarray(self.count)
-        listed = int(count.sum())
+        listed = int(np.asarray(self.count).sum())
         if listed == 0:
             return 0.0
-        valid = np.arange(self.width) < count[..., None]
-        return 1.0 - int(np.asarray(self.full)[valid].sum()) / listed
+        return 1.0 - int(np.asarray(self.full).sum()) / listed  # padding is never full
 
     def walk_peak(self) -> float:
         """The longest walk (count) over the mean walk, rounded to a power of sqrt(2) (a

@@ -17,17 +17,14 @@ import sys
 
 import numpy as np
 
-from experiments.cp_call_fits import timed_calls
+from experiments.cp_call_fits import _medians as medians
+from experiments.cp_call_fits import design, timed_calls
 from experiments.runners import call_model
 from experiments.runners.cp_ranks import LONG_CALL_MS
 
 
 def features(calls: list[dict]) -> np.ndarray:
-    return np.array([[1.0, c["row_span"], c["col_span"]] for c in calls])
-
-
-def medians(calls: list[dict]) -> np.ndarray:
-    return np.array([c["median"] for c in calls])
+    return design(calls, call_model.SPANS)
 
 
 def main(paths: list[str]) -> None:
