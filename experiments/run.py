@@ -92,9 +92,24 @@ def _budget_spent(out_dir: str, budget_s: float) -> int:
     return interrupt.BUDGET_SPENT
 
 
+def _device_faulted(out_dir: str, fault: interrupt.DeviceFaulted) -> int:
+    """One line on a sweep stopped by a sticky CUDA fault: where, what is recorded, how to go on."""
+    store = ResultsStore(out_dir)
+    recorded = len(store.done_keys())
+    print(
+        f"Stopped: the GPU faulted at {fault.point} ({fault.fault}), which leaves this process "
+        f"unable to use it; that point is recorded as an error and {recorded} "
+        f"point{'' if recorded == 1 else 's'} in all in {store.path}. Rerun the same command to "
+        "continue with the rest (add --retry_errors to run the faulted point again).",
+        file=sys.stderr,
+        flush=True,
+    )
+    return interrupt.DEVICE_FAULTED
+
+
 def _sweep() -> int:
-    """Run or resume the sweep the flags describe; Ctrl-C or the time budget ends it with one
-    line."""
+    """Run or resume the sweep the flags describe; Ctrl-C, the time budget or a device fault
+    ends it with one line."""
     settings = run_flags.settings()
     try:
         with interrupt.stop_between_points(settings.time_budget):
@@ -104,6 +119,8 @@ def _sweep() -> int:
             return driver.execute(settings, run_flags.requested_cps(), run_flags.grid_overrides())
     except interrupt.BudgetSpent:
         return _budget_spent(settings.out_dir, settings.time_budget)
+    except interrupt.DeviceFaulted as fault:
+        return _device_faulted(settings.out_dir, fault)
     except KeyboardInterrupt:
         return _interrupted(settings.out_dir)
 

@@ -435,6 +435,51 @@ def test_time_budget_stops_a_sweep_in_resumable_pieces(tmp_path, capsys):
     assert keys[: len(first)] == [r["key"] for r in first]
 
 
+def test_a_device_fault_stops_the_sweep_once_recorded(tmp_path, capsys, monkeypatch):
+    from experiments.runners.jax_runner import JaxRunner
+
+    run_point = JaxRunner.run
+    faulted: list[str] = []
+
+    def run(self, point):  # the third point's kernel faults the GPU, as a bad launch would
+        if point.seqlen_total == 48 and point.mask == "full":
+            faulted.append(point.key)
+            raise RuntimeError(
+                "INTERNAL: CUDA error: Failed to check stream capturing status: "
+                "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure"
+            )
+        return run_point(self, point)
+
+    monkeypatch.setattr(JaxRunner, "run", run)
+    args = [*EIGHT_POINTS, f"--out_dir={tmp_path}"]
+    assert _run_in_process(args) == interrupt.DEVICE_FAULTED
+    first = _records(tmp_path)
+    assert [r["status"] for r in first] == ["ok", "ok", "error"], "nothing after the fault"
+    assert first[-1]["key"] == faulted[0] and "CUDA_ERROR_LAUNCH_FAILED" in first[-1]["reason"]
+    err = capsys.readouterr().err
+    assert "CUDA_ERROR_LAUNCH_FAILED" in err and "3 points in all" in err
+    assert "full S=48" in err and "--retry_errors" in err
+    assert _run_in_process(args) == 0  # the same command goes on with the rest ...
+    again = _records(tmp_path)
+    assert len(again) == 8 and faulted == [first[-1]["key"]]  # ... leaving the faulted one
+    monkeypatch.setattr(JaxRunner, "run", run_point)  # the fault was the device's, not the point's
+    assert _run_in_process([*args, "--retry_errors"]) == 0
+    latest = {r["key"]: r["status"] for r in _records(tmp_path)}
+    assert len(latest) == 8 and set(latest.values()) == {"ok"}
+
+
+def test_faults_that_leave_the_context_unusable_are_told_apart():
+    from experiments.core.outcomes import device_fault
+
+    torch_text = "CUDA error: an illegal memory access was encountered\nCUDA kernel errors ..."
+    assert device_fault(torch_text) == "an illegal memory access was encountered"
+    xla_text = "XlaRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access"
+    assert device_fault(xla_text) == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert device_fault("ValueError: rows must be 128 rows") is None
+    assert device_fault("RESOURCE_EXHAUSTED: Out of memory while trying to allocate") is None
+    assert device_fault(None) is None
+
+
 def test_paper_preset_is_the_published_grid():
     p = presets.get_preset("paper", on_gpu=True)
     (kernel,), (cp,) = p.kernel, p.cp

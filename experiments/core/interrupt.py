@@ -1,4 +1,5 @@
-"""Stopping a sweep between points: on Ctrl-C, or when its time budget is spent.
+"""Stopping a sweep between points: on Ctrl-C, when its time budget is spent, or after a point
+that left the GPU unusable to this process.
 
 A KeyboardInterrupt raised while XLA compiles or runs can surface as a point error or crash the
 interpreter, so during a sweep the first SIGINT only sets a flag the point loop checks; a second
@@ -20,8 +21,20 @@ _requested = threading.Event()
 _deadline: list[float] = []  # monotonic time past which the point loop stops; empty: none
 
 
+DEVICE_FAULTED = 4  # exit status of a sweep stopped by a device fault (rerun to continue)
+
+
 class BudgetSpent(BaseException):
     """The sweep's time budget ran out at a point boundary (not an error of any point)."""
+
+
+class DeviceFaulted(BaseException):
+    """A point's error was a sticky CUDA fault (outcomes.DEVICE_FAULTS): every later point of
+    this process would fail the same way, so the sweep stops once that point is recorded."""
+
+    def __init__(self, point: str, fault: str) -> None:
+        super().__init__(f"{point}: {fault}")
+        self.point, self.fault = point, fault
 
 
 ACKNOWLEDGED = b"stopping after the running point; Ctrl-C again to stop now\n"

@@ -10,6 +10,22 @@ STATUSES = (OK, OOM, UNSUPPORTED, WRONG, ERROR)
 # the longer problem's (--sim_baseline_max_seqlen)
 SCALED = "scaled"
 MAX_MESSAGE_CHARS = 2000
+# Errors after which a process's CUDA context is unusable (sticky: every later launch fails),
+# as JAX/XLA (CUDA driver names) and PyTorch (runtime messages) word them.
+DEVICE_FAULTS = (
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ASSERT",
+    "unspecified launch failure",
+    "an illegal memory access was encountered",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "device-side assert triggered",
+)
 
 
 class PointFailure(Exception):
@@ -44,6 +60,11 @@ def _is_unsupported(exc: BaseException) -> bool:
     return any(c.__name__ == "Unsupported" for c in type(exc).__mro__) or isinstance(
         exc, NotImplementedError
     )
+
+
+def device_fault(reason: str | None) -> str | None:
+    """The sticky CUDA error a point's error reason names (DEVICE_FAULTS), or None."""
+    return next((f for f in DEVICE_FAULTS if reason and f in reason), None)
 
 
 def classify(exc: BaseException) -> tuple[str, str]:

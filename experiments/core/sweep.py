@@ -7,7 +7,14 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 
 from experiments.core import interrupt
-from experiments.core.outcomes import ERROR, OK, PointFailure, classify, short_traceback
+from experiments.core.outcomes import (
+    ERROR,
+    OK,
+    PointFailure,
+    classify,
+    device_fault,
+    short_traceback,
+)
 from experiments.core.points import Point
 from experiments.core.progress import Progress
 from experiments.core.results import ResultsStore
@@ -72,8 +79,11 @@ def run_points(
     store: ResultsStore | None,
     progress: Progress | None,
     provenance: dict,
+    stop_on_fault: bool = True,
 ) -> None:
-    """Run points in order; the writer (store given) appends each record as soon as it exists."""
+    """Run points in order; the writer (store given) appends each record as soon as it exists.
+    A point whose error is a sticky CUDA fault ends the loop once recorded (DeviceFaulted,
+    unless stop_on_fault is False): the points after it would only record the same error."""
     for point in points:
         interrupt.raise_if_requested()
         record = run_one(point, runner_for, provenance)
@@ -81,4 +91,7 @@ def run_points(
             store.append(record)
         if progress is not None:
             progress.update(point.label(), record)
+        fault = device_fault(record["reason"]) if record["status"] == ERROR else None
+        if fault and stop_on_fault:
+            raise interrupt.DeviceFaulted(point.label(), fault)
         interrupt.raise_if_requested()
