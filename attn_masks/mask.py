@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -298,15 +298,14 @@ class Mask:
         """
         return self.restrict_blocks(q_positions, [k_positions])[0]
 
-    def restrict_blocks(self, q_positions: Any, k_blocks: Sequence[Any]) -> list[Mask]:
+    def restrict_blocks(
+        self, q_positions: Any, k_blocks: Sequence[Any | PositionRuns]
+    ) -> list[Mask]:
         """[self.restrict(q_positions, kb) for kb in k_blocks], in a few vectorised passes instead
-        of a small call per block (a CP plan restricts every rank's queries to each step's keys)."""
+        of a small call per block (a CP plan restricts every rank's queries to each step's keys).
+        A key block may be given as its position_runs, for blocks that many calls share (a CP
+        plan's shards: each rank's call walks every shard's keys)."""
         qp = _positions(q_positions, self.seqlen_q, "q_positions")
-        kps = [np.asarray(k, dtype=np.int64).reshape(-1) for k in k_blocks]
-        sizes = np.array([k.size for k in kps], np.int64)
-        kp = _positions(np.concatenate([np.zeros(0, np.int64), *kps]), self.seqlen_k, "k_positions")
-        ends = np.cumsum(sizes)
-        starts = ends - sizes
         lo_off, hi_off = self.bands
         # every (query run, slice) pair that meets, then every key run each pair meets, in work
         # proportional to the pieces found (a CP plan restricts a long mask thousands of times,
@@ -315,10 +314,19 @@ class Mask:
         q_run, s = _run_overlaps(qg, qn, self.q_ranges[:, 0], self.q_ranges[:, 1])
         # key runs break at block starts; block b's runs and its copy of every pair are shifted
         # by b * seqlen_k, so that a pair meets only the key runs of its own block
-        kg, kl, kn = _runs(kp, starts)
-        blk = np.searchsorted(ends, kl, side="right")
-        kl = kl - starts[blk]
-        shift = np.arange(len(kps), dtype=np.int64)[:, None] * self.seqlen_k
+        if any(isinstance(k, PositionRuns) for k in k_blocks):
+            sizes, kg, kl, kn, blk = _block_runs(k_blocks, self.seqlen_k)
+        else:
+            kps = [np.asarray(k, dtype=np.int64).reshape(-1) for k in k_blocks]
+            sizes = np.array([k.size for k in kps], np.int64)
+            kp = np.concatenate([np.zeros(0, np.int64), *kps])
+            kp = _positions(kp, self.seqlen_k, "k_positions")
+            ends = np.cumsum(sizes)
+            starts = ends - sizes
+            kg, kl, kn = _runs(kp, starts)
+            blk = np.searchsorted(ends, kl, side="right")
+            kl = kl - starts[blk]
+        shift = np.arange(len(sizes), dtype=np.int64)[:, None] * self.seqlen_k
         k_run, item = _run_overlaps(
             kg + shift[blk, 0],
             kn,
@@ -339,12 +347,48 @@ class Mask:
             np.where(hi_off[sl] >= INF, INF, hi_off[sl] - dk + dq),
             block,
         )
-        cut = np.searchsorted(piece_block, np.arange(len(kps) + 1))
+        cut = np.searchsorted(piece_block, np.arange(len(sizes) + 1))
         name = f"{self.name}[restricted]"
         return [
             Mask(len(qp), int(n), qr[a:b], kr[a:b], ty[a:b], name=name, params={})
             for n, a, b in zip(sizes, cut[:-1], cut[1:])
         ]
+
+
+class PositionRuns(NamedTuple):
+    """Positions as their maximal runs of consecutive increasing values (position_runs): each
+    run's first position, its index among the positions and its length; and how many there
+    are."""
+
+    start: np.ndarray
+    local: np.ndarray
+    length: np.ndarray
+    size: int
+
+
+def position_runs(positions: Any) -> PositionRuns:
+    """The runs of `positions` (1-D, any order), for Mask.restrict_blocks' key blocks: a block
+    that many calls restrict to is split into runs once."""
+    p = np.asarray(positions, dtype=np.int64).reshape(-1)
+    return PositionRuns(*_runs(p), p.size)
+
+
+def _block_runs(
+    k_blocks: Sequence[Any | PositionRuns], n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sizes, global starts, block-local starts, lengths, blocks) of the key runs of every
+    block in turn, the blocks given as positions or position_runs, checked to lie in [0, n):
+    what restrict_blocks reads of the blocks' concatenation broken at each block's start."""
+    runs = [k if isinstance(k, PositionRuns) else position_runs(k) for k in k_blocks]
+    sizes = np.array([r.size for r in runs], np.int64)
+    empty = np.zeros(0, np.int64)
+    kg, kl, kn = (np.concatenate([empty, *(r[i] for r in runs)]) for i in range(3))
+    blk = np.repeat(np.arange(len(runs)), [len(r.start) for r in runs])
+    if kg.size:
+        low, high = int(kg.min()), int((kg + kn).max()) - 1
+        if low < 0 or high >= n:
+            raise ValueError(f"k_positions must lie in [0, {n}), got values in [{low}, {high}]")
+    return sizes, kg, kl, kn, blk
 
 
 def _positions(p: Any, n: int, what: str) -> np.ndarray:

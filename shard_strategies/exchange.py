@@ -255,5 +255,10 @@ def plan_exchanges(plan: CPPlan) -> tuple[Exchange, Exchange] | None:
 
 
 def plan_exchange_rounds(plan: CPPlan) -> tuple[ExchangeRounds, ExchangeRounds] | None:
-    """plan_exchanges' rounds and sizes alone, for the simulator."""
-    return _both_ways(plan, exchange_rounds)
+    """plan_exchanges' rounds and sizes alone, for the simulator: worked out once per plan and
+    kept on it (the CP predictor schedules a plan once per mode; at 2M tokens this reads every
+    position several times)."""
+    kept = plan.__dict__
+    if "_exchange_rounds" not in kept:
+        kept["_exchange_rounds"] = _both_ways(plan, exchange_rounds)
+    return kept["_exchange_rounds"]

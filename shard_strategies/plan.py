@@ -8,6 +8,7 @@ contiguous pieces and, after the all-to-all, each computes the whole shard for H
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,6 +16,7 @@ from functools import cached_property
 import numpy as np
 
 from attn_masks import Mask, from_slices
+from attn_masks.mask import PositionRuns, position_runs
 
 from . import schedules
 from .comm import FP32_BYTES, formula_elements
@@ -341,6 +343,7 @@ def make_plan(
     head_dim: int | None = None,
     pad_multiple: int = 1,
     chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+    like: CPPlan | None = None,
 ) -> CPPlan:
     """Plan `strategy` for `mask` on `world_size` ranks with token `layout`.
 
@@ -348,6 +351,10 @@ def make_plan(
     double_ring 1). num_windows: double_ring windows (default: LoongTrain's heuristic). inner_axis:
     which axis is made of consecutive ranks ("ulysses" or "ring"). Heads, when given, are checked
     against U. pad_multiple: every ring shard length is a multiple of it (e.g. a kernel tile).
+    like: a plan of the same mask and settings under another pad_multiple; where this plan's
+    layout holds every real token at like's local index (only the padding differs: more at the
+    shards' ends), its steps and its pieces' slices are like's (_repadded), the mask not
+    restricted again (a 64-rank plan of a document mask restricts it for about a second).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
@@ -366,6 +373,9 @@ def make_plan(
     else:
         windows = 1
     lay = make_layout(mask, ring, layout, math.lcm(u, pad_multiple), chunks_per_rank)
+    settings = (mask, strategy, int(world_size), u, windows, inner_axis)
+    if like is not None and _same_settings(like, settings) and _pads_like(lay, like.layout):
+        return _repadded(like, lay, num_heads_q, num_heads_kv, head_dim)
     full = padded_mask(mask, lay.padded_seqlen)
     ring_core = strategy_core(strategy, ring)
     if ring_core != RING_CORE:  # one step: every key (all-gather) or the rank's own (local)
@@ -376,9 +386,15 @@ def make_plan(
             for o, i in schedules.visiting_order(ring, windows)
         ]
 
-    def keys(r: int, step: Step) -> np.ndarray:
+    # every rank restricts to the same shards (or all keys): each split into runs once
+    shard_runs: dict[int, PositionRuns] = {}
+
+    def keys(r: int, step: Step) -> PositionRuns:
         src = int(step.sources[r])
-        return np.arange(lay.seqlen) if src < 0 else lay.positions[src]
+        if src not in shard_runs:
+            at = np.arange(lay.seqlen) if src < 0 else lay.positions[src]
+            shard_runs[src] = position_runs(at)
+        return shard_runs[src]
 
     grid = [
         full.restrict_blocks(lay.positions[r], [keys(r, s) for s in all_steps]) for r in range(ring)
@@ -398,6 +414,56 @@ def make_plan(
         steps=tuple(all_steps[t] for t in keep),
         dropped=tuple(s for s, ok in zip(all_steps, nonempty) if not ok),
         pieces=tuple(tuple(grid[r][t] for t in keep) for r in range(ring)),
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+    )
+
+
+def _same_settings(plan: CPPlan, settings: tuple) -> bool:
+    """Whether `plan` was made of the same mask (object) with the same (strategy, world size,
+    Ulysses size, windows, inner axis)."""
+    mask, strategy, world_size, u, windows, inner_axis = settings
+    return (
+        plan.mask is mask
+        and (plan.strategy, plan.world_size, plan.ulysses_size) == (strategy, world_size, u)
+        and (plan.num_windows, plan.inner_axis) == (windows, inner_axis)
+    )
+
+
+def _pads_like(new: Layout, old: Layout) -> bool:
+    """Whether `new` holds every real token of `old` at the same (ring rank, local index), with
+    padding everywhere else (old's padding slots and any slots past old's shard length)."""
+    if (new.seqlen, new.ring_size) != (old.seqlen, old.ring_size) or new.shard_len < old.shard_len:
+        return False
+    n, length = new.seqlen, old.shard_len
+    head, real = new.positions[:, :length], old.positions < n
+    return bool(
+        np.array_equal(np.where(real, old.positions, n), np.where(head < n, head, n))
+        and (new.positions[:, length:] >= n).all()
+    )
+
+
+def _repadded(like: CPPlan, lay: Layout, num_heads_q, num_heads_kv, head_dim) -> CPPlan:
+    """`like` over layout `lay` (which _pads_like like's): the same steps, and each piece the
+    same typed slices over the new shard and key lengths. A piece restricted from the padded
+    mask is the same whatever the padding: its slices lie in the real tokens, which sit at the
+    same local indices, and padding sees and is seen by nothing."""
+
+    def key_len(r: int, step: Step) -> int:
+        return lay.seqlen if int(step.sources[r]) < 0 else lay.shard_len
+
+    pieces = tuple(
+        tuple(
+            Mask(lay.shard_len, key_len(r, s), p.q_ranges, p.k_ranges, p.types, name=p.name)
+            for p, s in zip(row, like.steps)
+        )
+        for r, row in enumerate(like.pieces)
+    )
+    return dataclasses.replace(
+        like,
+        layout=lay,
+        pieces=pieces,
         num_heads_q=num_heads_q,
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,

@@ -66,13 +66,7 @@ class PlanPieces:
         where they split a rectangle: an all-gather rank's full piece is one call at every
         layout), tiles and interval count, from which the arrays are built."""
         if i not in self._digests:
-            piece = self.pieces[i]
-            h = hashlib.sha1(
-                repr((piece.seqlen_q, piece.seqlen_k, self.tiles, self.intervals)).encode()
-            )
-            for a in joined_slices(piece.q_ranges, piece.k_ranges, piece.types):
-                h.update(np.ascontiguousarray(a).tobytes())
-            self._digests[i] = h.hexdigest()
+            self._digests[i] = _piece_digest(self.pieces[i], self.tiles, self.intervals)
         return self._digests[i]
 
     def features(self, heads_q: int, heads_kv: int, slots: int) -> np.ndarray:
@@ -85,13 +79,7 @@ class PlanPieces:
             if self.tiles is None:
                 self._features[key] = call_model.area_features(self.plan.piece_area, heads_q)
             else:
-                spans: dict[tuple, np.ndarray] = {}  # pieces of one profile share their spans
-                distinct = []
-                for _, work in self.layouts():
-                    profile = tuple(np.asarray(a, np.int64).tobytes() for p in work for a in p)
-                    if profile not in spans:
-                        spans[profile] = call_model.span_features(*work, heads_q, heads_kv, slots)
-                    distinct.append(spans[profile])
+                distinct = [_piece_spans(work, *key) for _, work in self.layouts()]
                 self._features[key] = np.array(distinct)[self.index]
         return self._features[key]
 
@@ -110,10 +98,54 @@ class PlanPieces:
         return self.layouts()[int(self.index[r, t])][0]
 
 
-# Distinct pieces whose tile layout a run keeps across plans: a 64-GPU plan has thousands, and
-# the points of a problem's strategies and layouts share many.
-LAYOUTS_KEPT = 512
+# Distinct pieces whose digest, tile layout and spans a run keeps across plans: a 64-GPU plan
+# has thousands (a document mask's zigzag ring about 3,700 at 8K tokens a device, a few KB of
+# tile counts each), and the points of a problem's strategies and layouts share many (a double
+# ring's pieces are its ring's: 5,700 distinct of 11,400 in the 64-GPU 8K problems).
+LAYOUTS_KEPT = 8192
 _layouts_kept: OrderedDict[str, tuple[dict, call_model.PieceWork]] = OrderedDict()
+_digests_kept: OrderedDict[str, str] = OrderedDict()  # by the piece's own slices (_piece_digest)
+_spans_kept: OrderedDict[tuple, np.ndarray] = OrderedDict()  # by profile and heads (_piece_spans)
+
+
+def _kept(store: OrderedDict, key, make: Callable):
+    """store[key], made by make() where missing, the store keeping its last LAYOUTS_KEPT."""
+    value = store.pop(key, None)
+    if value is None:
+        value = make()
+    store[key] = value
+    while len(store) > LAYOUTS_KEPT:
+        store.popitem(last=False)
+    return value
+
+
+def _piece_digest(piece, tiles, intervals: int) -> str:
+    """PlanPieces.digest of a piece: a digest of its typed slices joined where they split a
+    rectangle (joined_slices), its lengths, tiles and interval count; kept by a digest of the
+    slices as they are (equal slices join alike), so a piece in several plans joins once."""
+    head = repr((piece.seqlen_q, piece.seqlen_k, tiles, intervals))
+    slices = (piece.q_ranges, piece.k_ranges, piece.types)
+    raw = hashlib.sha1((head + repr([(a.dtype.str, a.shape) for a in slices])).encode())
+    for a in slices:
+        raw.update(np.ascontiguousarray(a).tobytes())
+
+    def digest() -> str:
+        h = hashlib.sha1(head.encode())
+        for a in joined_slices(*slices):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()
+
+    return _kept(_digests_kept, raw.hexdigest(), digest)
+
+
+def _piece_spans(work: call_model.PieceWork, heads_q: int, heads_kv: int, slots: int):
+    """call_model.span_features of a piece's tiles per row and column (`work`): pieces of one
+    profile share their spans, in a plan and across plans."""
+    profile = tuple(np.asarray(a, np.int64).tobytes() for p in work for a in p)
+    key = (profile, tuple(len(a) for p in work for a in p), heads_q, heads_kv, slots)
+    return _kept(
+        _spans_kept, key, lambda: call_model.span_features(*work, heads_q, heads_kv, slots)
+    )
 
 
 def _piece_layout(digest: str, piece, tiles: tuple[int, int]) -> tuple[dict, call_model.PieceWork]:
@@ -121,15 +153,13 @@ def _piece_layout(digest: str, piece, tiles: tuple[int, int]) -> tuple[dict, cal
     built only where a call runs it: a 2M-token piece's holds 268M tiles, seconds to build),
     kept for the last LAYOUTS_KEPT pieces by digest (PlanPieces.digest: its slices, tiles and
     interval count)."""
-    layout = _layouts_kept.pop(digest, None)
-    if layout is None:
+
+    def layout() -> tuple[dict, call_model.PieceWork]:
         work = piece.tile_counts(*tiles)
         shape = (len(work[0][0]), len(work[1][0]))
-        layout = (call_model.work_stats(shape, work), work)
-    _layouts_kept[digest] = layout
-    while len(_layouts_kept) > LAYOUTS_KEPT:
-        _layouts_kept.popitem(last=False)
-    return layout
+        return call_model.work_stats(shape, work), work
+
+    return _kept(_layouts_kept, digest, layout)
 
 
 @cache
@@ -379,7 +409,7 @@ class JaxRanks(Ranks):
             return plan
         settings = plan_settings(point)
         bucketed = jax_cp.executor_plan(
-            mask, impl=impl, dtype=dtype, pad_multiple=bucket, **settings
+            mask, impl=impl, dtype=dtype, pad_multiple=bucket, like=plan, **settings
         )
         same = all(
             np.array_equal(a[a < plan.seqlen], b[b < plan.seqlen])

@@ -472,9 +472,12 @@ def executor_plan(
     num_windows: int | None = None,
     inner_axis: str = ULYSSES,
     pad_multiple: int | None = None,
+    like: CPPlan | None = None,
 ) -> CPPlan:
     """The plan an executor of `impl` runs on `world_size` devices: ring shards padded to whole
-    kernel tiles unless pad_multiple says otherwise (bucket_multiple: to shared lengths)."""
+    kernel tiles unless pad_multiple says otherwise (bucket_multiple: to shared lengths).
+    like: the plan of the same mask and settings under another pad_multiple, whose pieces
+    make_plan takes where only the padding differs (make_plan's like)."""
     if pad_multiple is None:
         pad_multiple = shard_multiple(impl, head_dim, dtype)
     return make_plan(
@@ -489,6 +492,7 @@ def executor_plan(
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,
         pad_multiple=pad_multiple,
+        like=like,
     )
 
 
