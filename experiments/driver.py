@@ -268,6 +268,13 @@ def _is_writer(settings: Settings) -> bool:
     return jax is None or jax.process_index() == 0
 
 
+def _single_process() -> bool:
+    """Whether this process runs its JAX points alone (no other JAX process shares their
+    collectives): the only case where a device fault may stop its sweep (sweep.run_points)."""
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_count() == 1
+
+
 def _lazy_runner(make, points: list[Point], store: ResultsStore | None = None):
     """A runner_for(point) that builds one runner on first use (imports happen then) and tells
     it the points it will be given (the CP predictor compiles a problem's programs at once) and,
@@ -533,6 +540,7 @@ def _sweep(settings: Settings, run_plan: Plan, writer: bool, say) -> None:
         store=store if writer else None,
         progress=progress,
         provenance=prov,
+        stop_on_fault=bool(jax_points) and _single_process(),
     )
     _run_torch(settings, [p for p in todo if p.framework == "torch"], store, progress, prov, total)
     if writer:

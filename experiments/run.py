@@ -175,13 +175,15 @@ def run_cli(args: list[str]) -> int:
 
 
 def _main_process(argv: list[str]) -> int:
-    """main for the command line: an interrupted sweep leaves without interpreter teardown.
+    """main for the command line: an interrupted or device-faulted sweep leaves without
+    interpreter teardown.
 
     A Ctrl-C that lands inside a JAX compile can leave XLA's threads in a state where Python's
-    teardown crashes (SIGSEGV after the one line); every record is already closed on disk.
+    teardown crashes (SIGSEGV after the one line), and so can a faulted CUDA context (XLA
+    unloading its modules); every record is already closed on disk.
     """
     code = main(argv)
-    if code == workers.INTERRUPTED:
+    if code in (workers.INTERRUPTED, interrupt.DEVICE_FAULTED):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

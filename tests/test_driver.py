@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 from experiments.core import interrupt, outcomes, presets
 from experiments.core.flags import parse_seqlen
 from experiments.core.points import CP_STRATEGIES, expand
-from experiments.core.results import read_records
+from experiments.core.results import ResultsStore, read_records
 from experiments.reports import report
 from experiments.runners import checks, inputs
 
@@ -466,6 +467,51 @@ def test_a_device_fault_stops_the_sweep_once_recorded(tmp_path, capsys, monkeypa
     assert _run_in_process([*args, "--retry_errors"]) == 0
     latest = {r["key"]: r["status"] for r in _records(tmp_path)}
     assert len(latest) == 8 and set(latest.values()) == {"ok"}
+
+
+class _FaultingRunner:
+    """Runs points; the second one's run fails with `message`."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.runs = message, 0
+
+    def run(self, point):
+        self.runs += 1
+        if self.runs == 2:
+            raise RuntimeError(self.message)
+        return {"metrics": {}, "check": {"passed": True}}
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_fault_read_as_out_of_memory_is_a_fault_and_ranks_go_on(tmp_path, stop):
+    from experiments.core import sweep
+    from experiments.core.points import Grid, expand
+
+    grid = Grid(
+        name="tiny", cps=("none",), layouts=("contiguous",), impls=("reference",),
+        masks=("full",), seqlens=(16, 32, 48), heads=((2, 1),), head_dim=8, dtype="fp32",
+        modes=("fwd",),
+    )  # fmt: skip
+    points = expand(grid, "jax", grid.impls, seed=0, num_devices=1, ulysses_size=None,
+                    ulysses_intra_node=True)  # fmt: skip
+    runner = _FaultingRunner(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes: "
+        "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
+    )
+    store = ResultsStore(tmp_path)
+    run = functools.partial(
+        sweep.run_points, points, lambda p: runner, store=store, progress=None, provenance={}
+    )
+    if stop:
+        with pytest.raises(interrupt.DeviceFaulted, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+            run()
+    else:
+        run(stop_on_fault=False)  # processes sharing collectives record it and go on
+    records = read_records(store.path)
+    assert [r["status"] for r in records] == ["ok", "error", "ok"][: 2 if stop else 3]
+    assert records[1]["device_fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"  # not an out-of-memory
+    assert "device_fault" not in records[0]
+    assert runner.runs == (2 if stop else 3)
 
 
 def test_faults_that_leave_the_context_unusable_are_told_apart():

@@ -17,11 +17,9 @@ import time
 from collections.abc import Iterator
 
 BUDGET_SPENT = 3  # exit status of a sweep stopped by its time budget (rerun to continue)
+DEVICE_FAULTED = 4  # exit status of a sweep stopped by a device fault (rerun to continue)
 _requested = threading.Event()
 _deadline: list[float] = []  # monotonic time past which the point loop stops; empty: none
-
-
-DEVICE_FAULTED = 4  # exit status of a sweep stopped by a device fault (rerun to continue)
 
 
 class BudgetSpent(BaseException):

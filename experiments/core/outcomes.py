@@ -14,17 +14,21 @@ MAX_MESSAGE_CHARS = 2000
 # as JAX/XLA (CUDA driver names) and PyTorch (runtime messages) word them.
 DEVICE_FAULTS = (
     "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_LAUNCH_TIMEOUT",
     "CUDA_ERROR_ILLEGAL_ADDRESS",
     "CUDA_ERROR_ILLEGAL_INSTRUCTION",
     "CUDA_ERROR_MISALIGNED_ADDRESS",
     "CUDA_ERROR_INVALID_PC",
     "CUDA_ERROR_HARDWARE_STACK_ERROR",
     "CUDA_ERROR_ASSERT",
+    "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "CUDA_ERROR_CONTEXT_IS_DESTROYED",
     "unspecified launch failure",
     "an illegal memory access was encountered",
     "an illegal instruction was encountered",
     "misaligned address",
     "device-side assert triggered",
+    "uncorrectable ECC error encountered",
 )
 
 
@@ -62,9 +66,9 @@ def _is_unsupported(exc: BaseException) -> bool:
     )
 
 
-def device_fault(reason: str | None) -> str | None:
-    """The sticky CUDA error a point's error reason names (DEVICE_FAULTS), or None."""
-    return next((f for f in DEVICE_FAULTS if reason and f in reason), None)
+def device_fault(text: str | None) -> str | None:
+    """The sticky CUDA error `text` (an exception's message) names (DEVICE_FAULTS), or None."""
+    return next((f for f in DEVICE_FAULTS if text and f in text), None)
 
 
 def classify(exc: BaseException) -> tuple[str, str]:

@@ -43,6 +43,7 @@ def make_record(
         "check": result.get("check") or details.get("check"),
         "masks": result.get("masks"),
         "traceback": details.get("traceback"),
+        **({"device_fault": details["device_fault"]} if "device_fault" in details else {}),
         "elapsed_s": round(elapsed_s, 3),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "provenance": provenance,
@@ -57,6 +58,9 @@ def run_one(point: Point, runner_for: Callable[[Point], object], provenance: dic
     except Exception as e:
         status, reason = classify(e)
         details = dict(e.details) if isinstance(e, PointFailure) else {}
+        fault = device_fault(f"{e}")
+        if fault:  # whatever else the message says (out of memory, a wrong check), the GPU faulted
+            status, details["device_fault"] = ERROR, fault
         if status == ERROR and "traceback" not in details:
             details["traceback"] = short_traceback(e)
         return make_record(
@@ -82,8 +86,10 @@ def run_points(
     stop_on_fault: bool = True,
 ) -> None:
     """Run points in order; the writer (store given) appends each record as soon as it exists.
-    A point whose error is a sticky CUDA fault ends the loop once recorded (DeviceFaulted,
-    unless stop_on_fault is False): the points after it would only record the same error."""
+    A point that hit a sticky CUDA fault (its record's device_fault) ends the loop once
+    recorded (DeviceFaulted, unless stop_on_fault is False): the points after it would only
+    record the same error. Processes that share collectives keep going instead (one that
+    stopped would leave the others waiting in them)."""
     for point in points:
         interrupt.raise_if_requested()
         record = run_one(point, runner_for, provenance)
@@ -91,7 +97,7 @@ def run_points(
             store.append(record)
         if progress is not None:
             progress.update(point.label(), record)
-        fault = device_fault(record["reason"]) if record["status"] == ERROR else None
+        fault = record.get("device_fault")
         if fault and stop_on_fault:
             raise interrupt.DeviceFaulted(point.label(), fault)
         interrupt.raise_if_requested()

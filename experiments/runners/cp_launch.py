@@ -151,7 +151,7 @@ def run_torch_ranks(
             store=ResultsStore(out_dir) if writer else None,
             progress=Progress(total, offset) if writer else None,
             provenance=provenance,
-            stop_on_fault=False,  # every rank goes on, so none waits in a collective for one gone
+            stop_on_fault=False,  # ranks share collectives: all go on together (sweep.run_points)
         )
         dist.barrier()
     finally:
