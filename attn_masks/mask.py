@@ -357,8 +357,8 @@ class Mask:
 
 class PositionRuns(NamedTuple):
     """Positions as their maximal runs of consecutive increasing values (position_runs): each
-    run's first position, its index among the positions and its length; and how many there
-    are."""
+    run's first position, its index among the positions and its length; and the number of
+    positions (size)."""
 
     start: np.ndarray
     local: np.ndarray

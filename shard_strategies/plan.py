@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -32,6 +33,7 @@ from .strategies import (
 from .strategies import core as strategy_core
 
 INNER_AXES = ("ulysses", "ring")
+PIECES_KEPT = 16384  # restricted pieces a mask keeps for its next plans (_restricted_grid)
 
 
 DEFAULT_LOCAL_IMPLS = {
@@ -155,6 +157,17 @@ class CPPlan:
         if src < 0:
             return np.arange(self.seqlen)
         return self.layout.positions[src]
+
+    @cached_property
+    def key_counts(self) -> np.ndarray:
+        """(R, T) len(key_positions(r, t)) of each ring rank and kept step, without building
+        an all-gather's positions (the CP predictor reads it for every call it keys)."""
+        sources = (
+            np.array([s.sources for s in self.steps], np.int64)
+            .reshape(self.num_steps, self.ring_size)
+            .T
+        )
+        return np.where(sources < 0, self.seqlen, self.shard_len)
 
     def piece(self, rank: int, step: int) -> Mask:
         """Mask piece (local queries x that step's keys) of global rank `rank` at kept `step`."""
@@ -376,7 +389,6 @@ def make_plan(
     settings = (mask, strategy, int(world_size), u, windows, inner_axis)
     if like is not None and _same_settings(like, settings) and _pads_like(lay, like.layout):
         return _repadded(like, lay, num_heads_q, num_heads_kv, head_dim)
-    full = padded_mask(mask, lay.padded_seqlen)
     ring_core = strategy_core(strategy, ring)
     if ring_core != RING_CORE:  # one step: every key (all-gather) or the rank's own (local)
         all_steps = [Step(0, 0, np.full(ring, -1 if ring_core == ALLGATHER_CORE else 0))]
@@ -385,21 +397,12 @@ def make_plan(
             Step(o, i, schedules.step_sources(ring, windows, (o, i)))
             for o, i in schedules.visiting_order(ring, windows)
         ]
-
-    # every rank restricts to the same shards (or all keys): each split into runs once
-    shard_runs: dict[int, PositionRuns] = {}
-
-    def keys(r: int, step: Step) -> PositionRuns:
-        src = int(step.sources[r])
-        if src not in shard_runs:
-            at = np.arange(lay.seqlen) if src < 0 else lay.positions[src]
-            shard_runs[src] = position_runs(at)
-        return shard_runs[src]
-
-    grid = [
-        full.restrict_blocks(lay.positions[r], [keys(r, s) for s in all_steps]) for r in range(ring)
+    made_as = (ring, layout, math.lcm(u, pad_multiple), chunks_per_rank)  # make_layout's
+    grid = _restricted_grid(mask, lay, made_as, all_steps)
+    nonempty = [
+        any(grid[r][t].num_slices and grid[r][t].area() > 0 for r in range(ring))
+        for t in range(len(all_steps))
     ]
-    nonempty = [any(grid[r][t].area() > 0 for r in range(ring)) for t in range(len(all_steps))]
     if not any(nonempty):
         nonempty[0] = True
     keep = [t for t, ok in enumerate(nonempty) if ok]
@@ -418,6 +421,41 @@ def make_plan(
         num_heads_kv=num_heads_kv,
         head_dim=head_dim,
     )
+
+
+def _restricted_grid(
+    mask: Mask, lay: Layout, made_as: tuple, steps: list[Step]
+) -> list[list[Mask]]:
+    """Per ring rank, the mask padded to the layout restricted to its queries and each step's
+    keys (its source's shard, or every key for source -1). Each piece is kept on `mask` for
+    its next plans by how its layout was made (`made_as`: make_layout's arguments) and its
+    (rank, source): a double ring's pieces are its ring's, restricted once (a second each at
+    64 ranks). The mask keeps its last PIECES_KEPT pieces."""
+    kept = mask.__dict__.setdefault("_plan_pieces", OrderedDict())
+    shard_runs: dict[int, PositionRuns] = {}  # every rank restricts to the same shards
+
+    def keys(src: int) -> PositionRuns:
+        if src not in shard_runs:
+            at = np.arange(lay.seqlen) if src < 0 else lay.positions[src]
+            shard_runs[src] = position_runs(at)
+        return shard_runs[src]
+
+    full = None
+    grid = []
+    for r in range(lay.ring_size):
+        sources = [int(s.sources[r]) for s in steps]
+        new = list(dict.fromkeys(src for src in sources if (made_as, r, src) not in kept))
+        if new:
+            if full is None:
+                full = padded_mask(mask, lay.padded_seqlen)
+            pieces = full.restrict_blocks(lay.positions[r], [keys(src) for src in new])
+            kept.update(((made_as, r, src), piece) for src, piece in zip(new, pieces))
+        for src in sources:
+            kept.move_to_end((made_as, r, src))
+        grid.append([kept[made_as, r, src] for src in sources])
+    while len(kept) > PIECES_KEPT:
+        kept.popitem(last=False)
+    return grid
 
 
 def _same_settings(plan: CPPlan, settings: tuple) -> bool:

@@ -48,19 +48,19 @@ def test_schedule_span_is_the_block_schedulers_list_scheduling():
 
 def test_schedule_span_of_long_equal_runs_places_them_in_batches(monkeypatch):
     """Grids of long runs of equal CTAs (a plan's key columns), placed a batch at a time, end
-    when the unit-step simulation says, with short runs between them taken one by one."""
+    when the unit-step simulation says, short runs between them included."""
     rng = np.random.default_rng(5)
     batched = []
-    real = call_model._span_by_runs
-    monkeypatch.setattr(call_model, "_span_by_runs", lambda *a: batched.append(1) or real(*a))
+    real = call_model._span_in_batches
+    monkeypatch.setattr(call_model, "_span_in_batches", lambda *a: batched.append(1) or real(*a))
     for _ in range(25):
         runs = int(rng.integers(2, 9))
         lengths = rng.integers(1, 70, runs)
-        lengths[rng.integers(0, runs)] = call_model.RUN_BATCH + int(rng.integers(0, 50))
+        lengths[rng.integers(0, runs)] = 16 + int(rng.integers(0, 50))
         works = np.repeat(rng.integers(1, 7, runs), lengths).tolist()
         slots = int(rng.integers(2, 12))
         assert call_model.schedule_span(works, slots) == _stepped_span(works, slots)
-    assert len(batched) > 10  # most grids went by runs
+    assert len(batched) > 10  # most grids went in batches
 
 
 def test_features_are_the_spans_of_the_kernels_schedule():

@@ -1,11 +1,13 @@
 """The CP plan's host shortcuts give what the straightforward computation gives: key blocks split
 into runs once (Mask.restrict_blocks on position_runs), a bucketed plan taking its pieces from
-the plan it only pads further (make_plan's like), exchange rounds kept per plan, and the JAX
-predictor's piece digests and spans kept across plans."""
+the plan it only pads further (make_plan's like), a mask's pieces kept across its plans,
+exchange rounds kept per plan, the JAX predictor's piece digests and spans kept across plans,
+key lengths read without positions, and kernel spans scheduled a batch of CTAs at a time."""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from cp_cases import all_masks, named_mask
 
 from attn_masks import MaskType, from_slices, joined_slices
 from attn_masks.mask import PositionRuns, position_runs
+from experiments.runners import call_model
 from shard_strategies import make_plan
+from shard_strategies import plan as plan_module
 from shard_strategies.plan import padded_mask
 from shard_strategies.strategies import STRATEGIES
 
@@ -252,3 +256,74 @@ def test_piece_digests_and_spans_kept_across_plans_are_those_worked_out_afresh(m
                 np.testing.assert_array_equal(features[r, t], real_spans(*work, 4, 2, 7))
         spans_of.append(len(calls))
     assert spans_of[0] > 0 and spans_of[1] == spans_of[0]  # the double ring's were kept
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pieces_kept_on_the_mask_are_those_of_a_plan_made_afresh(strategy, monkeypatch):
+    """A plan made after others of the same mask (other strategies, layouts, lengths and
+    multiples) takes the pieces they restricted where its layout is made alike, and equals
+    the plan made on a fresh copy of the mask; with few pieces kept, the oldest go first."""
+    heads = dict(num_heads_q=8, num_heads_kv=4, head_dim=16)
+    for name in ("causal_document", "full_document", "share_question", "causal"):
+        mask = named_mask(name, 203)
+        for layout in ("contiguous", "zigzag", "balanced"):
+            for before in ("ring", "double_ring", "allgather", "usp"):
+                make_plan(mask, 8, before, layout, pad_multiple=4)
+            fresh = from_slices(*mask.slices, mask.seqlen_q, name=mask.name, params=mask.params)
+            for multiple in (4, 8):
+                got = make_plan(mask, 8, strategy, layout, pad_multiple=multiple, **heads)
+                want = make_plan(fresh, 8, strategy, layout, pad_multiple=multiple, **heads)
+                object.__setattr__(want, "mask", mask)  # _assert_same_plan checks identity
+                _assert_same_plan(got, want)
+    mask = named_mask("causal_document", 203)
+    ring = make_plan(mask, 8, "ring", "zigzag")
+    assert make_plan(mask, 8, "double_ring", "zigzag").pieces[3][0] in ring.pieces[3]
+    monkeypatch.setattr(plan_module, "PIECES_KEPT", 10)
+    make_plan(mask, 8, "ring", "balanced")
+    kept = mask.__dict__["_plan_pieces"]
+    assert len(kept) == 10 and all(key[0][1] == "balanced" for key in kept)
+    again = make_plan(mask, 8, "ring", "zigzag")
+    assert again.pieces[0][0] is not ring.pieces[0][0]  # dropped: restricted afresh
+    _assert_same_plan(again, ring)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_key_counts_are_the_key_positions_lengths(strategy):
+    """CPPlan.key_counts equals len(key_positions) of every ring rank and kept step."""
+    for mask in all_masks(96).values():
+        for layout in ("contiguous", "zigzag", "balanced"):
+            plan = make_plan(mask, 8, strategy, layout, pad_multiple=4)
+            want = [
+                [len(plan.key_positions(r, t)) for t in range(plan.num_steps)]
+                for r in range(plan.ring_size)
+            ]
+            assert plan.key_counts.tolist() == want
+
+
+def _heap_span(works, slots):
+    """List scheduling CTA by CTA: each CTA (in launch order) on the slot that comes free
+    first; CTAs without work end as they start."""
+    ends = [0.0] * slots
+    for w in np.ravel(np.asarray(works, np.float64)).tolist():
+        if w > 0:
+            heapq.heapreplace(ends, ends[0] + w)
+    return max(ends)
+
+
+def test_schedule_span_in_batches_is_cta_by_cta_list_scheduling():
+    """On random grids of integer, fractional and equal-run works (zero-work CTAs, ties,
+    one slot, more slots than CTAs), schedule_span gives the CTA-by-CTA heap's end exactly."""
+    rng = np.random.default_rng(17)
+    for trial in range(300):
+        n, slots = int(rng.integers(0, 400)), int(rng.integers(1, 40))
+        kind = trial % 3
+        if kind == 0:
+            works = rng.integers(0, 12, n).astype(np.float64)
+        elif kind == 1:
+            works = rng.random(n) * rng.choice([0.1, 1.0, 300.0]) * (rng.random(n) > 0.1)
+        else:
+            runs = int(rng.integers(1, 9))
+            works = np.repeat(rng.integers(0, 6, runs) * 1.5, rng.integers(1, 80, runs))
+        assert call_model.schedule_span(works, slots) == _heap_span(works, slots)
+    assert call_model.schedule_span(np.zeros(0), 3) == _heap_span([], 3) == 0.0
+    assert call_model.schedule_span([5.0, 1.0, 1.0, 1.0], 1) == 8.0

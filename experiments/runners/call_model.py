@@ -31,7 +31,6 @@ once_bwd at 32K queries 4% short at 262K keys and 7% short at 2M).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +41,6 @@ VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 MIN_CALIBRATION = MIN_TIMED_CALLS  # a timed call per feature of the tile model, and one more
 SLOTS = 132  # CTAs running at once in schedule_span where the device does not say: H100/H200 SMs
 PARTIAL_WEIGHT = 2.0  # a partial tile's share of a CTA's walk, in full tiles (H200, below)
-RUN_BATCH = 16  # CTAs of one work in a row that schedule_span places as one batch
 SPANS = ("row_span", "col_span")  # names of the tile model's work features (timed-call records)
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
@@ -69,37 +67,24 @@ def schedule_span(works: np.ndarray, slots: int = SLOTS) -> float:
     works = works[works > 0]
     if len(works) <= slots or works.min() == works.max():  # one round, or equal rounds
         return float(-(-len(works) // slots) * works.max()) if len(works) else 0.0
-    rest = works[slots:]
-    runs = np.flatnonzero(np.r_[True, rest[1:] != rest[:-1], True])  # equal-work runs' bounds
-    if (len(runs) - 1) * RUN_BATCH > len(rest):  # mostly short runs: CTA by CTA
-        ends = sorted(works[:slots].tolist())
-        for w in rest.tolist():
-            heapq.heapreplace(ends, ends[0] + w)
-        return max(ends)
-    return _span_by_runs(np.sort(works[:slots]), rest, runs)
+    return _span_in_batches(np.sort(works[:slots]), works[slots:])
 
 
-def _span_by_runs(ends: np.ndarray, rest: np.ndarray, runs: np.ndarray) -> float:
-    """schedule_span of the CTAs `rest` on slots that come free at sorted `ends`, a run of m
-    CTAs of one work w at a time: its next k take the k earliest ends, those up to the earliest
-    plus w (no end they make comes before them), as CTA-by-CTA scheduling gives; runs shorter
-    than RUN_BATCH go CTA by CTA. A 64-GPU plan's key-tile grids are long runs of equal
-    columns (262K CTAs a piece at 2M tokens)."""
-    heap = None  # the ends as a heap while short runs go CTA by CTA
-    for a, b in zip(runs[:-1].tolist(), runs[1:].tolist()):
-        w, m = float(rest[a]), b - a
-        if m < RUN_BATCH:
-            heap = ends.tolist() if heap is None else heap  # a sorted list is a heap
-            for _ in range(m):
-                heapq.heapreplace(heap, heap[0] + w)
-            continue
-        if heap is not None:
-            ends, heap = np.sort(heap), None
-        while m:
-            k = min(m, int(np.searchsorted(ends, ends[0] + w, side="right")))
-            ends = np.sort(np.concatenate([ends[:k] + w, ends[k:]]))
-            m -= k
-    return float(max(heap) if heap is not None else ends[-1])
+def _span_in_batches(ends: np.ndarray, rest: np.ndarray) -> float:
+    """schedule_span of the CTAs `rest` on slots that come free at sorted `ends`, a batch at a
+    time: the next CTAs take the earliest ends in turn while no earlier CTA of the batch ends
+    before the end it takes (what CTA-by-CTA scheduling gives them; equal ends are equal
+    times). A 64-GPU plan's grids go about a hundred CTAs a batch, not one by one."""
+    slots, at = len(ends), 0
+    while at < len(rest):
+        work = rest[at : at + slots]
+        done = ends[: len(work)] + work
+        late = np.flatnonzero(ends[1 : len(work)] > np.minimum.accumulate(done[:-1]))
+        taken = int(late[0]) + 1 if late.size else len(work)
+        ends[:taken] = done[:taken]
+        ends.sort()
+        at += taken
+    return float(ends[-1])
 
 
 def tile_work(full: np.ndarray, partial: np.ndarray, weight: float = PARTIAL_WEIGHT) -> np.ndarray:

@@ -118,7 +118,7 @@ class Ranks(ABC):
 
     def timed_keys(self, r: int, t: int) -> tuple:
         """Synthetic K and V with the shapes of ring rank r's block at kept step t."""
-        n, heads = len(self.plan.key_positions(r, t)), len(self.kv_heads[0])
+        n, heads = int(self.plan.key_counts[r, t]), len(self.kv_heads[0])
         return tuple(self._synthetic(name, n, heads) for name in ("k", "v"))
 
     @staticmethod
@@ -295,7 +295,7 @@ class Ranks(ABC):
 
     def call_tokens(self, r: int, t: int) -> tuple[int, int]:
         """(query, key) tokens of ring rank r's timed call at kept step t."""
-        return len(self.plan.layout.positions[r]), len(self.plan.key_positions(r, t))
+        return len(self.plan.layout.positions[r]), int(self.plan.key_counts[r, t])
 
     def lower_calls(self, calls: list[tuple], skip: Container = ()) -> tuple[list, dict]:
         """(each call's program, {program: an object whose compile() makes it ready} of those

@@ -36,6 +36,7 @@ class PlanPieces:
         self.index = np.array(index).reshape(plan.ring_size, plan.num_steps)
         self.intervals = jax_cp.interval_count(plan, self.pieces)
         self.tiles = jax_cp.piece_tiles(impl, head_dim, dtype)
+        self.key_counts = plan.key_counts.tolist()  # call_shape's, read for every call keyed
         self._arrays: dict[int, object] = {}
         self._digests: dict[int, str] = {}
         self._features: dict[tuple, np.ndarray] = {}  # per (heads_q, heads_kv, slots)
@@ -141,8 +142,10 @@ def _piece_digest(piece, tiles, intervals: int) -> str:
 def _piece_spans(work: call_model.PieceWork, heads_q: int, heads_kv: int, slots: int):
     """call_model.span_features of a piece's tiles per row and column (`work`): pieces of one
     profile share their spans, in a plan and across plans."""
-    profile = tuple(np.asarray(a, np.int64).tobytes() for p in work for a in p)
-    key = (profile, tuple(len(a) for p in work for a in p), heads_q, heads_kv, slots)
+    profile = hashlib.sha1()  # a digest, not the bytes: a 2M-key piece's counts are 265 KB
+    for a in (np.asarray(a, np.int64) for p in work for a in p):
+        profile.update(len(a).to_bytes(8, "little") + a.tobytes())  # lengths: one split only
+    key = (profile.hexdigest(), heads_q, heads_kv, slots)
     return _kept(
         _spans_kept, key, lambda: call_model.span_features(*work, heads_q, heads_kv, slots)
     )
@@ -464,7 +467,7 @@ class JaxRanks(Ranks):
     def call_shape(self, r: int, t: int) -> tuple:
         """The key block's length (every step of every rank makes its call) and the pieces'
         interval count (a partial tile tests each interval)."""
-        return (len(self.plan.key_positions(r, t)), self.pieces.intervals)
+        return (self.pieces.key_counts[r][t], self.pieces.intervals)
 
     def call_kind(self, r: int, t: int) -> tuple:
         return (self.pieces.intervals,)
