@@ -386,8 +386,8 @@ def make_plan(
     else:
         windows = 1
     lay = make_layout(mask, ring, layout, math.lcm(u, pad_multiple), chunks_per_rank)
-    settings = (mask, strategy, int(world_size), u, windows, inner_axis)
-    if like is not None and _same_settings(like, settings) and _pads_like(lay, like.layout):
+    made_with = (mask, strategy, int(world_size), u, windows, inner_axis)
+    if like is not None and _same_settings(like, made_with) and _pads_like(lay, like.layout):
         return _repadded(like, lay, num_heads_q, num_heads_kv, head_dim)
     ring_core = strategy_core(strategy, ring)
     if ring_core != RING_CORE:  # one step: every key (all-gather) or the rank's own (local)
@@ -458,10 +458,10 @@ def _restricted_grid(
     return grid
 
 
-def _same_settings(plan: CPPlan, settings: tuple) -> bool:
+def _same_settings(plan: CPPlan, made_with: tuple) -> bool:
     """Whether `plan` was made of the same mask (object) with the same (strategy, world size,
     Ulysses size, windows, inner axis)."""
-    mask, strategy, world_size, u, windows, inner_axis = settings
+    mask, strategy, world_size, u, windows, inner_axis = made_with
     return (
         plan.mask is mask
         and (plan.strategy, plan.world_size, plan.ulysses_size) == (strategy, world_size, u)
