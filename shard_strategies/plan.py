@@ -167,7 +167,9 @@ class CPPlan:
             .reshape(self.num_steps, self.ring_size)
             .T
         )
-        return np.where(sources < 0, self.seqlen, self.shard_len)
+        counts = np.where(sources < 0, self.seqlen, self.shard_len)
+        counts.flags.writeable = False  # one array for every caller
+        return counts
 
     def piece(self, rank: int, step: int) -> Mask:
         """Mask piece (local queries x that step's keys) of global rank `rank` at kept `step`."""

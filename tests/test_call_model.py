@@ -46,13 +46,16 @@ def test_schedule_span_is_the_block_schedulers_list_scheduling():
         call_model.schedule_span([1], 0)
 
 
-def test_schedule_span_of_long_equal_runs_places_them_in_batches(monkeypatch):
-    """Grids of long runs of equal CTAs (a plan's key columns), placed a batch at a time, end
-    when the unit-step simulation says, short runs between them included."""
+def test_schedule_span_in_batches_and_cta_by_cta_is_list_scheduling(monkeypatch):
+    """Grids of long runs of equal CTAs (a plan's key columns, placed a batch at a time) and
+    grids of short CTAs after long uneven ones (batches of one or two: those go CTA by CTA on
+    a heap) end when the unit-step simulation says."""
     rng = np.random.default_rng(5)
-    batched = []
-    real = call_model._span_in_batches
-    monkeypatch.setattr(call_model, "_span_in_batches", lambda *a: batched.append(1) or real(*a))
+    heap_steps = []
+    real = call_model.heapq.heapreplace
+    monkeypatch.setattr(
+        call_model.heapq, "heapreplace", lambda *a: heap_steps.append(1) or real(*a)
+    )
     for _ in range(25):
         runs = int(rng.integers(2, 9))
         lengths = rng.integers(1, 70, runs)
@@ -60,7 +63,13 @@ def test_schedule_span_of_long_equal_runs_places_them_in_batches(monkeypatch):
         works = np.repeat(rng.integers(1, 7, runs), lengths).tolist()
         slots = int(rng.integers(2, 12))
         assert call_model.schedule_span(works, slots) == _stepped_span(works, slots)
-    assert len(batched) > 10  # most grids went in batches
+    runs_alone = len(heap_steps)
+    for _ in range(10):
+        slots = int(rng.integers(2, 12))
+        long = rng.integers(40, 80, slots).tolist()  # every slot busy, each until its own time
+        works = long + [1] * int(rng.integers(slots, 6 * slots))
+        assert call_model.schedule_span(works, slots) == _stepped_span(works, slots)
+    assert len(heap_steps) > runs_alone  # the short CTAs went one by one
 
 
 def test_features_are_the_spans_of_the_kernels_schedule():

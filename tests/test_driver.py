@@ -482,9 +482,8 @@ class _FaultingRunner:
         return {"metrics": {}, "check": {"passed": True}}
 
 
-@pytest.mark.parametrize("stop", [True, False])
-def test_a_fault_read_as_out_of_memory_is_a_fault_and_ranks_go_on(tmp_path, stop):
-    from experiments.core import sweep
+def _tiny_points() -> list:
+    """Three tiny kernel points (16, 32 and 48 tokens)."""
     from experiments.core.points import Grid, expand
 
     grid = Grid(
@@ -492,8 +491,15 @@ def test_a_fault_read_as_out_of_memory_is_a_fault_and_ranks_go_on(tmp_path, stop
         masks=("full",), seqlens=(16, 32, 48), heads=((2, 1),), head_dim=8, dtype="fp32",
         modes=("fwd",),
     )  # fmt: skip
-    points = expand(grid, "jax", grid.impls, seed=0, num_devices=1, ulysses_size=None,
-                    ulysses_intra_node=True)  # fmt: skip
+    return expand(grid, "jax", grid.impls, seed=0, num_devices=1, ulysses_size=None,
+                  ulysses_intra_node=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_fault_read_as_out_of_memory_is_a_fault_and_ranks_go_on(tmp_path, stop):
+    from experiments.core import sweep
+
+    points = _tiny_points()
     runner = _FaultingRunner(
         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes: "
         "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
@@ -512,6 +518,50 @@ def test_a_fault_read_as_out_of_memory_is_a_fault_and_ranks_go_on(tmp_path, stop
     assert records[1]["device_fault"] == "CUDA_ERROR_ILLEGAL_ADDRESS"  # not an out-of-memory
     assert "device_fault" not in records[0]
     assert runner.runs == (2 if stop else 3)
+
+
+def test_a_fault_behind_a_point_failure_is_found_in_its_cause(tmp_path):
+    from experiments.core import sweep
+    from experiments.core.outcomes import WRONG, PointFailure
+
+    class Runner:
+        def run(self, point):
+            try:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            except RuntimeError as e:  # a runner's own wording, the fault only in the cause
+                raise PointFailure(WRONG, "rank 3 disagreed with the reference") from e
+
+    (point,) = _tiny_points()[:1]
+    record = sweep.run_one(point, lambda p: Runner(), {})
+    assert record["status"] == "error"
+    assert record["device_fault"] == "an illegal memory access was encountered"
+
+
+def test_multi_process_jax_records_a_fault_and_goes_on(tmp_path, monkeypatch):
+    import types
+
+    from experiments import driver
+    from experiments.runners.jax_runner import JaxRunner
+
+    for count, alone in ((1, True), (2, False)):
+        stub = types.SimpleNamespace(process_count=lambda n=count: n)
+        monkeypatch.setitem(sys.modules, "jax", stub)
+        assert driver._single_process() is alone
+    monkeypatch.delitem(sys.modules, "jax")
+    assert driver._single_process()  # no JAX in this process: nothing shared
+    monkeypatch.undo()
+    run_point = JaxRunner.run
+
+    def run(self, point):
+        if point.seqlen_total == 48 and point.mask == "full":
+            raise RuntimeError("INTERNAL: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+        return run_point(self, point)
+
+    monkeypatch.setattr(JaxRunner, "run", run)
+    monkeypatch.setattr(driver, "_single_process", lambda: False)  # as with a second process
+    assert _run_in_process([*EIGHT_POINTS, f"--out_dir={tmp_path}"]) == 0
+    statuses = [r["status"] for r in _records(tmp_path)]
+    assert len(statuses) == 8 and statuses.count("error") == 1
 
 
 def test_faults_that_leave_the_context_unusable_are_told_apart():

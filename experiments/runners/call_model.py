@@ -31,6 +31,7 @@ once_bwd at 32K queries 4% short at 262K keys and 7% short at 2M).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 MIN_CALIBRATION = MIN_TIMED_CALLS  # a timed call per feature of the tile model, and one more
 SLOTS = 132  # CTAs running at once in schedule_span where the device does not say: H100/H200 SMs
 PARTIAL_WEIGHT = 2.0  # a partial tile's share of a CTA's walk, in full tiles (H200, below)
+SHORT_BATCH = 8  # CTAs a batch of schedule_span below which it goes CTA by CTA for a while
 SPANS = ("row_span", "col_span")  # names of the tile model's work features (timed-call records)
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
 KIND_FIT_MIN_MS = 5.0  # calls this long fit a kind's model across shapes (throughput regime)
@@ -74,15 +76,23 @@ def _span_in_batches(ends: np.ndarray, rest: np.ndarray) -> float:
     """schedule_span of the CTAs `rest` on slots that come free at sorted `ends`, a batch at a
     time: the next CTAs take the earliest ends in turn while no earlier CTA of the batch ends
     before the end it takes (what CTA-by-CTA scheduling gives them; equal ends are equal
-    times). A 64-GPU plan's grids go about a hundred CTAs a batch, not one by one."""
+    times). A 64-GPU plan's grids go about a hundred CTAs a batch; where batches come out
+    shorter than SHORT_BATCH (short CTAs after long uneven ones), the next len(ends) go CTA by
+    CTA on a heap, the same float additions, so the span is the same either way."""
     slots, at = len(ends), 0
     while at < len(rest):
         work = rest[at : at + slots]
         done = ends[: len(work)] + work
         late = np.flatnonzero(ends[1 : len(work)] > np.minimum.accumulate(done[:-1]))
         taken = int(late[0]) + 1 if late.size else len(work)
-        ends[:taken] = done[:taken]
-        ends.sort()
+        if taken < SHORT_BATCH:
+            heap = ends.tolist()  # a sorted list is a heap
+            for w in work.tolist():
+                heapq.heapreplace(heap, heap[0] + w)
+            ends, taken = np.sort(heap), len(work)
+        else:
+            ends[:taken] = done[:taken]
+            ends.sort()
         at += taken
     return float(ends[-1])
 
