@@ -85,3 +85,21 @@ def assert_close(got, want, what: str, *, tol: float) -> None:
     assert np.isfinite(got).all(), f"{what} is not finite"
     err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
     assert err < tol, f"{what}: relative error {err:.2e}"
+
+
+def brute_dense(q_ranges, k_ranges, types, sq, sk):
+    """Visible (q, k) pairs built straight from the slice types of docs/masks.md, independent of
+    attn_masks' own dense builders: the reference of the mask tests."""
+    out = np.zeros((sq, sk), bool)
+    for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
+        lq, lk = q1 - q0, k1 - k0
+        r = np.arange(lq)[:, None]
+        c = np.arange(lk)[None, :]
+        vis = {
+            MaskType.FULL: np.ones((lq, lk), bool),
+            MaskType.CAUSAL: c <= r + (lk - lq),
+            MaskType.INVCAUSAL: c >= r,
+            MaskType.BICAUSAL: (c >= r) & (c <= r + (lk - lq)),
+        }[MaskType(t)]
+        out[q0:q1, k0:k1] |= vis
+    return out

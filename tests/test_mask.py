@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+from cp_cases import brute_dense
 
 from attn_masks import (
     BLOCK_EMPTY,
@@ -18,23 +19,6 @@ from attn_masks import (
     uniform_block_sparse,
     variable_block_sparse,
 )
-
-
-def brute_dense(q_ranges, k_ranges, types, sq, sk):
-    """Independent dense construction straight from the type table of docs/masks.md."""
-    out = np.zeros((sq, sk), bool)
-    for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
-        lq, lk = q1 - q0, k1 - k0
-        r = np.arange(lq)[:, None]
-        c = np.arange(lk)[None, :]
-        vis = {
-            MaskType.FULL: np.ones((lq, lk), bool),
-            MaskType.CAUSAL: c <= r + (lk - lq),
-            MaskType.INVCAUSAL: c >= r,
-            MaskType.BICAUSAL: (c >= r) & (c <= r + (lk - lq)),
-        }[MaskType(t)]
-        out[q0:q1, k0:k1] |= vis
-    return out
 
 
 def random_slices(rng, sq, sk, max_cuts=4):

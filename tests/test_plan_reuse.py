@@ -11,31 +11,15 @@ import heapq
 
 import numpy as np
 import pytest
-from cp_cases import all_masks, named_mask
+from cp_cases import all_masks, brute_dense, named_mask
 
-from attn_masks import MaskType, from_slices, joined_slices
+from attn_masks import from_slices, joined_slices
 from attn_masks.mask import PositionRuns, position_runs
 from experiments.runners import call_model
 from shard_strategies import make_plan
 from shard_strategies import plan as plan_module
 from shard_strategies.plan import padded_mask
 from shard_strategies.strategies import STRATEGIES
-
-
-def _dense(q_ranges, k_ranges, types, sq, sk):
-    """Visible pairs straight from the slice types (docs/masks.md)."""
-    out = np.zeros((sq, sk), bool)
-    for (q0, q1), (k0, k1), t in zip(q_ranges, k_ranges, types):
-        r, c = np.arange(q1 - q0)[:, None], np.arange(k1 - k0)[None, :]
-        lq, lk = q1 - q0, k1 - k0
-        vis = {
-            MaskType.FULL: np.ones((lq, lk), bool),
-            MaskType.CAUSAL: c <= r + (lk - lq),
-            MaskType.INVCAUSAL: c >= r,
-            MaskType.BICAUSAL: (c >= r) & (c <= r + (lk - lq)),
-        }[MaskType(t)]
-        out[q0:q1, k0:k1] |= vis
-    return out
 
 
 def _random_mask(rng, n):
@@ -85,7 +69,7 @@ def test_restrict_blocks_on_position_runs_is_restrict_per_block(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 60))
     mask = _random_mask(rng, n)
-    dense = _dense(*mask.slices, n, n)
+    dense = brute_dense(*mask.slices, n, n)
     qp = rng.permutation(n)[: int(rng.integers(1, n + 1))]
     blocks = _blocks(rng, n)
     given = [position_runs(b) if rng.random() < 0.6 else b for b in blocks]
