@@ -149,6 +149,34 @@ def test_calibration_spans_every_feature_and_then_the_work():
         call_model.calibration_picks(x, 3)
 
 
+def test_coverage_picks_time_what_the_known_calls_do_not_span():
+    """A later point's pieces inside the known calls' work need no timing; those outside have
+    their extremes timed, after which known and picked rows bound every new row and span what
+    all rows span (so the fit interpolates)."""
+    rng = np.random.default_rng(11)
+    known = np.column_stack([np.ones(12), rng.uniform(10, 50, 12), rng.uniform(20, 80, 12)])
+    lo, hi = known.min(axis=0), known.max(axis=0)
+    inside = np.column_stack(
+        [np.ones(30), rng.uniform(lo[1], hi[1], 30), rng.uniform(lo[2], hi[2], 30)]
+    )
+    assert call_model.coverage_picks(known, inside) == []
+    wider = inside.copy()
+    wider[4, 1], wider[9, 1], wider[20, 2] = 3.0, 70.0, 95.0  # below, above; above
+    wider[21, 2] = 90.0  # above too, but not the largest
+    picks = call_model.coverage_picks(known, wider)
+    assert sorted(picks) == [4, 9, 20]
+    timed = np.vstack([known, wider[picks]])
+    assert (timed.min(axis=0) <= wider.min(axis=0)).all()
+    assert (timed.max(axis=0) >= wider.max(axis=0)).all()
+    # known calls on a line (row span = col span), new ones off it inside their box: the
+    # rank rule times the one farthest from the line
+    line = np.column_stack([np.ones(10), np.arange(10, 20), np.arange(10, 20)])
+    off = np.column_stack([np.ones(6), np.full(6, 15.0), [15, 15, 15, 12, 15, 14]])
+    picks = call_model.coverage_picks(line, off)
+    assert picks == [3]
+    assert np.linalg.matrix_rank(np.vstack([line, off[picks]])) == 3
+
+
 def test_held_out_error_is_relative_to_the_measured_time():
     err = call_model.held_out_error([1.1, 2.0, 2.7, 4.0], [1.0, 2.0, 3.0, 4.0])
     assert err.calls == 4 and err.max_pct == pytest.approx(10.0)

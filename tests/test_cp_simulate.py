@@ -2641,7 +2641,8 @@ def test_the_run_settings_reach_the_simulator(framework):
 def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
     """A checked class's held-out calls, at its second point too, are predicted by the fit of
     its calibration calls only (what an unchecked class predicts with), not by one that
-    already holds the first point's held-out calls; its other calls by the fit of both."""
+    already holds the first point's held-out calls; its other calls by the fit of both. The
+    second point, which its first point's fit serves, holds out REUSE_VALIDATION_CALLS."""
     from types import SimpleNamespace
 
     from experiments.runners import call_model, timing
@@ -2666,12 +2667,13 @@ def test_held_out_calls_are_predicted_by_the_calibration_fit_alone():
         timed, predicted, errors = simulator._class_stats(None, point, ("c",), "kind", members)
         held = [key for key, role in roles.items() if role == "held_out" and key in members]
         calibrated = [key for key, role in roles.items() if role == "calibration"]
-        assert len(errors) == call_model.VALIDATION_CALLS and timed > 0
+        wanted = call_model.VALIDATION_CALLS if n == 20 else call_model.REUSE_VALIDATION_CALLS
+        assert len(errors) == wanted and timed > 0
         coef = call_model.fit(
             np.array([features[k] for k in calibrated]),
             np.array([simulator._timings[k]["median"] for k in calibrated]),
         )
-        fresh = held[-call_model.VALIDATION_CALLS :]
+        fresh = held[-wanted:]
         assert [p for p, _ in errors] == pytest.approx([float(features[k] @ coef) for k in fresh])
         both = calibrated + held
         coef = call_model.fit(
@@ -2778,6 +2780,95 @@ def test_calls_without_tiles_take_their_classs_one_timed_call(long_calls):
     compute, counts = _one_class(simulator, ("e",), {0: none, 1: none, 2: none})
     assert roles == {} and counts["timed"] == 0 and counts["idle"] == 2
     assert list(compute.values()) == pytest.approx([3.3] * 3)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_later_point_goes_on_from_its_classs_fit(checked):
+    """A class calibrated at one point serves the next from its fit: calls whose work the timed
+    calls span are predicted without a timing (a checked class holds out
+    REUSE_VALIDATION_CALLS of them, and states that check); calls past that work have their
+    extremes timed as calibration first. Every prediction is the calls' law."""
+    from types import SimpleNamespace
+
+    from experiments.runners import call_model
+    from experiments.runners.cp_simulate import CPSimulator
+
+    law = np.array([0.4, 0.7, 1.9])
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=8, validation_share=float(checked)
+    )
+    if not checked:
+        simulator._kinds_checked.add("kind")  # and no class drawn: nothing held out
+    roles = {}
+    simulator._time = _law_timer(simulator, law, {}, roles)
+    rng = np.random.default_rng(21)
+
+    def features(n: int, lo: float, hi: float) -> list[np.ndarray]:
+        return [np.array([1.0, *rng.uniform(lo, hi, 2)]) for _ in range(n)]
+
+    first = features(30, 5, 60)
+    compute, counts = _one_class(simulator, ("c",), dict(enumerate(first)))
+    assert counts["timed"] >= 8
+    roles.clear()
+    inside = features(25, 6, 59)  # inside the first point's box (its extremes were timed)
+    xs = dict(enumerate([*first, *inside]))
+    compute, counts = _one_class(simulator, ("c",), xs)
+    held = call_model.REUSE_VALIDATION_CALLS if checked else 0
+    assert sorted(roles.values()) == ["held_out"] * held
+    assert counts["timed"] == held and counts["modelled"] == len(xs) - len(simulator._timings)
+    if checked:
+        assert counts["model"]["held_out_calls"] == held
+    else:
+        assert "model" not in counts and counts["unchecked"] == counts["modelled"]
+    for key, ms in compute.items():
+        assert ms == pytest.approx(float(xs[key[-1]] @ law), rel=1e-9)
+    roles.clear()
+    past = features(20, 6, 59)
+    past[3][1], past[7][2], past[8][2] = 80.0, 2.0, 3.0  # beyond: a row span; a column span
+    xs = dict(enumerate([*first, *inside, *past]))
+    compute, _ = _one_class(simulator, ("c",), xs)
+    extended = sorted(
+        k[-1] - len(first) - len(inside) for k, r in roles.items() if r == "calibration"
+    )
+    assert extended == [3, 7]
+    assert sorted(roles.values()).count("held_out") == held
+    for key, ms in compute.items():
+        assert ms == pytest.approx(float(xs[key[-1]] @ law), rel=1e-9)
+
+
+def test_a_resumed_prediction_goes_on_from_its_classs_recorded_calls():
+    """An earlier process's timed calls of a class are its calibration in the next one: a
+    point whose pieces they span times nothing, and a recorded call the point makes joins
+    the fit once, under its key."""
+    from types import SimpleNamespace
+
+    from experiments.runners import timing
+    from experiments.runners.cp_simulate import RECORDED, CPSimulator, RecordedCall, _digest
+
+    law = np.array([0.4, 0.7, 1.9])
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=0.0
+    )
+    simulator._kinds_checked.add("kind")
+    roles = {}
+    simulator._time = _law_timer(simulator, law, {}, roles)
+    rng = np.random.default_rng(8)
+    xs = {i: np.array([1.0, *rng.uniform(10, 50, 2)]) for i in range(30)}
+    for i in (*range(6), 99):  # six working calls and one idle one of the class recorded
+        x = xs[i] if i != 99 else np.array([1.0, 0.0, 0.0])
+        ms = float(x @ law) if i != 99 else 3.0
+        call = RecordedCall(_digest(("c",)), _digest("kind"), timing.time_stats([ms]), x)
+        simulator._take_recorded({_digest(("c", i)): call})
+    lo = np.min([xs[i] for i in range(6)], axis=0)
+    hi = np.max([xs[i] for i in range(6)], axis=0)
+    inside = {i: x for i, x in xs.items() if ((x >= lo) & (x <= hi)).all()}
+    assert len(inside) > 10
+    compute, counts = _one_class(simulator, ("c",), inside)
+    assert roles == {} and counts["recorded"] == 6 and counts["timed"] == 0
+    for key, ms in compute.items():
+        assert ms == pytest.approx(float(inside[key[-1]] @ law), rel=1e-9)
+    calibrated = simulator._calibrated[("c",)]
+    assert len(calibrated) == 6 and not any(key[0] == RECORDED for key in calibrated)
 
 
 def test_restored_calls_join_each_fit_once():

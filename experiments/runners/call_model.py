@@ -39,6 +39,7 @@ import numpy as np
 from experiments.core.flags import MIN_TIMED_CALLS
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
+REUSE_VALIDATION_CALLS = 1  # held out at each later point a class's earlier fit serves
 MIN_CALIBRATION = MIN_TIMED_CALLS  # a timed call per feature of the tile model, and one more
 SLOTS = 132  # CTAs running at once in schedule_span where the device does not say: H100/H200 SMs
 PARTIAL_WEIGHT = 2.0  # a partial tile's share of a CTA's walk, in full tiles (H200, below)
@@ -193,6 +194,30 @@ def calibration_picks(x: np.ndarray, k: int) -> np.ndarray:
         residual = np.linalg.norm(x.T - x[picks].T @ basis, axis=0)
         picks.append(int(np.argmax(residual)))
     return np.array(picks)
+
+
+def coverage_picks(known: np.ndarray, new: np.ndarray) -> list[int]:
+    """Indices of rows of `new` to time so that they and the `known` rows (timed before) span
+    every new row's work, so a fit on them interpolates: for each feature where some new rows
+    fall outside the known rows' range, the smallest and the largest of them; then, as in
+    calibration_picks, the row farthest from their span until they span what all rows span.
+    None where the known rows already span the new ones."""
+    known, new = np.asarray(known, np.float64), np.asarray(new, np.float64)
+    lo, hi = known.min(axis=0), known.max(axis=0)
+    picks: list[int] = []
+    for j in range(new.shape[1]):
+        if (new[:, j] < lo[j]).any():
+            picks.append(int(np.argmin(new[:, j])))
+        if (new[:, j] > hi[j]).any():
+            picks.append(int(np.argmax(new[:, j])))
+    picks = list(dict.fromkeys(picks))
+    rank = np.linalg.matrix_rank(np.vstack([known, new]))
+    while np.linalg.matrix_rank(np.vstack([known, new[picks]])) < rank:
+        timed = np.vstack([known, new[picks]])
+        basis, *_ = np.linalg.lstsq(timed.T, new.T, rcond=None)
+        residual = np.linalg.norm(new.T - timed.T @ basis, axis=0)
+        picks.append(int(np.argmax(residual)))
+    return picks
 
 
 def class_rate(x: np.ndarray, measured: np.ndarray, coef: np.ndarray) -> float:

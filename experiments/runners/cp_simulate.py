@@ -244,6 +244,7 @@ class CPSimulator:
         self._recorded: dict[str, RecordedCall] = {}  # by id: calls earlier processes timed
         self._recorded_kinds: dict[str, dict[str, RecordedCall]] = {}  # the same, by kind name
         self._kinds_restored: set[tuple] = set()  # kinds whose recorded calls joined _kinds
+        self._recorded_classes: dict[str, dict[str, RecordedCall]] = {}  # by class name
         self._checks: dict[tuple, bool] = {}  # per class: whether its model is checked
         self._kinds_checked: set[tuple] = set()  # kinds with a class whose model is checked
         # per kind of call (any shapes): work features of its timed calls; per class predicted
@@ -282,6 +283,7 @@ class CPSimulator:
         self._recorded.update(calls)
         for call_id, call in calls.items():
             self._recorded_kinds.setdefault(call.kind, {})[call_id] = call
+            self._recorded_classes.setdefault(call.cls, {})[call_id] = call
 
     def baseline(self, point: Point, impl: str) -> dict:
         """The kernel point of the whole mask on this device ({status, reason, result, key,
@@ -611,20 +613,30 @@ class CPSimulator:
         """How many of the class's calls take their times from the records (expect) instead of
         a timing: those an earlier process of the run timed. The first time a kind is seen, its
         recorded calls of at least call_model.KIND_FIT_MIN_MS that did work (no _idle call)
-        join its model across shapes (_remember's table), under RECORDED keys until a point's
-        call is one of them, then under its key with the features this process gives it."""
+        join its model across shapes (_remember's table), and the first time a class is seen,
+        its recorded calls that did work join its calibration (_class_stats goes on from their
+        fit), under RECORDED keys until a point's call is one of them, then under its key with
+        the features this process gives it."""
         if not self._recorded or not members:
             return 0
         table = self._kinds.setdefault(kind, {})
+        width = len(next(iter(members.values()))[1])
+
+        def working(call: RecordedCall) -> bool:
+            return len(call.features) == width and bool(call.features[1:].any())
+
         if kind not in self._kinds_restored:
             self._kinds_restored.add(kind)
-            width = len(next(iter(members.values()))[1])
             for call_id, call in self._recorded_kinds.get(_digest(kind), {}).items():
-                x = call.features
-                long = call.stats["median"] >= call_model.KIND_FIT_MIN_MS
-                if long and len(x) == width and x[1:].any():
+                if working(call) and call.stats["median"] >= call_model.KIND_FIT_MIN_MS:
                     key = (RECORDED, call.cls, call_id)
-                    self._timings[key], table[key] = call.stats, x
+                    self._timings[key], table[key] = call.stats, call.features
+        if cls not in self._calibrated:
+            calibrated = self._calibrated[cls] = {}
+            for call_id, call in self._recorded_classes.get(_digest(cls), {}).items():
+                if working(call):
+                    key = (RECORDED, call.cls, call_id)
+                    self._timings[key], calibrated[key] = call.stats, call.features
         restored = 0
         for key, (_, x) in members.items():
             if key in self._timings:  # timed or restored before: no digest to take
@@ -635,12 +647,11 @@ class CPSimulator:
                 continue
             self._timings[key], restored = call.stats, restored + 1
             old = (RECORDED, call.cls, call_id)
-            if old in table:  # the same call: once in the kind's fit and the class's rate
-                del table[old], self._timings[old]
-                table[key] = x
-                rated = self._rated.get(cls, {})
-                if rated.pop(old, None) is not None:
-                    rated[key] = x
+            # the same call: once in the kind's fit, the class's rate and its calibration
+            for fit in (table, self._rated.get(cls, {}), self._calibrated[cls]):
+                if fit.pop(old, None) is not None:
+                    fit[key] = x
+            self._timings.pop(old, None)
         return restored
 
     def _idle(
@@ -671,30 +682,79 @@ class CPSimulator:
         one class of calls: all timed, or a calibration sample timed and the rest modelled.
         A _checked class also times call_model.VALIDATION_CALLS of the rest, held out: each
         predicted by the fit of the class's calibration calls alone (the fit an unchecked
-        class predicts with), then fitted on too."""
+        class predicts with), then fitted on too. A class calibrated at earlier points (its
+        timed calls, or an earlier process's, at least k) goes on from its fit (_covered)."""
         keys = list(members)
         untimed = [k for k in keys if k not in self._timings]
         k = self.timed_calls
         checked = k > 0 and self._checked(cls, kind)
+        calibrated = self._calibrated.setdefault(cls, {})
+        if k and len(calibrated) >= k and untimed:
+            return self._covered(ranks, point, cls, members, untimed, checked)
         if k == 0 or len(untimed) <= k + (call_model.VALIDATION_CALLS if checked else 0):
             for key in untimed:
                 self._time(ranks, point, key, members[key][0], "all")
+            if k:  # the class's calibration at its later points
+                calibrated.update({key: members[key][1] for key in untimed})
             return len(untimed), {}, []
         x = np.array([members[key][1] for key in keys])
         calibrate = [keys[i] for i in call_model.calibration_picks(x, k)]
         rest = [key for key in untimed if key not in set(calibrate)]
-        rng = np.random.default_rng(point.seed + len(self._timings))
         held = []
         if checked:
-            picks = rng.choice(len(rest), call_model.VALIDATION_CALLS, replace=False)
-            held = [rest[i] for i in picks]
+            held = self._draw(point, rest, call_model.VALIDATION_CALLS)
             self._kinds_checked.add(kind)
         fresh = [key for key in calibrate if key not in self._timings] + held
         for key in fresh:
             role = "held_out" if key in held else "calibration"
             self._time(ranks, point, key, members[key][0], role)
-        calibrated = self._calibrated.setdefault(cls, {})
         calibrated.update({key: members[key][1] for key in calibrate})
+        predicted, errors = self._predict_class(cls, members, rest, held)
+        return len(fresh), predicted, errors
+
+    def _covered(
+        self,
+        ranks: Ranks,
+        point: Point,
+        cls: tuple,
+        members: dict[tuple, tuple],
+        untimed: list[tuple],
+        checked: bool,
+    ) -> tuple[int, dict[tuple, dict], list[tuple[float, float]]]:
+        """_class_stats of a class calibrated at earlier points: a piece's time depends on its
+        work alone, whichever mask, layout or GPU count made the piece, so the class's fit
+        serves every later point. Its calls whose work lies outside what its timed calls span
+        are timed first as calibration (call_model.coverage_picks), so the fit interpolates;
+        a _checked class then times call_model.REUSE_VALIDATION_CALLS of the rest, held out,
+        so every point it serves states a check of the fit it predicts with."""
+        calibrated = self._calibrated[cls]
+        known = np.array([*calibrated.values(), *self._held_out.get(cls, {}).values()])
+        x = np.array([members[key][1] for key in untimed])
+        extend = [untimed[i] for i in call_model.coverage_picks(known, x)]
+        for key in extend:
+            self._time(ranks, point, key, members[key][0], "calibration")
+        calibrated.update({key: members[key][1] for key in extend})
+        rest = [key for key in untimed if key not in set(extend)]
+        held = []
+        if checked and len(rest) > call_model.REUSE_VALIDATION_CALLS:
+            held = self._draw(point, rest, call_model.REUSE_VALIDATION_CALLS)
+            for key in held:
+                self._time(ranks, point, key, members[key][0], "held_out")
+        predicted, errors = self._predict_class(cls, members, rest, held)
+        return len(extend) + len(held), predicted, errors
+
+    def _draw(self, point: Point, keys: list[tuple], n: int) -> list[tuple]:
+        """n of `keys` drawn at random (seeded by the point and the calls timed so far)."""
+        rng = np.random.default_rng(point.seed + len(self._timings))
+        return [keys[i] for i in rng.choice(len(keys), n, replace=False)]
+
+    def _predict_class(
+        self, cls: tuple, members: dict[tuple, tuple], rest: list[tuple], held: list[tuple]
+    ) -> tuple[dict[tuple, dict], list[tuple[float, float]]]:
+        """({key: predicted stats} of the class's calls in `rest` not timed, the held-out
+        (predicted, measured) medians of `held`): the held-out calls predicted by the fit of
+        the class's calibration calls alone, then fitted on too for the rest."""
+        calibrated = self._calibrated[cls]
         coef = self._fit(calibrated)
         errors = [(float(members[key][1] @ coef), self._timings[key]["median"]) for key in held]
         held_out = self._held_out.setdefault(cls, {})
@@ -708,7 +768,7 @@ class CPSimulator:
             for key in rest
             if key not in self._timings
         }
-        return len(fresh), predicted, errors
+        return predicted, errors
 
     def _remember(self, kind: tuple, members: dict[tuple, tuple]) -> None:
         """Add the class's timed calls of at least call_model.KIND_FIT_MIN_MS to its kind's."""
