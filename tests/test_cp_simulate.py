@@ -3122,3 +3122,26 @@ def test_report_says_where_each_groups_seconds_went():
         "| 64 x 32K | 1 | 10.0 | 7.0 | 0.0 | 3.0 | 0.0 | 0.0 | 0.0 | 9 | 0 |",
     ]
     assert report_sim.predictor_cost(records[3:]) == []
+
+
+def test_zero_accumulators_are_made_once_per_shape():
+    """A point's backward steps take their empty dK/dV and LSE from a few kept zero arrays,
+    one per shape and dtype (the oldest dropped past ZEROS_KEPT), instead of one dispatch a
+    step; each is all zeros of the asked shape and fp32 at least."""
+    import jax.numpy as jnp
+
+    from experiments.runners.cp_ranks_jax import ZEROS_KEPT, JaxRanks
+
+    ranks = JaxRanks.__new__(JaxRanks)  # only the zero arrays' state
+    ranks.jnp, ranks._zero_arrays = jnp, {}
+    k = jnp.ones((1, 24, 2, 8), jnp.bfloat16)
+    dk, dv = ranks._zero_dkv(k, k)
+    assert dk.shape == k.shape and dk.dtype == jnp.float32 and not np.asarray(dk).any()
+    again = ranks._zero_dkv(k, k)
+    assert again[0] is dk and again[1] is dv
+    lse = ranks._zero_lse(jnp.ones((1, 24, 4, 8), jnp.bfloat16))
+    assert lse.shape == (1, 4, 24) and lse.dtype == jnp.float32 and not np.asarray(lse).any()
+    for n in range(ZEROS_KEPT):
+        ranks._zeros((n + 1, 3), jnp.float32)
+    assert len(ranks._zero_arrays) == ZEROS_KEPT
+    assert ranks._zero_dkv(k, k)[0] is not dk  # dropped as the oldest, made again

@@ -297,6 +297,7 @@ def _rows_f32():
     return jax.jit(rows_f32)
 
 
+ZEROS_KEPT = 4  # zero arrays a point's Ranks keeps (_zeros): the dK, dV and LSE shapes it asks
 REFERENCE_CHUNK = 1 << 16  # keys per pass of the float64 row reference (_reference_passes)
 
 
@@ -382,6 +383,7 @@ class JaxRanks(Ranks):
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
         self.pieces = PlanPieces.of(plan, impl, d, self.dtype)  # shared by a plan's points
         self._row_pieces: dict[tuple[int, bytes], object] = {}  # row_piece's, this point's
+        self._zero_arrays: dict[tuple, object] = {}  # _zeros', oldest first
 
     @staticmethod
     def resolve_impl(point: Point, runner) -> str:
@@ -611,12 +613,23 @@ class JaxRanks(Ranks):
         return np.asarray(_rows_f32()(x, rows.astype(np.int32)))
 
     def _zero_lse(self, q):
-        return self.jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
+        return self._zeros((q.shape[0], q.shape[2], q.shape[1]), self.jnp.float32)
 
     def _zero_dkv(self, k, v) -> tuple:
         """An empty dK/dV accumulator (fp32 at least) for the block (k, v) of a backward step."""
         acc = self.jnp.promote_types(k.dtype, self.jnp.float32)
-        return self.jnp.zeros(k.shape, acc), self.jnp.zeros(v.shape, acc)
+        return self._zeros(k.shape, acc), self._zeros(v.shape, acc)
+
+    def _zeros(self, shape: tuple[int, ...], dtype):
+        """A zero array of the shape, made once while its shape is among the ZEROS_KEPT last
+        asked (a point's steps ask thousands, dispatched one by one otherwise); the steps
+        take it as an input and return new arrays, so one serves them all."""
+        key = (tuple(shape), self.jnp.dtype(dtype))
+        if key not in self._zero_arrays:
+            while len(self._zero_arrays) >= ZEROS_KEPT:
+                self._zero_arrays.pop(next(iter(self._zero_arrays)))
+            self._zero_arrays[key] = self.jnp.zeros(shape, dtype)
+        return self._zero_arrays[key]
 
     def call(self, call: str, r: int, t: int, group_start: bool, run: Callable | None = None):
         """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
