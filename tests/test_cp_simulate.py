@@ -2810,7 +2810,8 @@ def test_a_later_point_goes_on_from_its_classs_fit(checked):
     compute, counts = _one_class(simulator, ("c",), dict(enumerate(first)))
     assert counts["timed"] >= 8
     roles.clear()
-    inside = features(25, 6, 59)  # inside the first point's box (its extremes were timed)
+    lo, hi = np.min(first, axis=0), np.max(first, axis=0)  # its extremes were timed
+    inside = [np.array([1.0, *rng.uniform(lo[1:], hi[1:])]) for _ in range(25)]
     xs = dict(enumerate([*first, *inside]))
     compute, counts = _one_class(simulator, ("c",), xs)
     held = call_model.REUSE_VALIDATION_CALLS if checked else 0
@@ -2823,14 +2824,13 @@ def test_a_later_point_goes_on_from_its_classs_fit(checked):
     for key, ms in compute.items():
         assert ms == pytest.approx(float(xs[key[-1]] @ law), rel=1e-9)
     roles.clear()
-    past = features(20, 6, 59)
+    past = [np.array([1.0, *rng.uniform(lo[1:], hi[1:])]) for _ in range(20)]
     past[3][1], past[7][2], past[8][2] = 80.0, 2.0, 3.0  # beyond: a row span; a column span
     xs = dict(enumerate([*first, *inside, *past]))
     compute, _ = _one_class(simulator, ("c",), xs)
-    extended = sorted(
-        k[-1] - len(first) - len(inside) for k, r in roles.items() if r == "calibration"
-    )
-    assert extended == [3, 7]
+    extended = [k for k, r in roles.items() if r == "calibration"]
+    assert sorted(k[-1] - len(first) - len(inside) for k in extended) == [3, 7]
+    assert set(extended) <= set(simulator._calibrated[("c",)])  # the fit holds them now
     assert sorted(roles.values()).count("held_out") == held
     for key, ms in compute.items():
         assert ms == pytest.approx(float(xs[key[-1]] @ law), rel=1e-9)
@@ -2869,6 +2869,44 @@ def test_a_resumed_prediction_goes_on_from_its_classs_recorded_calls():
         assert ms == pytest.approx(float(inside[key[-1]] @ law), rel=1e-9)
     calibrated = simulator._calibrated[("c",)]
     assert len(calibrated) == 6 and not any(key[0] == RECORDED for key in calibrated)
+    assert not any(key[0] == RECORDED for key in simulator._timings)
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_kinds_later_classes_are_checked_only_if_drawn(resumed):
+    """With no class drawn, a kind's first modelled class is its check and its later classes
+    are not checked, also where they first come to their fit at a later point (timed whole
+    before, or from an earlier process's records): only the first holds calls out."""
+    from types import SimpleNamespace
+
+    from experiments.runners import timing
+    from experiments.runners.cp_simulate import CPSimulator, RecordedCall, _digest
+
+    law = np.array([0.4, 0.7, 1.9])
+    simulator = CPSimulator(
+        SimpleNamespace(on_gpu=False), None, timed_calls=4, validation_share=0.0
+    )
+    roles = {}
+    simulator._time = _law_timer(simulator, law, {}, roles)
+    rng = np.random.default_rng(4)
+    xs = {c: [np.array([1.0, *rng.uniform(10, 50, 2)]) for _ in range(40)] for c in "abc"}
+    if resumed:  # every class's first 12 calls timed by an earlier process
+        for c, rows in xs.items():
+            for i, x in enumerate(rows[:12]):
+                stats = timing.time_stats([float(x @ law)])
+                call = RecordedCall(_digest((c,)), _digest("kind"), stats, x)
+                simulator._take_recorded({_digest((c, i)): call})
+    else:  # every class's first point times its few calls whole
+        for c, rows in xs.items():
+            _one_class(simulator, (c,), dict(enumerate(rows[:6])))
+        assert set(roles.values()) == {"all"}
+    roles.clear()
+    for c, rows in xs.items():
+        compute, _ = _one_class(simulator, (c,), dict(enumerate(rows)))
+        for key, ms in compute.items():
+            assert ms == pytest.approx(float(xs[c][key[-1]] @ law), rel=1e-9)
+    held = {key[0] for key, role in roles.items() if role == "held_out"}
+    assert held == {"a"}
 
 
 def test_restored_calls_join_each_fit_once():
@@ -3141,7 +3179,9 @@ def test_zero_accumulators_are_made_once_per_shape():
     assert again[0] is dk and again[1] is dv
     lse = ranks._zero_lse(jnp.ones((1, 24, 4, 8), jnp.bfloat16))
     assert lse.shape == (1, 4, 24) and lse.dtype == jnp.float32 and not np.asarray(lse).any()
-    for n in range(ZEROS_KEPT):
+    for n in range(ZEROS_KEPT - 2):
         ranks._zeros((n + 1, 3), jnp.float32)
-    assert len(ranks._zero_arrays) == ZEROS_KEPT
-    assert ranks._zero_dkv(k, k)[0] is not dk  # dropped as the oldest, made again
+    assert ranks._zero_dkv(k, k)[0] is dk  # kept, and now the last asked
+    ranks._zeros((99, 3), jnp.float32)  # past ZEROS_KEPT: the LSE, least recently asked, goes
+    assert len(ranks._zero_arrays) == ZEROS_KEPT and ranks._zero_dkv(k, k)[0] is dk
+    assert ranks._zero_lse(jnp.ones((1, 24, 4, 8), jnp.bfloat16)) is not lse

@@ -205,7 +205,8 @@ def _define_simulation_flags() -> None:
         "Calls timed per class of simulated calls (same kernel call and shapes, only the mask "
         "piece differs) to fit its cost model; the rest are predicted from their pieces' "
         "schedule spans, and 4 more timed calls per checked class (--sim_validation_share) "
-        "measure the model's error. 0 times "
+        "measure the model's error; at later points the class's fit predicts the calls its "
+        "timed ones span, times the others, and holds out 1 call of a checked class. 0 times "
         f"every distinct call; otherwise at least {MIN_TIMED_CALLS} (one per feature of the "
         "model, and one more).",
         lower_bound=0,
@@ -215,11 +216,11 @@ def _define_simulation_flags() -> None:
         "sim_validation_share",
         SIM_VALIDATION_SHARE,
         "Share of the classes of simulated calls whose cost model is checked on timed calls "
-        "held out of its fit (4 a class fitted on its own calls, 1 a class predicted from its "
-        "kind's model); the others are predicted without that check. Drawn by the class's "
-        "name (the same classes in every process), and a kind's first modelled class until one "
-        "of the kind was checked; records and reports state the error of the checked ones. 1 "
-        "checks every class.",
+        "held out of its fit (4 a class fitted on its own calls, then 1 at each later point its "
+        "fit serves; 1 a class predicted from its kind's model); the others are predicted "
+        "without that check. Drawn by the class's name (the same classes in every process), "
+        "and a kind's first modelled class until one of the kind was checked; records and "
+        "reports state the error of the checked ones. 1 checks every class.",
     )
     flags.register_validator("sim_validation_share", _check_validation_share)
     flags.DEFINE_integer(

@@ -201,7 +201,7 @@ def coverage_picks(known: np.ndarray, new: np.ndarray) -> list[int]:
     every new row's work, so a fit on them interpolates: for each feature where some new rows
     fall outside the known rows' range, the smallest and the largest of them; then, as in
     calibration_picks, the row farthest from their span until they span what all rows span.
-    None where the known rows already span the new ones."""
+    Empty where the known rows already span the new ones."""
     known, new = np.asarray(known, np.float64), np.asarray(new, np.float64)
     lo, hi = known.min(axis=0), known.max(axis=0)
     picks: list[int] = []

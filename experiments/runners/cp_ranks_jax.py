@@ -625,11 +625,14 @@ class JaxRanks(Ranks):
         asked (a point's steps ask thousands, dispatched one by one otherwise); the steps
         take it as an input and return new arrays, so one serves them all."""
         key = (tuple(shape), self.jnp.dtype(dtype))
-        if key not in self._zero_arrays:
-            while len(self._zero_arrays) >= ZEROS_KEPT:
-                self._zero_arrays.pop(next(iter(self._zero_arrays)))
-            self._zero_arrays[key] = self.jnp.zeros(shape, dtype)
-        return self._zero_arrays[key]
+        kept = self._zero_arrays
+        zeros = kept.pop(key, None)
+        if zeros is None:
+            while len(kept) >= ZEROS_KEPT:
+                kept.pop(next(iter(kept)))
+            zeros = self.jnp.zeros(shape, dtype)
+        kept[key] = zeros  # the last asked last
+        return zeros
 
     def call(self, call: str, r: int, t: int, group_start: bool, run: Callable | None = None):
         """(jitted fn, args) of one timed call with rank (r, 0)'s shapes and mask piece.
@@ -694,7 +697,7 @@ class JaxRanks(Ranks):
         """(each call's program, {program: jax Lowered} of those not in `skip`): the steps that
         only make a call's inputs are traced for their shapes, not run; calls of one step
         function with equal argument structure and shapes share a program."""
-        jax, kept = self.jax, dict(self._timing_inputs)
+        jax, kept, zeros = self.jax, dict(self._timing_inputs), dict(self._zero_arrays)
         programs, lowered = [], {}
         for c in calls:
             fn, args = self.call(*c, run=jax.eval_shape)
@@ -702,7 +705,9 @@ class JaxRanks(Ranks):
             if key not in lowered and key not in skip:
                 lowered[key] = fn.lower(*args)
             programs.append(key)
-        self._timing_inputs = kept  # the timing draws its inputs after the check, as before
+        # the timing draws its inputs after the check, as before, and a point prepared ahead
+        # holds no device arrays
+        self._timing_inputs, self._zero_arrays = kept, zeros
         return programs, lowered
 
     def timer(self, call: tuple) -> CallTimer:

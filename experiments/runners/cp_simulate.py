@@ -519,7 +519,9 @@ class CPSimulator:
         calibration sample spanning its pieces' work and the rest predicted by the class's
         cost model (experiments/runners/call_model.py), whose error on further timed,
         held-out calls the counts report (for the validation_share of classes _checked picks;
-        "unchecked" counts the calls predicted in classes that state no check). A class whose
+        "unchecked" counts the calls predicted in classes that state no check); at later
+        points the class's fit predicts the calls its timed ones span and times the rest
+        (_covered). A class whose
         calls the model of their kind (any shapes) puts past LONG_CALL_MS is predicted from
         that model at the class's own rate instead, from a call or two of it timed, or at the
         rate its kind's other classes give it (_across_shapes). With k > 0, calls whose pieces
@@ -683,20 +685,24 @@ class CPSimulator:
         A _checked class also times call_model.VALIDATION_CALLS of the rest, held out: each
         predicted by the fit of the class's calibration calls alone (the fit an unchecked
         class predicts with), then fitted on too. A class calibrated at earlier points (its
-        timed calls, or an earlier process's, at least k) goes on from its fit (_covered)."""
+        timed calls, or an earlier process's, of at least k distinct pieces' work) goes on
+        from its fit (_covered). Whether a class is checked is decided once it is modelled,
+        not while its calls are all timed."""
         keys = list(members)
         untimed = [k for k in keys if k not in self._timings]
         k = self.timed_calls
-        checked = k > 0 and self._checked(cls, kind)
         calibrated = self._calibrated.setdefault(cls, {})
-        if k and len(calibrated) >= k and untimed:
-            return self._covered(ranks, point, cls, members, untimed, checked)
+        distinct = len(np.unique(np.array(list(calibrated.values())), axis=0)) if calibrated else 0
+        if k and distinct >= k and untimed:
+            return self._covered(ranks, point, cls, kind, members, untimed)
+        checked = k > 0 and self._checked(cls, kind, decide=False)
         if k == 0 or len(untimed) <= k + (call_model.VALIDATION_CALLS if checked else 0):
             for key in untimed:
                 self._time(ranks, point, key, members[key][0], "all")
             if k:  # the class's calibration at its later points
                 calibrated.update({key: members[key][1] for key in untimed})
             return len(untimed), {}, []
+        checked = self._checked(cls, kind)
         x = np.array([members[key][1] for key in keys])
         calibrate = [keys[i] for i in call_model.calibration_picks(x, k)]
         rest = [key for key in untimed if key not in set(calibrate)]
@@ -717,18 +723,19 @@ class CPSimulator:
         ranks: Ranks,
         point: Point,
         cls: tuple,
+        kind: tuple,
         members: dict[tuple, tuple],
         untimed: list[tuple],
-        checked: bool,
     ) -> tuple[int, dict[tuple, dict], list[tuple[float, float]]]:
         """_class_stats of a class calibrated at earlier points: a piece's time depends on its
         work alone, whichever mask, layout or GPU count made the piece, so the class's fit
         serves every later point. Its calls whose work lies outside what its timed calls span
         are timed first as calibration (call_model.coverage_picks), so the fit interpolates;
         a _checked class then times call_model.REUSE_VALIDATION_CALLS of the rest, held out,
-        so every point it serves states a check of the fit it predicts with."""
+        so each point it serves with calls left to predict after them states a check of the
+        fit it predicts with."""
         calibrated = self._calibrated[cls]
-        known = np.array([*calibrated.values(), *self._held_out.get(cls, {}).values()])
+        known = np.array(list(calibrated.values()))
         x = np.array([members[key][1] for key in untimed])
         extend = [untimed[i] for i in call_model.coverage_picks(known, x)]
         for key in extend:
@@ -736,6 +743,9 @@ class CPSimulator:
         calibrated.update({key: members[key][1] for key in extend})
         rest = [key for key in untimed if key not in set(extend)]
         held = []
+        checked = self._checked(cls, kind)
+        if checked:
+            self._kinds_checked.add(kind)
         if checked and len(rest) > call_model.REUSE_VALIDATION_CALLS:
             held = self._draw(point, rest, call_model.REUSE_VALIDATION_CALLS)
             for key in held:
@@ -869,19 +879,22 @@ class CPSimulator:
             return None
         return call_model.rate_trend(np.array(lengths), np.array(rates), length)
 
-    def _checked(self, cls: tuple, kind: tuple) -> bool:
+    def _checked(self, cls: tuple, kind: tuple, *, decide: bool = True) -> bool:
         """Whether the model of class `cls` (of `kind`) is checked on held-out timed calls,
-        decided once: a share of validation_share of the classes, drawn by the class's name
-        (_digest) so that every process of a resumed run draws the same ones, all of them at
-        a share of 1; and a kind's first class to be modelled where no class of the kind was
-        checked yet, so every kind's model has a check (a process resuming a run may check
-        a few more) where its classes have calls left to predict after one: a class on its
-        kind's rate trend times its check only then (_across_shapes), and its points state
-        none before."""
-        if cls not in self._checks:
-            drawn = int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
-            self._checks[cls] = drawn or kind not in self._kinds_checked
-        return self._checks[cls]
+        decided once (with decide=False: what it would be, not yet decided): a share of
+        validation_share of the classes, drawn by the class's name (_digest) so that every
+        process of a resumed run draws the same ones, all of them at a share of 1; and a
+        kind's first class to be modelled where no class of the kind was checked yet, so
+        every kind's model has a check (a process resuming a run may check a few more) where
+        its classes have calls left to predict after one: a class on its kind's rate trend
+        times its check only then (_across_shapes), and its points state none before."""
+        if cls in self._checks:
+            return self._checks[cls]
+        drawn = int(_digest(cls), 16) < self.validation_share * 16 ** len(_digest(cls))
+        checked = drawn or kind not in self._kinds_checked
+        if decide:
+            self._checks[cls] = checked
+        return checked
 
     def _class_rate(self, rated: dict[tuple, np.ndarray], coef: np.ndarray) -> float:
         """call_model.class_rate of a class's calls timed for it (work features by key)."""
