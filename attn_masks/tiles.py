@@ -187,41 +187,61 @@ def block_lists(tile_kinds: np.ndarray, block_q: int, block_k: int) -> BlockList
 
 
 def _compact(tile_kinds: np.ndarray) -> TileList:
-    """The tile lists of a block map's rows. A row whose non-empty tiles form one run (causal,
-    windows, documents: most rows of most masks) gets its list as that run's first tile plus
-    the slot, in a few whole-array passes; the other rows go through the general scatter."""
+    """The tile lists of a block map's rows, copied from the map as one window per row from its
+    first non-empty tile (most rows are one run); rows of more runs go through _gather_lists."""
+    n, m = tile_kinds.shape
     nz = tile_kinds > 0
-    count = nz.sum(axis=1).astype(np.int32)
+    count = nz.sum(axis=1, dtype=np.int32)
     width = max(int(count.max(initial=0)), 1)
-    m = tile_kinds.shape[1]
-    first = np.argmax(nz, axis=1).astype(np.int32)  # 0 for an empty row
-    last = (m - 1 - np.argmax(nz[:, ::-1], axis=1)).astype(np.int32)
-    slots = np.arange(width, dtype=np.int32)
-    index = first[:, None] + np.minimum(slots[None, :], np.maximum(count - 1, 0)[:, None])
-    full = np.take_along_axis(tile_kinds, index, axis=1) == BLOCK_FULL
-    full &= slots[None, :] < count[:, None]
-    runs = np.flatnonzero((count > 0) & (last - first + 1 != count))
+    first = np.argmax(nz, axis=1)  # 0 for an empty row
+    index = _ramps((first + np.maximum(count - 1, 0)).astype(np.int32), count, width)
+    flat = tile_kinds.ravel() if n else np.zeros(width, tile_kinds.dtype)  # >= width values
+    # A window reaching past the map (only the last row's can) ends with the map instead: it then
+    # starts on an empty tile before the row's first, so that row takes the general path.
+    kinds = _windows(flat, np.minimum(np.arange(0, n * m, m) + first, flat.size - width), width)
+    listed = _listed(count, width)
+    full = kinds == BLOCK_FULL
+    full &= listed
+    empty = np.less_equal(kinds, 0, out=listed)  # listed is spent: its memory is reused
+    gap = np.argmax(empty, axis=1)  # each window's first empty slot (0 where none)
+    runs = np.flatnonzero((gap < count) & empty[np.arange(n), gap])
     if runs.size:
-        index[runs], full[runs] = _scatter_lists(tile_kinds[runs], count[runs], width)
+        index[runs], full[runs] = _gather_lists(tile_kinds[runs], count[runs], width)
     return TileList(index, count, full)
 
 
-def _scatter_lists(
+def _windows(values: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """values[s : s + width] for each start s, as a new (starts, width) array of row copies."""
+    return np.lib.stride_tricks.sliding_window_view(values, width)[starts]
+
+
+def _ramps(last: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
+    """(rows, width) of last's dtype: row r steps up by one to last[r] at slot count[r] - 1 and
+    stays there (a row of count 0 is last[r] throughout)."""
+    down = np.maximum(np.arange(width - 1, -width, -1, dtype=last.dtype), 0)
+    ramps = _windows(down, width - np.maximum(count, 1), width)
+    np.subtract(last[:, None], ramps, out=ramps)
+    return ramps
+
+
+def _listed(count: np.ndarray, width: int) -> np.ndarray:
+    """(rows, width) flags of each row's slots below its count."""
+    return _windows(np.arange(2 * width) < width, width - count, width)
+
+
+def _gather_lists(
     tile_kinds: np.ndarray, count: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(index, full) lists of `width` entries of rows with any non-empty tiles, by one scatter
-    of every non-empty tile into its slot (padded with each row's last tile, never full)."""
-    rows, cols = np.nonzero(tile_kinds > 0)
-    starts = np.concatenate([[0], np.cumsum(count)[:-1]])
-    slot = np.arange(rows.size) - np.repeat(starts, count)
-    n = tile_kinds.shape[0]
-    index = np.zeros((n, width), np.int32)
-    full = np.zeros((n, width), bool)
-    index[rows, slot] = cols
-    full[rows, slot] = tile_kinds[rows, cols] == BLOCK_FULL
-    last = np.where(count > 0, index[np.arange(n), np.maximum(count - 1, 0)], 0)
-    pad = np.arange(width)[None, :] >= count[:, None]
-    return np.where(pad, last[:, None], index), full
+    """(index, full) lists of `width` entries of rows with any non-empty tiles, read from the flat
+    list of all their non-empty tiles (each row's padded with its last tile, never full)."""
+    n, m = tile_kinds.shape
+    at = np.flatnonzero(tile_kinds > 0)  # row by row, ascending
+    starts = np.cumsum(count) - count
+    flags = np.concatenate([tile_kinds.ravel()[at] == BLOCK_FULL, np.zeros(width, bool)])
+    full = _windows(flags, starts, width)
+    full &= _listed(count, width)
+    cols = (at - np.repeat(np.arange(0, n * m, m), count)).astype(np.int32)
+    return cols[_ramps(starts + count - 1, count, width)], full
 
 
 def pass_tiles(mask: SlicedMask, block_q: int, block_k: int, name: str) -> PassTiles:

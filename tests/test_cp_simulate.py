@@ -693,7 +693,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
                 m.setattr(
                     cp_simulate.CPSimulator,
                     "_checked",
-                    lambda self, cls, kind: self._checks.setdefault(cls, False),
+                    lambda self, cls, kind, decide=True: self._checks.setdefault(cls, False),
                 )
             result = JaxRunner(sim_timed_calls=4 if k == "unchecked" else k).run(point)
         assert result["check"]["ok"]

@@ -424,7 +424,7 @@ def test_random_slices_are_reproducible_and_varied():
 @pytest.mark.parametrize("style", ["random", "one_run", "empty", "dense_holes"])
 def test_tile_lists_match_a_row_by_row_reference(style):
     """block_lists' lists of random block maps (rows of one run take the fast path, the others
-    the scatter) equal a row-by-row reference: each row's non-empty tiles in order, padded by
+    the general one) equal a row-by-row reference: each row's non-empty tiles in order, padded by
     its last, full flags only on FULL tiles and never on padding, counts and dtypes."""
     from attn_masks.tiles import BLOCK_FULL, block_lists
 
@@ -458,3 +458,54 @@ def test_tile_lists_match_a_row_by_row_reference(style):
                 assert got.count[row] == len(cols)
                 np.testing.assert_array_equal(got.index[row], want)
                 np.testing.assert_array_equal(got.full[row], flags)
+
+
+def _random_block_map(rng, n, m, style):
+    """An (n, m) int8 block map whose rows are one run each, several runs with holes, or empty."""
+    kinds = np.zeros((n, m), np.int8)
+    for row in range(n):
+        runs = {"one_run": 1, "runs": int(rng.integers(2, 5)), "mixed": int(rng.integers(0, 4))}
+        for _ in range(runs[style]):
+            a = int(rng.integers(0, m))
+            b = int(rng.integers(a + 1, m + 1))
+            kinds[row, a:b] = rng.integers(BLOCK_PARTIAL, BLOCK_FULL + 1, b - a)
+        if style != "one_run":
+            kinds[row, rng.random(m) < 0.1] = BLOCK_EMPTY
+    kinds[rng.random(n) < 0.1] = BLOCK_EMPTY
+    return kinds
+
+
+def test_compact_matches_a_list_per_row_reference_on_large_maps():
+    """tiles._compact (one-run rows by windows, the others by the general path) equals a plain
+    per-row reference on random maps up to 300 x 2000 in both orientations: rows of one run,
+    of several runs with holes, empty rows, all-empty and all-full maps, single rows and columns,
+    and a last row whose window reaches past the map."""
+
+    def reference(kinds):
+        cols = [np.flatnonzero(row > 0) for row in kinds]
+        count = np.array([len(c) for c in cols], np.int32)
+        width = max(int(count.max(initial=0)), 1)
+        index = np.zeros((len(kinds), width), np.int32)
+        full = np.zeros((len(kinds), width), bool)
+        for row, c in enumerate(cols):
+            index[row] = c[-1] if len(c) else 0
+            index[row, : len(c)] = c
+            full[row, : len(c)] = kinds[row, c] == BLOCK_FULL
+        return index, count, full
+
+    rng = np.random.default_rng(7)
+    maps = [np.zeros((5, 7), np.int8), np.full((4, 9), BLOCK_FULL, np.int8)]
+    maps += [np.array([[0, 1, 2, 0, 2]], np.int8), np.array([[1], [0], [2]], np.int8)]
+    last_late = np.zeros((6, 40), np.int8)  # width 40; the last row's run starts at 30
+    last_late[0] = BLOCK_FULL
+    last_late[-1, 30:] = [1, 2, 2, 1, 2, 2, 2, 1, 2, 2]
+    maps.append(last_late)
+    for n, m in [(1, 1), (1, 50), (50, 1), (300, 2000), (64, 1500), (200, 300), (17, 3)]:
+        for style in ("one_run", "runs", "mixed"):
+            maps.append(_random_block_map(rng, n, m, style))
+    for kinds in maps:
+        for k in (kinds, np.ascontiguousarray(kinds.T)):
+            got = tiles._compact(k)
+            for name, g, want in zip(("index", "count", "full"), got.arrays, reference(k)):
+                assert g.dtype == want.dtype and g.shape == want.shape, (name, k.shape)
+                np.testing.assert_array_equal(g, want, err_msg=f"{name} of a {k.shape} map")
