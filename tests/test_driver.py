@@ -870,6 +870,29 @@ def test_inputs_are_their_seeded_chunks_whatever_the_threads(threads, monkeypatc
     inputs._cached_block.cache_clear()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_inputs_cast_on_every_core_as_numpy_casts(threads, monkeypatch):
+    """The inputs' cast, 4096 tokens at a time in threads, equals numpy's cast of the whole
+    array bit for bit (bfloat16 and float16; a strided slice of a batch-2 block of a length
+    that is no multiple of the chunk), and the JAX runner's inputs hold exactly those values."""
+    import jax.numpy as jnp
+
+    from experiments.runners.jax_runner import JaxRunner
+
+    monkeypatch.setattr(inputs.os, "cpu_count", lambda: threads)
+    x = inputs.block("q", (2, 9000, 3, 4), 5, 0)[:, :, 1:]
+    for dtype in (jnp.bfloat16, np.float16):
+        got, want = inputs.cast(x, dtype), x.astype(dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    (grid,) = presets.get_preset("smoke", on_gpu=False).kernel
+    kw = dict(seed=42, num_devices=1, ulysses_size=None, ulysses_intra_node=True)
+    point = dataclasses.replace(expand(grid, "jax", ("reference",), **kw)[0], dtype="bf16")
+    made = JaxRunner().inputs(point, 0, None)["dout"]
+    want = inputs.block("dout", tuple(made.shape), point.seed, 0).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(made).view(np.uint16), want.view(np.uint16))
+
+
 def test_device_inputs_build_once_and_drop_the_oldest():
     built: list[str] = []
 

@@ -184,7 +184,7 @@ class JaxRunner:
 
                 def shard(idx, name=name, shape=shape):
                     x = inputs.block(name, shape, point.seed, index, idx[1])
-                    return x[idx[0], :, idx[2], idx[3]].astype(dtype)
+                    return inputs.cast(x[idx[0], :, idx[2], idx[3]], dtype)
 
                 out[name] = jax.make_array_from_callback(shape, self._sharding(shape, mesh), shard)
             return out
