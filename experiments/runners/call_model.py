@@ -187,20 +187,14 @@ def calibration_picks(x: np.ndarray, k: int) -> np.ndarray:
     for q in np.linspace(0, len(x) - 1, slots + 2)[1:-1]:
         picks.append(int(order[int(round(q))]))
     picks = list(dict.fromkeys(picks))
-    # a sample on a line (or plane) of feature space cannot resolve every cost: add the row
-    # farthest from its span until it spans what all rows span
-    while np.linalg.matrix_rank(x[picks]) < np.linalg.matrix_rank(x):
-        basis, *_ = np.linalg.lstsq(x[picks].T, x.T, rcond=None)
-        residual = np.linalg.norm(x.T - x[picks].T @ basis, axis=0)
-        picks.append(int(np.argmax(residual)))
-    return np.array(picks)
+    return np.array(_spanning(x[:0], x, picks))
 
 
 def coverage_picks(known: np.ndarray, new: np.ndarray) -> list[int]:
     """Indices of rows of `new` to time so that they and the `known` rows (timed before) span
     every new row's work, so a fit on them interpolates: for each feature where some new rows
     fall outside the known rows' range, the smallest and the largest of them; then, as in
-    calibration_picks, the row farthest from their span until they span what all rows span.
+    calibration_picks, rows until they span what all rows span (_spanning).
     Empty where the known rows already span the new ones."""
     known, new = np.asarray(known, np.float64), np.asarray(new, np.float64)
     lo, hi = known.min(axis=0), known.max(axis=0)
@@ -210,12 +204,17 @@ def coverage_picks(known: np.ndarray, new: np.ndarray) -> list[int]:
             picks.append(int(np.argmin(new[:, j])))
         if (new[:, j] > hi[j]).any():
             picks.append(int(np.argmax(new[:, j])))
-    picks = list(dict.fromkeys(picks))
-    rank = np.linalg.matrix_rank(np.vstack([known, new]))
-    while np.linalg.matrix_rank(np.vstack([known, new[picks]])) < rank:
-        timed = np.vstack([known, new[picks]])
-        basis, *_ = np.linalg.lstsq(timed.T, new.T, rcond=None)
-        residual = np.linalg.norm(new.T - timed.T @ basis, axis=0)
+    return _spanning(known, new, list(dict.fromkeys(picks)))
+
+
+def _spanning(known: np.ndarray, rows: np.ndarray, picks: list[int]) -> list[int]:
+    """`picks` (indices of `rows`) and then, one at a time, the row farthest from the span of
+    the known rows and the picked ones, until they span what all rows span: a sample on a line
+    (or plane) of feature space cannot resolve every cost."""
+    rank = np.linalg.matrix_rank(np.vstack([known, rows]))
+    while np.linalg.matrix_rank(timed := np.vstack([known, rows[picks]])) < rank:
+        basis, *_ = np.linalg.lstsq(timed.T, rows.T, rcond=None)
+        residual = np.linalg.norm(rows.T - timed.T @ basis, axis=0)
         picks.append(int(np.argmax(residual)))
     return picks
 
