@@ -479,13 +479,15 @@ def test_device_reference_is_the_host_reference(
     chunks and a padded last one carry the online softmax; as on a GPU, one whole chunk of
     mostly padding), gives the host reference's values (Ranks.reference_rows) for rows of two
     ranks, in a spread of one Ulysses position's heads."""
-    from experiments.runners import cp_ranks_jax
+    from experiments.runners import device_reference
     from experiments.runners.cp_ranks import Ranks
 
     if chunk is not None:
-        monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", chunk)
-    chunk_of = cp_ranks_jax.reference_chunk
-    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", lambda keys, _: chunk_of(keys, platform))
+        monkeypatch.setattr(device_reference, "REFERENCE_CHUNK", chunk)
+    chunk_of = device_reference.reference_chunk
+    monkeypatch.setattr(
+        device_reference, "reference_chunk", lambda keys, _: chunk_of(keys, platform)
+    )
     point = _point(strategy, 4, mode, sim.LinkModel(), mask=mask_name, layout="zigzag", seqlen=96)
     mask = named_mask(mask_name, point.seqlen_total)
     ranks = _jax_ranks(point, mask)
@@ -508,13 +510,13 @@ def test_device_reference_compiles_once_for_any_number_of_keys(monkeypatch):
     """Row sets that see different numbers of keys (more than a chunk) run the device
     reference's two passes without compiling them again: one program per rows and heads,
     whatever the keys."""
-    from experiments.runners import cp_ranks_jax
+    from experiments.runners import device_reference
 
-    monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", 32)
+    monkeypatch.setattr(device_reference, "REFERENCE_CHUNK", 32)
     point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
     mask = named_mask("causal", point.seqlen_total)
     ranks = _jax_ranks(point, mask)
-    passes = cp_ranks_jax._reference_passes()
+    passes = device_reference._passes()
     heads = np.array([0, 1])
     sizes = []
     for last in (40, 55, 63):  # causal rows: the last row sees last + 1 keys
@@ -530,24 +532,24 @@ def test_device_reference_on_a_gpu_compiles_once_for_any_keys_and_heads(monkeypa
     one program per pass; elsewhere the chunk follows the keys."""
     import jax
 
-    from experiments.runners import cp_ranks_jax
+    from experiments.runners import device_reference
 
-    chunk_of = cp_ranks_jax.reference_chunk
-    assert chunk_of(10, "gpu") == chunk_of(10**7, "gpu") == cp_ranks_jax.REFERENCE_CHUNK
+    chunk_of = device_reference.reference_chunk
+    assert chunk_of(10, "gpu") == chunk_of(10**7, "gpu") == device_reference.REFERENCE_CHUNK
     assert (chunk_of(100, "cpu"), chunk_of(129, "cpu")) == (128, 256)
-    assert chunk_of(10**7, "cpu") == cp_ranks_jax.REFERENCE_CHUNK
-    monkeypatch.setattr(cp_ranks_jax, "REFERENCE_CHUNK", 64)
+    assert chunk_of(10**7, "cpu") == device_reference.REFERENCE_CHUNK
+    monkeypatch.setattr(device_reference, "REFERENCE_CHUNK", 64)
     platforms = []  # the device platform each reference passes
 
     def as_on_a_gpu(keys, platform):
         platforms.append(platform)
         return chunk_of(keys, "gpu")
 
-    monkeypatch.setattr(cp_ranks_jax, "reference_chunk", as_on_a_gpu)
+    monkeypatch.setattr(device_reference, "reference_chunk", as_on_a_gpu)
     point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), mask="causal", layout="contiguous")
     mask = named_mask("causal", point.seqlen_total)
     ranks = _jax_ranks(point, mask)
-    passes = cp_ranks_jax._reference_passes()
+    passes = device_reference._passes()
     sizes = []
     for last, heads in ((9, [0, 1]), (20, [0, 3]), (40, [2, 3])):  # 1-2 K/V heads, 10-41 keys
         ranks.reference_rows(mask, [np.arange(last - 5, last + 1)], 0, np.array(heads), True, 0.3)

@@ -826,6 +826,96 @@ def test_row_check_samples_heads_across_kv_groups():
     assert not bad.ok and "out" in bad.message
 
 
+@pytest.mark.parametrize("mask_name", ["causal", "share_question", "holes"])
+@pytest.mark.parametrize("grads", [True, False])
+def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatch):
+    """The JAX runner's row reference, computed on the device from a point's bf16 inputs (rows
+    padded to draw_length, keys gathered in chunks of REFERENCE_CHUNK, here 64, so several
+    chunks and a padded last one carry the online softmax), equals the host's float64
+    rows_reference of the same inputs: grouped K/V heads (4:2), all heads or a subset, rows
+    seeing one interval, two (a shared question) or none."""
+    import jax.numpy as jnp
+    from cp_cases import named_mask
+
+    from attn_masks import from_slices
+    from experiments.runners import device_reference, jax_runner
+
+    monkeypatch.setattr(device_reference, "REFERENCE_CHUNK", 64)
+    s, d = 300, 16
+    if mask_name == "holes":  # rows 120-179 see no key
+        mask = from_slices([[0, 120], [180, 300]], [[0, 150], [60, 300]], [0, 1], s)
+    else:
+        mask = named_mask(mask_name, s)
+    rng = np.random.default_rng(3)
+    args = {
+        n: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        for n, shape in inputs.shapes(2, s, 4, 2, d).items()
+    }
+    rows = np.array([0, 7, 64, 65, 130, 150, 200, 299])
+    cols = checks.keys_seen(mask, rows)
+    host = checks.Inputs(
+        **{n: jax_runner.fetch_rows(x, cols if n in ("k", "v") else rows) for n, x in args.items()}
+    )
+    reference = jax_runner.row_reference(args, mask)
+    for heads in (None, np.array([1, 2])):
+        plan = checks.CheckPlan(rows, cols, heads)
+        got = reference(plan, 0.3, grads)
+        want = checks.rows_reference(host, mask, plan, 0.3, grads)
+        assert sorted(got) == sorted(want) == (["dq", "out"] if grads else ["out"])
+        shape = (2, rows.size, 4 if heads is None else heads.size, d)
+        for name in want:
+            assert got[name].dtype == np.float64 and got[name].shape == want[name].shape == shape
+            assert np.abs(want[name]).max() > 0
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_jax_row_check_computes_its_reference_on_the_device(tmp_path, monkeypatch):
+    """A single-device JAX point whose check takes a row plan (FULL_CHECK_ELEMENTS lowered)
+    computes its float64 rows on the device (jax_runner.row_reference): the host's
+    rows_reference is never called and only the compared out and dq rows come to the host, no
+    input; the check passes on a right kernel and fails on one 1% off."""
+    import jax_attn
+    from experiments.runners import device_reference, jax_runner
+
+    def host_reference(*args, **kwargs):
+        raise AssertionError("the host row reference ran")
+
+    monkeypatch.setattr(checks, "FULL_CHECK_ELEMENTS", 0)
+    monkeypatch.setattr(checks, "rows_reference", host_reference)
+    fetched, references = [], []
+    real_fetch, real_reference = jax_runner.fetch_rows, device_reference.rows_reference
+    monkeypatch.setattr(
+        jax_runner, "fetch_rows", lambda x, index: fetched.append(index) or real_fetch(x, index)
+    )
+    monkeypatch.setattr(
+        device_reference,
+        "rows_reference",
+        lambda *a, **k: references.append(a[1]) or real_reference(*a, **k),
+    )
+    point = [
+        "--framework=jax",
+        "--impl=reference",
+        "--mask=causal_document",
+        "--mode=fwd_bwd",
+        "--heads_q=4",
+        "--heads_kv=2",
+        *(a for a in TINY if not a.startswith("--heads")),
+    ]
+    assert _run_in_process([*point, f"--out_dir={tmp_path / 'right'}"]) == 0
+    (rec,) = _records(tmp_path / "right")
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["check"]["kind"] == "rows" and set(rec["check"]["max_errors"]) == {"out", "dq"}
+    assert len(references) == 1 and references[0].size == 64  # every row of the 64
+    assert len(fetched) == 2 and all(np.array_equal(i, references[0]) for i in fetched)
+    real = jax_attn.attention
+    monkeypatch.setattr(jax_attn, "attention", lambda *a, **k: real(*a, **k) * 1.01)
+    assert _run_in_process([*point, f"--out_dir={tmp_path / 'wrong'}"]) == 0
+    (rec,) = _records(tmp_path / "wrong")
+    assert rec["status"] == "wrong" and rec["check"]["kind"] == "rows"
+    assert rec["check"]["errors"]["out"] > rec["check"]["rtol"]["out"]
+    assert len(references) == 2
+
+
 def test_exception_classification_and_seqlen_parsing():
     assert outcomes.classify(MemoryError())[0] == "oom"
     assert outcomes.classify(RuntimeError("RESOURCE_EXHAUSTED: out of HBM"))[0] == "oom"

@@ -6,9 +6,11 @@ random subset of query rows (always the first and last row too) in a spread of a
 query heads (the first and last always, the rest evenly between them, so that with grouped K/V
 heads the sample spans the groups), every batch: the output rows and, for backward modes, the dq
 rows are exact functions of those rows alone (dq_i = scale * sum_j P_ij (dP_ij - dO_i.O_i) K_j),
-so they are computed exactly in float64 over just the keys those rows see; only those rows of
-q/dout and those keys of k/v leave the device. dk/dv need every query row that sees a key (O(S^2)
-work), so at large sizes they are only checked to be finite.
+so they are computed exactly in float64 over just the keys those rows see: on the host, only
+those rows of q/dout and those keys of k/v leaving the device, or where a runner computes them
+on its device (check_point's `reference`: the JAX runner's, device_reference.py) none of them.
+dk/dv need every query row that sees a key (O(S^2) work), so at large sizes they are only
+checked to be finite.
 
 Metric: relative Frobenius error ||got - ref|| / ||ref|| per tensor, against a per-dtype
 threshold (bf16 2e-2, fp16 1e-2, fp32 1e-4 on CPU / 2e-3 on GPU where fp32 matmuls may use TF32);
@@ -252,22 +254,33 @@ def check_point(
     finite: Callable[[object], bool],
     on_gpu: bool,
     rtol_override: float | None = None,
+    reference: Callable[[CheckPlan, float, bool], dict[str, np.ndarray]] | None = None,
 ) -> CheckResult:
     """Check mask `index` of a point: plan the comparison, bring only what it needs to the host
     (fetch(x, positions along the sequence axis, None = all) -> float32 numpy) and compare;
-    results a row plan cannot compare are only checked with finite(x)."""
+    results a row plan cannot compare are only checked with finite(x). reference(plan, scale,
+    grads), where given, computes a row plan's float64 rows (rows_reference's values) where the
+    inputs lie, so none of them is fetched."""
     plan = plan_check(mask, point.batch, point.heads_q, point.seed + index)
+    grads = point.mode != "fwd"
     compared = got if plan.rows is None else {n: got[n] for n in ("out", "dq") if n in got}
-    inputs = Inputs(
-        **{n: fetch(x, plan.cols if n in ("k", "v") else plan.rows) for n, x in args.items()}
-    )
+    if reference is None or plan.rows is None:
+        inputs = Inputs(
+            **{n: fetch(x, plan.cols if n in ("k", "v") else plan.rows) for n, x in args.items()}
+        )
+        scale = refs = None
+    else:
+        inputs, scale = None, 1.0 / np.sqrt(args["q"].shape[-1])
+        refs = reference(plan, scale, grads)
     rtol = tolerance(point.dtype, on_gpu=on_gpu, override=rtol_override)
     return compare(
         mask,
         inputs,
         {n: fetch(x, plan.rows) for n, x in compared.items()},
         plan=plan,
-        grads=point.mode != "fwd",
+        grads=grads,
         rtol=rtol,
         finite={n: finite(x) for n, x in got.items() if n not in compared},
+        scale=scale,
+        refs=refs,
     )

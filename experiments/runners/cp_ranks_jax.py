@@ -16,8 +16,8 @@ import numpy as np
 
 from attn_masks import joined_slices
 from experiments.core.points import DEFAULT_IMPL, Point
-from experiments.runners import call_model, checks, frameworks, inputs, timing
-from experiments.runners.cp_ranks import CallTimer, Ranks, draw_length, plan_settings
+from experiments.runners import call_model, device_reference, frameworks, inputs, timing
+from experiments.runners.cp_ranks import CallTimer, Ranks, plan_settings
 from shard_strategies.strategies import RING_CORE
 
 
@@ -298,72 +298,6 @@ def _rows_f32():
 
 
 ZEROS_KEPT = 4  # zero arrays a point's Ranks keeps (_zeros): the dK, dV and LSE shapes it asks
-REFERENCE_CHUNK = 1 << 16  # keys per pass of the float64 row reference (_reference_passes)
-
-
-def reference_chunk(keys: int, platform: str) -> int:
-    """Keys per pass of the row reference over `keys` keys: REFERENCE_CHUNK on a GPU whatever
-    the keys, so a preset's checks share their passes' few programs (run 10 on the H200
-    compiled 38 of them, 0.46 s each, one per chunk and K/V head count) and pay float64 work
-    on padding instead (milliseconds there); elsewhere the next power of two up to it, since a
-    CPU's float64 work on a padded chunk costs more than a compile."""
-    if platform == "gpu":
-        return REFERENCE_CHUNK
-    return min(REFERENCE_CHUNK, 1 << max(keys - 1, 1).bit_length())
-
-
-@cache
-def _reference_passes():
-    """jitted float64 attention rows over one chunk of keys at a time, to trace under
-    jax.enable_x64, so one program serves any number of keys: ("out": (state, q, k, v, lo,
-    hi, cols, kv_of, scale) -> state, the online softmax's (top, total, acc) per head
-    (H, B, n, 1 | D) after this chunk; "dq": (dq, q, k, v, dout, out, lse, lo, hi, cols,
-    kv_of, scale) -> dq plus this chunk's share). q, dout (B, n, H, D) are the n query rows,
-    k, v (B, c, G, D) the chunk's keys at global positions `cols` (-1: padding), a row seeing
-    the keys in its intervals [lo, hi) (n, I), query head j reading K/V column kv_of[j];
-    one head at a time, so the float64 scores of a chunk fit beside the inputs."""
-    import jax
-    import jax.numpy as jnp
-
-    def scores(q, k, v, j, kv_of, seen, scale):
-        """Query head j's masked, scaled float64 scores over the chunk, and its K and V."""
-        qj = jnp.take(q, j, axis=2).astype(jnp.float64)
-        kj, vj = (jnp.take(x, kv_of[j], axis=2).astype(jnp.float64) for x in (k, v))
-        s = jnp.where(seen, jnp.einsum("bnd,bmd->bnm", qj, kj) * scale, -jnp.inf)
-        return s, kj, vj
-
-    def visible(lo, hi, cols):
-        return ((cols >= lo[:, :, None]) & (cols < hi[:, :, None])).any(axis=1)
-
-    def out_pass(state, q, k, v, lo, hi, cols, kv_of, scale):
-        seen = visible(lo, hi, cols)
-
-        def head(args):
-            j, top, total, acc = args
-            s, _, vj = scores(q, k, v, j, kv_of, seen, scale)
-            new_top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
-            shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-            p, alpha = jnp.exp(s - shift), jnp.exp(top - shift)
-            total = total * alpha + p.sum(axis=-1, keepdims=True)
-            return new_top, total, acc * alpha + jnp.einsum("bnm,bmd->bnd", p, vj)
-
-        return jax.lax.map(head, (jnp.arange(q.shape[2]), *state))
-
-    def dq_pass(dq, q, k, v, dout, out, lse, lo, hi, cols, kv_of, scale):
-        seen = visible(lo, hi, cols)
-
-        def head(args):
-            j, dq_j, out_j, lse_j = args
-            s, kj, vj = scores(q, k, v, j, kv_of, seen, scale)
-            doj = jnp.take(dout, j, axis=2).astype(jnp.float64)
-            p = jnp.where(jnp.isfinite(lse_j), jnp.exp(s - lse_j), 0.0)
-            dp = jnp.einsum("bnd,bmd->bnm", doj, vj)
-            ds = p * (dp - (doj * out_j).sum(axis=-1, keepdims=True))
-            return dq_j + jnp.einsum("bnm,bmd->bnd", ds, kj) * scale
-
-        return jax.lax.map(head, (jnp.arange(q.shape[2]), dq, out, lse))
-
-    return {"out": jax.jit(out_pass), "dq": jax.jit(dq_pass)}
 
 
 class JaxRanks(Ranks):
@@ -507,68 +441,26 @@ class JaxRanks(Ranks):
     def reference_rows(
         self, mask, rows_of: list[np.ndarray], u: int, heads: np.ndarray, grads: bool, scale: float
     ) -> dict[str, np.ndarray]:
-        """Ranks.reference_rows computed on the device in float64: only the sampled rows' out
-        and dq come back, not the keys they see (at 64 devices, millions of keys per head).
-        Rows and intervals are padded to a few lengths and the keys walked in chunks
-        (_reference_passes), drawn again for the dq pass instead of held, so a preset compiles
-        it a few times and no pass holds more than a chunk of keys."""
+        """Ranks.reference_rows computed on the device in float64 (device_reference): only the
+        sampled rows' out and dq come back, not the keys they see (at 64 devices, millions of
+        keys per head); the rows drawn padded, each chunk of keys drawn for every K/V head, again
+        for the dq pass instead of held."""
         rows = np.concatenate(rows_of)
         gq = self.q_heads[u][heads]
         kv_of = gq // (self.plan.num_heads_q // self.plan.num_heads_kv)  # of all K/V heads
-        cols = checks.keys_seen(mask, rows)
-        n = draw_length(len(rows))  # the padded draw's rows
-        lo, hi = (x[rows] for x in mask.row_intervals())
-        width = 1 << (lo.shape[1] - 1).bit_length()
-        bounds = [np.zeros((n, width), np.int32) for _ in range(2)]
-        for b, x in zip(bounds, (lo, hi)):
-            b[: len(rows), : x.shape[1]] = x
-        chunk = reference_chunk(len(cols), self.jax.devices()[0].platform)
         seqlen = self._shapes["k"][1]
 
-        def draw(name, positions, heads):
-            return _asked_heads(
-                *self._draw(name, self.padded_positions(name, positions), heads, self.jnp.float32)
-            )
+        def draw(name: str):
+            positions = self.padded_positions(name, rows)
+            return _asked_heads(*self._draw(name, positions, gq, self.jnp.float32))
 
-        def chunks():
-            """(k, v, global positions) of each chunk of the keys the rows see (padded)."""
-            for start in range(0, len(cols), chunk):
-                part = np.full(chunk, seqlen, np.int64)
-                part[: len(cols[start : start + chunk])] = cols[start : start + chunk]
-                keys = (self._draw(x, part, None, self.jnp.float32)[0] for x in ("k", "v"))
-                yield (*keys, np.where(part < seqlen, part, -1).astype(np.int32))
+        def keys(positions: np.ndarray) -> tuple:
+            """k, v at a chunk's positions, padding (-1) drawn past the end (zeros)."""
+            at = np.where(positions < 0, seqlen, positions)
+            return tuple(self._draw(x, at, None, self.jnp.float32)[0] for x in ("k", "v"))
 
-        q = draw("q", rows, gq)
-        dout = draw("dout", rows, gq) if grads else None
-        passes, kv_of, scale = _reference_passes(), kv_of.astype(np.int32), np.float64(scale)
-        x64, jnp = self.jax.enable_x64, self.jnp
-        with x64(True):
-            shape = (len(gq), *q.shape[:2])
-            state = (
-                jnp.full((*shape, 1), -jnp.inf, jnp.float64),
-                jnp.zeros((*shape, 1), jnp.float64),
-                jnp.zeros((*shape, q.shape[-1]), jnp.float64),
-            )
-        for k, v, at in chunks():  # drawn as the ranks' inputs are; the passes in float64
-            with x64(True):
-                state = passes["out"](state, q, k, v, *bounds, at, kv_of, scale)
-        with x64(True):
-            top, total, acc = state
-            seen = total > 0
-            total = jnp.where(seen, total, 1.0)
-            refs = {"out": acc / total}
-            top = jnp.where(jnp.isfinite(top), top, 0.0)
-            lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
-            dq = jnp.zeros_like(acc) if grads else None
-        if grads:
-            for k, v, at in chunks():
-                with x64(True):
-                    dq = passes["dq"](
-                        dq, q, k, v, dout, refs["out"], lse, *bounds, at, kv_of, scale
-                    )
-            refs["dq"] = dq
-        # per head (H, B, n, D) -> (B, rows, H, D)
-        return {name: np.moveaxis(np.asarray(x), 0, 2)[:, : len(rows)] for name, x in refs.items()}
+        dout = draw("dout") if grads else None
+        return device_reference.rows_reference(mask, rows, draw("q"), dout, keys, kv_of, scale)
 
     def normal(self, shape: tuple[int, ...], seed: int):
         """The seed's TIMING_POOL values (_timing_pool), repeated to the shape (_repeat)."""

@@ -11,7 +11,15 @@ import numpy as np
 from experiments.core.flags import COMPILE_THREADS
 from experiments.core.outcomes import WRONG, PointFailure
 from experiments.core.points import Point
-from experiments.runners import checks, frameworks, inputs, measure, memory, timing
+from experiments.runners import (
+    checks,
+    device_reference,
+    frameworks,
+    inputs,
+    measure,
+    memory,
+    timing,
+)
 from experiments.runners.cp_ranks import draw_length
 from experiments.runners.cp_ranks_jax import JaxRanks
 from experiments.runners.cp_simulate import CPSimulator
@@ -42,28 +50,61 @@ def fetch_rows(x, index: np.ndarray | None) -> np.ndarray:
     draw_length, so the checks' ever-different row and key counts share a few compilations."""
     from jax.experimental import multihost_utils
 
-    if index is None:
-        padded, n = None, None
-    else:
-        n = len(index)
-        padded = np.zeros(draw_length(n), np.int64)
-        padded[:n] = index
-    x = _take_f32()(x, padded)
+    n = None if index is None else len(index)
+    x = _take_f32()(x, None if index is None else _padded(index), None)
     if not x.is_fully_addressable:
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)[:, :n]
 
 
+def _padded(index: np.ndarray) -> np.ndarray:
+    """index padded with position 0 to draw_length, so gathers of ever-different counts share
+    a few programs (fetch_rows, row_reference)."""
+    padded = np.zeros(draw_length(len(index)), np.int64)
+    padded[: len(index)] = index
+    return padded
+
+
 @functools.cache
 def _take_f32() -> Callable:
-    """jitted (x, positions or None) -> x at those positions along axis 1, as float32."""
+    """jitted (x, positions or None, heads or None) -> x at those positions along axis 1 and
+    heads along axis 2 (None: all), as float32."""
     import jax
     import jax.numpy as jnp
 
-    def take(x, positions):
-        return (x if positions is None else jnp.take(x, positions, axis=1)).astype(jnp.float32)
+    def take(x, positions, heads):
+        x = x if positions is None else jnp.take(x, positions, axis=1)
+        x = x if heads is None else jnp.take(x, heads, axis=2)
+        return x.astype(jnp.float32)
 
     return jax.jit(take)
+
+
+def row_reference(
+    args: dict, mask
+) -> Callable[[checks.CheckPlan, float, bool], dict[str, np.ndarray]]:
+    """The `reference` of checks.check_point for a single-device point's inputs `args` (on the
+    device): a row plan's float64 rows computed there (device_reference), so neither the keys
+    the rows see (128K per head at the longest) nor a host float64 pass over them is paid. The
+    rows are gathered padded to draw_length and the keys a chunk at a time, every K/V head, in
+    float32, as the CP predictor's ranks draw theirs: the two share the passes' programs."""
+
+    def reference(plan: checks.CheckPlan, scale: float, grads: bool) -> dict[str, np.ndarray]:
+        heads_q, heads_kv = args["q"].shape[2], args["k"].shape[2]
+        heads = np.arange(heads_q) if plan.heads is None else np.asarray(plan.heads)
+        rows = _padded(plan.rows)
+        q = _take_f32()(args["q"], rows, heads)
+        dout = _take_f32()(args["dout"], rows, heads) if grads else None
+
+        def keys(positions: np.ndarray) -> tuple:
+            """k, v at a chunk's positions, padding (-1) read at position 0 (masked)."""
+            at = np.maximum(positions, 0)
+            return tuple(_take_f32()(args[n], at, None) for n in ("k", "v"))
+
+        kv_of = heads // (heads_q // heads_kv)
+        return device_reference.rows_reference(mask, plan.rows, q, dout, keys, kv_of, scale)
+
+    return reference
 
 
 def all_finite(x) -> bool:
@@ -200,7 +241,8 @@ class JaxRunner:
         return lambda: multihost_utils.sync_global_devices("experiments.timing")
 
     def _check(self, point: Point, mask, index: int, args: dict, got: dict):
-        """Compare the first results with float64 attention (whole, or sampled rows)."""
+        """Compare the first results with float64 attention (whole, or sampled rows: computed
+        on the device for a single-device point, row_reference)."""
         return checks.check_point(
             point,
             mask,
@@ -211,6 +253,7 @@ class JaxRunner:
             finite=all_finite,
             on_gpu=self.on_gpu,
             rtol_override=self.rtol_override,
+            reference=None if point.is_cp else row_reference(args, mask),
         )
 
     def _time(self, point: Point, fn: Callable, call_args: tuple) -> list[float]:
