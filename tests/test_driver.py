@@ -830,10 +830,11 @@ def test_row_check_samples_heads_across_kv_groups():
 @pytest.mark.parametrize("grads", [True, False])
 def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatch):
     """The JAX runner's row reference, computed on the device from a point's bf16 inputs (rows
-    padded to draw_length, keys gathered in chunks of REFERENCE_CHUNK, here 64, so several
-    chunks and a padded last one carry the online softmax), equals the host's float64
-    rows_reference of the same inputs: grouped K/V heads (4:2), all heads or a subset, rows
-    seeing one interval, two (a shared question) or none."""
+    padded to draw_length, keys gathered in chunks of at most REFERENCE_CHUNK, here 64, so
+    several chunks and a padded last one carry the online softmax), equals the host's float64
+    rows_reference of the same inputs: grouped K/V heads (8:4), all heads or subsets (the K/V
+    heads they read gathered alone), rows seeing one interval, two (a shared question) or
+    none."""
     import jax.numpy as jnp
     from cp_cases import named_mask
 
@@ -849,7 +850,7 @@ def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatc
     rng = np.random.default_rng(3)
     args = {
         n: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-        for n, shape in inputs.shapes(2, s, 4, 2, d).items()
+        for n, shape in inputs.shapes(2, s, 8, 4, d).items()
     }
     rows = np.array([0, 7, 64, 65, 130, 150, 200, 299])
     cols = checks.keys_seen(mask, rows)
@@ -857,12 +858,12 @@ def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatc
         **{n: jax_runner.fetch_rows(x, cols if n in ("k", "v") else rows) for n, x in args.items()}
     )
     reference = jax_runner.row_reference(args, mask)
-    for heads in (None, np.array([1, 2])):
+    for heads in (None, np.array([1, 2]), np.array([4, 7]), np.array([3])):
         plan = checks.CheckPlan(rows, cols, heads)
         got = reference(plan, 0.3, grads)
         want = checks.rows_reference(host, mask, plan, 0.3, grads)
         assert sorted(got) == sorted(want) == (["dq", "out"] if grads else ["out"])
-        shape = (2, rows.size, 4 if heads is None else heads.size, d)
+        shape = (2, rows.size, 8 if heads is None else heads.size, d)
         for name in want:
             assert got[name].dtype == np.float64 and got[name].shape == want[name].shape == shape
             assert np.abs(want[name]).max() > 0
@@ -871,11 +872,24 @@ def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatc
 
 def test_jax_row_check_computes_its_reference_on_the_device(tmp_path, monkeypatch):
     """A single-device JAX point whose check takes a row plan (FULL_CHECK_ELEMENTS lowered)
-    computes its float64 rows on the device (jax_runner.row_reference): the host's
-    rows_reference is never called and only the compared out and dq rows come to the host, no
-    input; the check passes on a right kernel and fails on one 1% off."""
+    computes its float64 rows on the device (jax_runner.row_reference) where the runner asks
+    for them (on a GPU; here as on one): the host's rows_reference is never called and only
+    the compared out and dq rows come to the host, no input; the check passes on a right
+    kernel and fails on one 1% off. On a CPU the runner keeps the host's pass."""
+    from types import SimpleNamespace
+
     import jax_attn
     from experiments.runners import device_reference, jax_runner
+
+    runner = jax_runner.JaxRunner()
+    assert (
+        not runner.on_gpu and runner._row_reference(SimpleNamespace(is_cp=False), None, {}) is None
+    )
+    monkeypatch.setattr(
+        jax_runner.JaxRunner,
+        "_row_reference",
+        lambda self, point, mask, args: jax_runner.row_reference(args, mask),
+    )
 
     def host_reference(*args, **kwargs):
         raise AssertionError("the host row reference ran")

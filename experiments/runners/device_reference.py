@@ -22,8 +22,12 @@ def reference_chunk(keys: int, platform: str) -> int:
     compiled 38 of them, 0.46 s each, one per chunk and K/V head count) and pay float64 work
     on padding instead (milliseconds there); elsewhere the next power of two up to it, since a
     CPU's float64 work on a padded chunk costs more than a compile."""
-    if platform == "gpu":
-        return REFERENCE_CHUNK
+    return REFERENCE_CHUNK if platform == "gpu" else fitted_chunk(keys)
+
+
+def fitted_chunk(keys: int) -> int:
+    """The next power of two of `keys`, up to REFERENCE_CHUNK: chunks that hold no more keys
+    than the rows see, at a few program shapes."""
     return min(REFERENCE_CHUNK, 1 << max(keys - 1, 1).bit_length())
 
 
@@ -89,6 +93,7 @@ def rows_reference(
     keys: Callable[[np.ndarray], tuple],
     kv_of: np.ndarray,
     scale: float,
+    chunk: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Float64 out (and dq where dout is given), (B, len(rows), H, D) each, of the global query
     `rows` over every key they see (checks.keys_seen), on the device. q, dout (B, n, H, D)
@@ -96,7 +101,8 @@ def rows_reference(
     head j reading K/V head kv_of[j]; keys(positions) gives k, v (B, c, G, D) at a chunk's
     global key positions (-1: padding, masked whatever its values), asked again for the dq
     pass instead of held. Rows, intervals and chunks are padded to a few shapes (n, a power of
-    two, reference_chunk), so checks of any rows and keys share a few compiled passes."""
+    two, `chunk` keys: by default reference_chunk's for the device), so checks of any rows
+    and keys share a few compiled passes."""
     import jax
     import jax.numpy as jnp
 
@@ -106,7 +112,8 @@ def rows_reference(
     bounds = [np.zeros((q.shape[1], width), np.int32) for _ in range(2)]
     for b, x in zip(bounds, (lo, hi)):
         b[: len(rows), : x.shape[1]] = x
-    chunk = reference_chunk(len(cols), next(iter(q.devices())).platform)
+    if chunk is None:
+        chunk = reference_chunk(len(cols), next(iter(q.devices())).platform)
 
     def chunks():
         """(k, v, global positions) of each chunk of the keys the rows see (padded)."""
