@@ -6,7 +6,7 @@ from .flops import MODES, attention_flops
 from .generators import MASK_NAMES, make_mask, make_masks
 from .mask import Mask, MaskType, from_slices, joined_slices
 from .random_slices import random_slices
-from .reference import ReferenceResult, reference_attention
+from .reference import ReferenceResult, default_scale, reference_attention
 from .render import render_mask_png
 from .sampling import TABLE_NAMES, default_distribution, generate_seqlens, load_distribution
 from .structure import KINDS, MaskPattern, classify
@@ -43,6 +43,7 @@ __all__ = [
     "from_slices",
     "joined_slices",
     "random_slices",
+    "default_scale",
     "reference_attention",
     "KINDS",
     "MODES",

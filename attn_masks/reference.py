@@ -21,6 +21,11 @@ class ReferenceResult:
     dv: np.ndarray | None = None
 
 
+def default_scale(head_dim: int) -> float:
+    """The softmax scale every impl applies unless given one: 1 / sqrt(head_dim)."""
+    return 1.0 / float(np.sqrt(head_dim))
+
+
 def reference_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -37,7 +42,7 @@ def reference_attention(
     """
     group = check_attention_shapes(np.shape(q), np.shape(k), np.shape(v), mask)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     kr = np.repeat(k, group, axis=2)
     vr = np.repeat(v, group, axis=2)
     visible = mask.dense()[None, None]

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags, logging
 
-from attn_masks import Mask, make_mask, random_slices
+from attn_masks import Mask, default_scale, make_mask, random_slices
 from attn_masks import reference_attention as oracle
 from experiments import workers
 from experiments.core import provenance
@@ -329,7 +329,7 @@ def run_case(framework: str, impl: str, case: Case, save_dir: str | None) -> Out
         if not ask:
             return Outcome("unsupported", f"{'unsupported':<11} {head}  {why}", {"message": why})
         x = inputs(case)
-        scale = 1.0 / np.sqrt(case.head_dim)
+        scale = default_scale(case.head_dim)
         run = _jax_run if framework == "jax" else _torch_run
         t0 = time.monotonic()
         got = run(impl, mask, x, case.dtype, scale, ask)

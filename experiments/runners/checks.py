@@ -6,9 +6,10 @@ random subset of query rows (always the first and last row too) in a spread of a
 query heads (the first and last always, the rest evenly between them, so that with grouped K/V
 heads the sample spans the groups), every batch: the output rows and, for backward modes, the dq
 rows are exact functions of those rows alone (dq_i = scale * sum_j P_ij (dP_ij - dO_i.O_i) K_j),
-so they are computed exactly in float64 over just the keys those rows see: on the host, only
-those rows of q/dout and those keys of k/v leaving the device, or where a runner computes them
-on its device (check_point's `reference`: the JAX runner's, device_reference.py) none of them.
+so they are computed exactly in float64 over just the keys those rows see: on the host from
+those rows of q/dout and those keys of k/v alone, or on the device where a runner passes
+check_point a `reference` (the JAX runner on a GPU: device_reference.py), so that no input
+leaves it.
 dk/dv need every query row that sees a key (O(S^2) work), so at large sizes they are only
 checked to be finite.
 
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from attn_masks import default_scale
 
 FULL_CHECK_ELEMENTS = 1 << 24
 ROW_CHECK_BUDGET = 1 << 22  # rows * keys per (batch, head) in the row check
@@ -213,7 +216,7 @@ def compare(
     """
     from attn_masks import reference_attention
 
-    scale = 1.0 / np.sqrt(inp.q.shape[-1]) if scale is None else scale
+    scale = default_scale(inp.q.shape[-1]) if scale is None else scale
     names = ("out", *GRADS) if grads else ("out",)
     tol = {n: rtol * (GRAD_FACTOR if n in GRADS else 1.0) for n in names}
     if refs is None and plan.rows is None:
@@ -270,7 +273,7 @@ def check_point(
         )
         scale = refs = None
     else:
-        inputs, scale = None, 1.0 / np.sqrt(args["q"].shape[-1])
+        inputs, scale = None, default_scale(args["q"].shape[-1])
         refs = reference(plan, scale, grads)
     rtol = tolerance(point.dtype, on_gpu=on_gpu, override=rtol_override)
     return compare(
