@@ -16,6 +16,9 @@ schedules. For each feature set:
 - as the predictor calibrates a class: the default --sim_timed_calls calls spanning its work
   (call_model.calibration_picks on the set's features), the class's other calls predicted
   (classes with more calls than those and call_model.VALIDATION_CALLS);
+- as the run checked: each held-out call the run timed, predicted from its class's
+  calibration calls timed before it, over every point and mask the class served by then (the
+  error the run's records state, for the spans);
 - across shapes, each class of long calls (LONG_CALL_MS or more by its kind's tile model, as
   the predictor decides) predicted from its kind's calls at every other shape the run timed
   (the predictor has only those timed before it), at the kind's rate and at the class's own
@@ -179,6 +182,36 @@ def calibrated_pairs(calls: list[dict], names: tuple[str, ...]) -> tuple[np.ndar
     return np.array(predicted), np.array(measured)
 
 
+CALIBRATING_ROLES = ("calibration", "all")  # timed calls that join their class's fit
+
+
+def checked_errors(records: list[dict], names: tuple[str, ...]) -> np.ndarray:
+    """Relative errors (%) of the run's own held-out calls (role "held_out"), each predicted
+    as the predictor checked it: from its class's calibrating calls timed before it, in the
+    records' order (those its own point timed first included), however many points and masks
+    the class served by then. With the spans this restates the run's held-out error; with
+    another feature set, what that set would have stated."""
+    calibration: dict[str, list[dict]] = defaultdict(list)
+    predicted, measured, seen = [], [], set()
+    for rec in records:
+        for mask in rec.get("masks") or []:
+            for call in (mask.get("simulation") or {}).get("timed_calls") or []:
+                if call.get("id") in seen or not set(names) <= call.keys():
+                    continue
+                if call.get("median", 1.0) <= 0:  # a timing fault, left out as main says
+                    continue
+                seen.add(call.get("id"))
+                known = calibration[call["class"]]
+                role = call.get("role")  # records from before roles: none
+                if role == "held_out" and known:
+                    coef = call_model.fit(design(known, names), _medians(known))
+                    predicted.append(float(design([call], names)[0] @ coef))
+                    measured.append(call["median"])
+                elif role in CALIBRATING_ROLES and any(call[n] for n in names):
+                    known.append(call)
+    return _errors(np.array(predicted), np.array(measured))
+
+
 def plot_calibrated(calls: list[dict], path: str) -> Path | None:
     """One panel per feature set: each calibrated call's predicted over measured time against
     its measured time, the 5% target as a band, side by side in one image at `path`."""
@@ -271,9 +304,11 @@ def _cell(errors: np.ndarray) -> str:
     return f"{np.percentile(errors, QUANTILE):.1f}% / {errors.max():.1f}% ({len(errors)})"
 
 
-def score(calls: list[dict]) -> list[dict]:
-    """Per feature set: the within-class and across-shapes errors (p90 / max (calls scored)),
-    on the calls that have every feature of every set (PyTorch's have no tile layout)."""
+def score(calls: list[dict], records: list[dict] = ()) -> list[dict]:
+    """Per feature set: the within-class, calibrated, across-shapes errors (p90 / max (calls
+    scored)), on the calls that have every feature of every set (PyTorch's have no tile
+    layout), and of the run's held-out calls as it checked them (checked_errors, from the
+    `records` in the run's order)."""
     have = [c for c in calls if set(ALL_FEATURES) <= c.keys()]
     rows = []
     for label, names in FEATURE_SETS.items():
@@ -283,6 +318,7 @@ def score(calls: list[dict]) -> list[dict]:
                 "features": label,
                 "within a class": _cell(within_class_errors(have, names)),
                 "calibrated": _cell(calibrated_errors(have, names)),
+                "as the run checked": _cell(checked_errors(records, names)),
                 **{f"across shapes, {k}": _cell(v) for k, v in across.items()},
             }
         )
@@ -383,7 +419,7 @@ def main(argv: list[str]) -> None:
         f"{len(calls)} distinct timed calls ({scored} with tile layouts); relative error, "
         f"{QUANTILE}th percentile / largest (calls scored)"
     )
-    _print_table(score(calls))
+    _print_table(score(calls, records))
     print(
         "\nCalls of one class on pieces of equal tiles and layout, each predicted by their "
         f"median (the floor of any model of these features): {_cell(equal_layout_spread(calls))}"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import cp_call_fits
+from experiments.runners import call_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,46 @@ def test_calibrated_as_the_predictor_predicts_a_class_from_its_sample():
     tiles = cp_call_fits.calibrated_errors(calls, cp_call_fits.FEATURE_SETS["tiles"])
     assert len(column) == len(tiles) == 40 - cp_call_fits.SIM_TIMED_CALLS
     assert column.max() < 1e-6 and np.percentile(tiles, 90) > 5.0
+
+
+def test_as_the_run_checked_each_held_out_call_sees_only_the_calibration_timed_before_it():
+    """Replaying a run's records in order: a held-out call is predicted from its class's
+    calibrating calls timed before it (its own point's first ones included), never from
+    calls timed after it, nor from other held-out calls or other classes. Here the class's
+    first points follow one law and its last another: the held-out calls timed before the
+    change are exact, the one after it, with a calibration call of the new law timed just
+    before it at its point, is off by what that one call moves the fit."""
+    rng = np.random.default_rng(7)
+    names = cp_call_fits.FEATURE_SETS["spans"]
+    old = lambda c: 1.0 + 0.001 * c["row_span"] + 0.003 * c["col_span"]  # noqa: E731
+    new = lambda c: 40.0 + 0.01 * c["row_span"]  # noqa: E731
+
+    def timed(calls, role):
+        return [
+            {**c, "id": f"{role}-{c['id']}-{rng.integers(1 << 30)}", "role": role} for c in calls
+        ]
+
+    def record(*calls):
+        return {"masks": [{"simulation": {"timed_calls": [c for group in calls for c in group]}}]}
+
+    first = timed(_calls(rng, 8, old), "calibration")
+    held = timed(_calls(rng, 2, old), "held_out")
+    wrong = timed(_calls(rng, 1, lambda c: 1e4), "held_out")  # a held-out call joins no fit
+    stranger = timed(_calls(rng, 8, new, cls="other"), "all")  # another class's calls
+    later = timed(_calls(rng, 1, new), "calibration")
+    last = timed(_calls(rng, 1, old), "held_out")
+    after = timed(_calls(rng, 20, new), "all")  # timed after every check: never seen by one
+    records = [record(first, held), record(wrong, stranger), record(later, last), record(after)]
+    errors = cp_call_fits.checked_errors(records, names)
+    assert len(errors) == 4
+    assert errors[:2].max() < 1e-6  # from the first point's calibration alone
+    # the held-out call timed 1e4 ms, predicted by the same fit: the first law's time
+    assert errors[2] == pytest.approx(100 * abs(old(wrong[0]) - 1e4) / 1e4, rel=1e-6)
+    known = first + later
+    coef = call_model.fit(cp_call_fits.design(known, names), [c["median"] for c in known])
+    expected = float(cp_call_fits.design(last, names)[0] @ coef)
+    assert errors[3] == pytest.approx(100 * abs(expected / last[0]["median"] - 1), rel=1e-3)
+    assert errors[3] > 1.0  # the new law's one call moved the fit
 
 
 def test_equal_layouts_spread_from_their_median():
@@ -137,13 +178,13 @@ def test_the_command_scores_a_results_file(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "20 distinct timed calls (20 with tile layouts)" in out
     header = (
-        "| features | within a class | calibrated | across shapes, kind rate | "
-        "across shapes, class rate |"
+        "| features | within a class | calibrated | as the run checked | across shapes, kind "
+        "rate | across shapes, class rate |"
     )
     assert header in out
     assert "pieces of equal tiles and layout" in out
     for features in cp_call_fits.FEATURE_SETS:  # classes of 10 calls: timed whole (no model)
-        exact = "0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
+        exact = "0.0% / 0.0% (20) | no calls | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
         assert f"| {features} | {exact}" in out
     # per kind: the one kind, its two classes' shapes, each set's errors
     exact = "0.0% / 0.0% (20) | 0.0% / 0.0% (18)"
@@ -226,5 +267,5 @@ def test_a_timed_call_below_zero_is_left_out_and_named(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "left out: 1 timed calls whose median is at or below zero" in out
     assert "attend -0.5 ms" in out and "20 distinct timed calls" in out
-    exact = "0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
+    exact = "0.0% / 0.0% (20) | no calls | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
     assert f"| spans | {exact}" in out
