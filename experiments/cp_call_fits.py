@@ -16,9 +16,10 @@ schedules. For each feature set:
 - as the predictor calibrates a class: the default --sim_timed_calls calls spanning its work
   (call_model.calibration_picks on the set's features), the class's other calls predicted
   (classes with more calls than those and call_model.VALIDATION_CALLS);
-- as the run checked: each held-out call the run timed, predicted from its class's
-  calibration calls timed before it, over every point and mask the class served by then (the
-  error the run's records state, for the spans);
+- as the run checked: each held-out call the run timed (not the long classes' rate checks),
+  predicted from its class's calibration calls timed before it, over every point and mask the
+  class served by then: for the spans, the held-out error a run made in one process states
+  (a resumed process also fits the earlier process's calls of other roles);
 - across shapes, each class of long calls (LONG_CALL_MS or more by its kind's tile model, as
   the predictor decides) predicted from its kind's calls at every other shape the run timed
   (the predictor has only those timed before it), at the kind's rate and at the class's own
@@ -31,6 +32,7 @@ schedules. For each feature set:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -185,25 +187,29 @@ def calibrated_pairs(calls: list[dict], names: tuple[str, ...]) -> tuple[np.ndar
 CALIBRATING_ROLES = ("calibration", "all")  # timed calls that join their class's fit
 
 
-def checked_errors(records: list[dict], names: tuple[str, ...]) -> np.ndarray:
+def checked_errors(records: Sequence[dict], names: tuple[str, ...]) -> np.ndarray:
     """Relative errors (%) of the run's own held-out calls (role "held_out"), each predicted
     as the predictor checked it: from its class's calibrating calls timed before it, in the
     records' order (those its own point timed first included), however many points and masks
-    the class served by then. With the spans this restates the run's held-out error; with
-    another feature set, what that set would have stated."""
+    the class served by then. With the spans this restates that part of a one-process run's
+    held-out error (the long classes' rate checks aside); with another feature set, what that
+    set would have stated. One results file at a time: read_results keeps one record per
+    point key."""
     calibration: dict[str, list[dict]] = defaultdict(list)
     predicted, measured, seen = [], [], set()
     for rec in records:
         for mask in rec.get("masks") or []:
             for call in (mask.get("simulation") or {}).get("timed_calls") or []:
-                if call.get("id") in seen or not set(names) <= call.keys():
+                if not set(names) <= call.keys() or call.get("id") in seen:
                     continue
                 if call.get("median", 1.0) <= 0:  # a timing fault, left out as main says
                     continue
-                seen.add(call.get("id"))
+                if call.get("id") is not None:
+                    seen.add(call["id"])
                 known = calibration[call["class"]]
                 role = call.get("role")  # records from before roles: none
-                if role == "held_out" and known:
+                carried = call.get("carried")  # timed for a point that failed: no check stated
+                if role == "held_out" and known and not carried:
                     coef = call_model.fit(design(known, names), _medians(known))
                     predicted.append(float(design([call], names)[0] @ coef))
                     measured.append(call["median"])
@@ -304,7 +310,7 @@ def _cell(errors: np.ndarray) -> str:
     return f"{np.percentile(errors, QUANTILE):.1f}% / {errors.max():.1f}% ({len(errors)})"
 
 
-def score(calls: list[dict], records: list[dict] = ()) -> list[dict]:
+def score(calls: list[dict], records: Sequence[dict] = ()) -> list[dict]:
     """Per feature set: the within-class, calibrated, across-shapes errors (p90 / max (calls
     scored)), on the calls that have every feature of every set (PyTorch's have no tile
     layout), and of the run's held-out calls as it checked them (checked_errors, from the

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import typing
 from types import SimpleNamespace
@@ -161,6 +160,7 @@ def _profiled_call(fn, call_args: tuple) -> None:
 def _impls(mask, heads: tuple[int, int], mode: str, variants: list) -> list[tuple]:
     """(name, spec, config, attn(q, k, v) or the reason it cannot run): baseline, then variants."""
     import jax_attn
+    from attn_masks import default_scale
     from experiments.runners import frameworks
     from jax_attn.adapters.common import device_arrays
     from jax_attn.mosaic_gpu import flash_attention_mosaic
@@ -182,7 +182,7 @@ def _impls(mask, heads: tuple[int, int], mode: str, variants: list) -> list[tupl
 
         def attn(q, k, v, config=config):
             arrays = device_arrays(mask, config.tiles)
-            scale = 1.0 / math.sqrt(q.shape[-1])
+            scale = default_scale(q.shape[-1])
             return flash_attention_mosaic(
                 q, k, v, arrays, scale=scale, config=config, interpret=False
             )

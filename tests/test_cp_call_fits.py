@@ -172,7 +172,13 @@ def test_the_command_scores_a_results_file(tmp_path):
     law = lambda c: 20.0 + c["heads"] * (0.1 * c["full"] + 0.3 * c["partial"])  # noqa: E731
     calls = _calls(rng, 10, law, cls="a") + _calls(rng, 10, law, cls="b", heads=16)
     results = tmp_path / "results.jsonl"
-    lines = [_record(f"p{i}", {"timed_calls": calls[i::2] + calls[:1]}) for i in (0, 1)]
+    roles = ("calibration", "held_out")  # the second record's calls checked on the first's
+    lines = [
+        _record(
+            f"p{i}", {"timed_calls": [{**c, "role": roles[i]} for c in calls[i::2] + calls[:1]]}
+        )
+        for i in (0, 1)
+    ]
     results.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     cmd = [sys.executable, "experiments/cp_call_fits.py", f"--results={results}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -184,8 +190,13 @@ def test_the_command_scores_a_results_file(tmp_path):
     assert header in out
     assert "pieces of equal tiles and layout" in out
     for features in cp_call_fits.FEATURE_SETS:  # classes of 10 calls: timed whole (no model)
-        exact = "0.0% / 0.0% (20) | no calls | no calls | 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |"
-        assert f"| {features} | {exact}" in out
+        row = out.split(f"| {features} | ")[1].split("\n")[0]
+        assert row.startswith("0.0% / 0.0% (20) | no calls | ")
+        assert row.endswith("| 0.0% / 0.0% (20) | 0.0% / 0.0% (18) |")
+    # as the run checked: the second record's 10 calls, each class fitted on its 5 of the
+    # first (the call in both counted once, as calibration)
+    for features in cp_call_fits.FEATURE_SETS:
+        assert f"| {features} | 0.0% / 0.0% (20) | no calls | 0.0% / 0.0% (10) |" in out
     # per kind: the one kind, its two classes' shapes, each set's errors
     exact = "0.0% / 0.0% (20) | 0.0% / 0.0% (18)"
     assert f"| attend | 8/16 | 2 | 20 | 1024..1024 | 16384..32768 | {exact} | {exact} |" in out

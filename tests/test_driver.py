@@ -842,6 +842,8 @@ def test_device_row_reference_is_the_host_reference(mask_name, grads, monkeypatc
     from experiments.runners import device_reference, jax_runner
 
     monkeypatch.setattr(device_reference, "REFERENCE_CHUNK", 64)
+    # the runner sizes its chunks to the keys the rows see (fitted_chunk), not the device's
+    monkeypatch.setattr(device_reference, "reference_chunk", lambda *a: pytest.fail("no chunk"))
     s, d = 300, 16
     if mask_name == "holes":  # rows 120-179 see no key
         mask = from_slices([[0, 120], [180, 300]], [[0, 150], [60, 300]], [0, 1], s)
@@ -881,15 +883,12 @@ def test_jax_row_check_computes_its_reference_on_the_device(tmp_path, monkeypatc
     import jax_attn
     from experiments.runners import device_reference, jax_runner
 
-    runner = jax_runner.JaxRunner()
-    assert (
-        not runner.on_gpu and runner._row_reference(SimpleNamespace(is_cp=False), None, {}) is None
-    )
-    monkeypatch.setattr(
-        jax_runner.JaxRunner,
-        "_row_reference",
-        lambda self, point, mask, args: jax_runner.row_reference(args, mask),
-    )
+    gate = jax_runner.JaxRunner._row_reference
+    gpu, cpu = SimpleNamespace(on_gpu=True), SimpleNamespace(on_gpu=False)
+    single, cp = SimpleNamespace(is_cp=False), SimpleNamespace(is_cp=True)
+    assert callable(gate(gpu, single, None, {}))
+    assert gate(gpu, cp, None, {}) is None and gate(cpu, single, None, {}) is None
+    monkeypatch.setattr(jax_runner.JaxRunner, "_row_reference", lambda self, *a: gate(gpu, *a))
 
     def host_reference(*args, **kwargs):
         raise AssertionError("the host row reference ran")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attn_masks import default_scale
+from attn_masks import default_scale, reference_attention
 
 FULL_CHECK_ELEMENTS = 1 << 24
 ROW_CHECK_BUDGET = 1 << 22  # rows * keys per (batch, head) in the row check
@@ -214,8 +214,6 @@ def compare(
     otherwise 'out' and 'dq' at the plan's rows; `finite` says whether the tensors a row plan
     cannot compare (dk, dv) are free of NaN/inf.
     """
-    from attn_masks import reference_attention
-
     scale = default_scale(inp.q.shape[-1]) if scale is None else scale
     names = ("out", *GRADS) if grads else ("out",)
     tol = {n: rtol * (GRAD_FACTOR if n in GRADS else 1.0) for n in names}

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from attn_masks import default_scale
 from experiments.core.points import Point
 from experiments.runners import call_model, checks, frameworks, inputs, timing
 
@@ -204,7 +205,7 @@ class Ranks(ABC):
     def scale(self) -> float:
         """The attention's softmax scale, 1 / sqrt(head dim): the ranks' calls and their checks'
         float64 reference use it alike."""
-        return 1.0 / float(np.sqrt(self.plan.head_dim))
+        return default_scale(self.plan.head_dim)
 
     def check_rows(self, r: int, seqlen: int) -> np.ndarray | None:
         """Local rows of ring rank r's shard that a row check emulates: up to CHECK_TILES whole

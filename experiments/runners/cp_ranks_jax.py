@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from attn_masks import joined_slices
+from attn_masks import default_scale, joined_slices
 from experiments.core.points import DEFAULT_IMPL, Point
 from experiments.runners import call_model, device_reference, frameworks, inputs, timing
 from experiments.runners.cp_ranks import CallTimer, Ranks, plan_settings
@@ -313,7 +313,7 @@ class JaxRanks(Ranks):
         self.jax, self.jnp = jax, jnp
         self.flush = runner.flush
         d = plan.head_dim
-        self.steps = _steps(impl, 1.0 / math.sqrt(d))
+        self.steps = _steps(impl, default_scale(d))
         self.dtype = frameworks.framework_dtype("jax", point.dtype)
         self.pieces = PlanPieces.of(plan, impl, d, self.dtype)  # shared by a plan's points
         self._row_pieces: dict[tuple[int, bytes], object] = {}  # row_piece's, this point's

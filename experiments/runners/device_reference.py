@@ -26,8 +26,9 @@ def reference_chunk(keys: int, platform: str) -> int:
 
 
 def fitted_chunk(keys: int) -> int:
-    """The next power of two of `keys`, up to REFERENCE_CHUNK: chunks that hold no more keys
-    than the rows see, at a few program shapes."""
+    """The next power of two of `keys` (at least 2), up to REFERENCE_CHUNK: chunks that hold
+    less than twice the keys the rows see, at a few program shapes (the single-device checks',
+    one program per power of two, traded for memory)."""
     return min(REFERENCE_CHUNK, 1 << max(keys - 1, 1).bit_length())
 
 
@@ -134,6 +135,7 @@ def rows_reference(
     for k, v, at in chunks():
         with x64(True):
             state = passes["out"](state, q, k, v, *bounds, at, kv_of, scale)
+        del k, v  # before the next chunk is gathered: one chunk's keys held at a time
     with x64(True):
         top, total, acc = state
         seen = total > 0
@@ -146,6 +148,7 @@ def rows_reference(
         for k, v, at in chunks():
             with x64(True):
                 dq = passes["dq"](dq, q, k, v, dout, refs["out"], lse, *bounds, at, kv_of, scale)
+            del k, v
         refs["dq"] = dq
     # per head (H, B, n, D) -> (B, rows, H, D)
     return {name: np.moveaxis(np.asarray(x), 0, 2)[:, : len(rows)] for name, x in refs.items()}

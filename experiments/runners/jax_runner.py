@@ -87,9 +87,10 @@ def row_reference(
     device): a row plan's float64 rows computed there (device_reference), so neither the keys
     the rows see (128K per head at the longest) nor a host float64 pass over them is paid. The
     rows are gathered padded to draw_length, the keys a chunk at a time in float32, only the
-    K/V heads the compared query heads read, in chunks no longer than the keys the rows see
-    (device_reference.fitted_chunk): the check holds no more of the device's memory than a
-    copy of those keys would, whose peak the point's record may read."""
+    K/V heads the compared query heads read, in chunks of less than twice the keys the rows
+    see (device_reference.fitted_chunk): the check holds device memory of the order of the
+    host path's copy of those keys (one chunk of k and v, and a chunk's float64 scores), which
+    the point's recorded peak may include."""
 
     def reference(plan: checks.CheckPlan, scale: float, grads: bool) -> dict[str, np.ndarray]:
         heads_q, heads_kv = args["q"].shape[2], args["k"].shape[2]
@@ -269,8 +270,8 @@ class JaxRunner:
 
     def _row_reference(self, point: Point, mask, args: dict) -> Callable | None:
         """check_point's `reference`: a single-device point's row reference computed on its
-        GPU (row_reference: 0.04 s where fetching the keys and numpy's pass took 1.5 s at 128K
-        tokens on an H100); None on a CPU, where numpy's pass is the faster (0.3 s against
+        GPU (row_reference: about 0.04 s where fetching the keys and numpy's pass took 1.5 s
+        at 128K tokens on an H100); None on a CPU, where numpy's pass is the faster (0.3 s against
         0.6 s at 16K tokens), and for CP points, whose ranks check their rows themselves."""
         if point.is_cp or not self.on_gpu:
             return None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attn_masks import Mask
+from attn_masks import Mask, default_scale
 from experiments.workloads.nnx_attention import AttentionBackend
 from jax_attn import attention
 
@@ -83,7 +83,7 @@ def save_bundle(
         "cp": backend.strategy if backend.is_cp else None,
         "layout": backend.layout if backend.is_cp else None,
         "num_devices": backend.mesh.size if backend.is_cp else 1,
-        "scale": 1.0 / float(np.sqrt(x["q"].shape[-1])),
+        "scale": default_scale(x["q"].shape[-1]),
         "dtype": str(x["q"].dtype),
         "mask": mask.name,
         "seqlen_q": mask.seqlen_q,
