@@ -95,6 +95,7 @@ def rows_reference(
     kv_of: np.ndarray,
     scale: float,
     chunk: int | None = None,
+    cols: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Float64 out (and dq where dout is given), (B, len(rows), H, D) each, of the global query
     `rows` over every key they see (checks.keys_seen), on the device. q, dout (B, n, H, D)
@@ -103,11 +104,12 @@ def rows_reference(
     global key positions (-1: padding, masked whatever its values), asked again for the dq
     pass instead of held. Rows, intervals and chunks are padded to a few shapes (n, a power of
     two, `chunk` keys: by default reference_chunk's for the device), so checks of any rows
-    and keys share a few compiled passes."""
+    and keys share a few compiled passes. `cols`: the keys the rows see, where the caller has
+    them already."""
     import jax
     import jax.numpy as jnp
 
-    cols = checks.keys_seen(mask, rows)
+    cols = checks.keys_seen(mask, rows) if cols is None else cols
     lo, hi = (x[rows] for x in mask.row_intervals())
     width = 1 << (lo.shape[1] - 1).bit_length()
     bounds = [np.zeros((q.shape[1], width), np.int32) for _ in range(2)]

@@ -95,8 +95,8 @@ def row_reference(
     def reference(plan: checks.CheckPlan, scale: float, grads: bool) -> dict[str, np.ndarray]:
         heads_q, heads_kv = args["q"].shape[2], args["k"].shape[2]
         heads = np.arange(heads_q) if plan.heads is None else np.asarray(plan.heads)
-        kv_of = heads // (heads_q // heads_kv)
-        kv = np.unique(kv_of)  # the K/V heads read, gathered; kv_of then indexes them
+        # the K/V heads read, gathered alone; kv_of indexes them
+        kv, kv_of = np.unique(heads // (heads_q // heads_kv), return_inverse=True)
         rows = _padded(plan.rows)
         q = _take_f32()(args["q"], rows, heads)
         dout = _take_f32()(args["dout"], rows, heads) if grads else None
@@ -112,9 +112,10 @@ def row_reference(
             q,
             dout,
             keys,
-            np.searchsorted(kv, kv_of),
+            kv_of,
             scale,
             chunk=device_reference.fitted_chunk(len(plan.cols)),
+            cols=plan.cols,
         )
 
     return reference
