@@ -281,15 +281,16 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize(
-    "d, in_place_pv, overlap, persistent, deal, raw",
-    [(64, False, False, False, False, False), (128, False, False, False, False, False),
-     (128, True, False, False, False, False), (64, True, True, False, False, False),
-     (128, True, True, False, False, False), (128, True, False, True, False, False),
-     (64, True, True, True, False, False), (128, True, False, True, True, False),
-     (64, True, False, True, False, True), (128, True, True, False, False, True)],
+    "d, in_place_pv, overlap, persistent, deal, raw, late",
+    [(64, False, False, False, False, False, False), (128, False, False, False, False, False, False),
+     (128, True, False, False, False, False, False), (64, True, True, False, False, False, False),
+     (128, True, True, False, False, False, False), (128, True, False, True, False, False, False),
+     (64, True, True, True, False, False, False), (128, True, False, True, True, False, False),
+     (64, True, False, True, False, True, False), (128, True, True, False, False, True, False),
+     (128, True, False, True, False, True, True), (64, True, True, True, False, True, True)],
 )  # fmt: skip
 def test_forward_and_backward_lower_for_hopper(
-    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool, raw: bool
+    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool, raw: bool, late: bool
 ) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
@@ -302,6 +303,7 @@ def test_forward_and_backward_lower_for_hopper(
         persistent_fwd=persistent,
         deal_by_walk_start=deal,
         raw_score_max=raw,
+        late_q_prefetch=late,
     )
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
@@ -347,12 +349,14 @@ def test_real_lowering_s2048(name: str) -> None:
 
 
 @interpreted
-def test_persistent_forward() -> None:
+@pytest.mark.parametrize("late", [False, True])
+def test_persistent_forward(late: bool) -> None:
     """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
     partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
-    prefetched into the other buffer): the same outputs on every row, with partial tiles, ragged
-    lengths and items that list no key tile at all."""
-    config = dataclasses.replace(SMALL, persistent_fwd=True)
+    prefetched into the other buffer at the item's start, or after its first step with
+    late_q_prefetch): the same outputs on every row, with partial tiles, ragged lengths and
+    items that list no key tile at all."""
+    config = dataclasses.replace(SMALL, persistent_fwd=True, late_q_prefetch=late)
     mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
     arrays = prepare_mask(mask, *SMALL.tiles)
     assert (np.asarray(arrays.kv.count) == 0).sum() == 2, "q tiles without keys"
@@ -374,6 +378,11 @@ def test_persistent_forward_dealt_by_walk_start() -> None:
     arrays = prepare_mask(mask, *SMALL.tiles)
     assert (np.asarray(arrays.kv.count) == 0).sum() == 1 and np.asarray(arrays.kv.count).max() > 1
     _check(mask, arrays, b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, config=config, seed=5)
+
+
+def test_late_q_prefetch_needs_the_persistent_forward() -> None:
+    with pytest.raises(ValueError, match="late_q_prefetch .* needs persistent_fwd=True"):
+        KernelConfig(late_q_prefetch=True)
 
 
 def test_walk_start_deal_needs_the_persistent_forward() -> None:

@@ -83,6 +83,12 @@ class KernelConfig:
     64 of about 560 instructions a step at D=128, 128 of about 900 at D=64). A scale <= 0 keeps
     the scaled order. The default since 2026-12-05: 2-4% faster forward at D=128 and 7-14% at
     D=64 on the H200 (results/h200/mosaic_variants/41-*).
+    late_q_prefetch: the persistent forward loads the next item's Q and row bounds after this
+    item's first step instead of at its start. That load first waits until the TMA store of
+    the previous item's O and LSE has read the buffer it refills: issued just before, the store
+    is still in flight when the next item starts, so at its start every item waited for it
+    (and its ping-pong partner with it); after the first step it has long finished. Short walks
+    (document masks) meet it most often.
     """
 
     block_q: int = 64
@@ -106,6 +112,7 @@ class KernelConfig:
     deal_by_walk_start: bool = False
     bwd_pingpong: bool = False
     raw_score_max: bool = True
+    late_q_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -159,6 +166,11 @@ class KernelConfig:
                 f"fused_bwd with block_q_dkv={self.block_q_dkv}: the fused kernel's dS^T tiles and "
                 "fp32 dQ stage at that many rows exceed a CTA's shared memory (233,552 bytes at "
                 "D=64); valid: block_q_dkv=64 (or None) with fused_bwd"
+            )
+        if self.late_q_prefetch and not self.persistent_fwd:
+            raise ValueError(
+                "late_q_prefetch times the persistent forward's next-item load: it needs "
+                "persistent_fwd=True, got persistent_fwd=False"
             )
         if self.deal_by_walk_start and not self.persistent_fwd:
             raise ValueError(

@@ -232,10 +232,14 @@ def _kernel(
                     arrival(bounds_ready, b),
                 )
 
-            def run_item(item: tuple, b: Any, base: Any, turns: bool) -> None:
+            def run_item(
+                item: tuple, b: Any, base: Any, turns: bool, after_first: Any = None
+            ) -> None:
                 """Attention of one item's rows from buffer b; its key tiles are ring steps
                 base, base + 1, ... (None: 0, 1, ...). turns: offset the two consumers' turns
-                on the tensor cores around this item's walk (else the caller does, once)."""
+                on the tensor cores around this item's walk (else the caller does, once).
+                after_first: called once, after the item's first step (at its start if it
+                lists no key tile), with no matmul of this warpgroup in flight."""
                 tile, head, batch = item
                 count = count_ref[tile]
                 q_tile = buffer(q_smem, b)
@@ -299,6 +303,8 @@ def _kernel(
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
+                    if after_first is not None:
+                        pl.when(n == 0)(after_first)
                     acc, m_next, l_next, p16 = softmax(s, carry, n, masked)
                     acc = pv(acc, p16, slot)
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -321,6 +327,8 @@ def _kernel(
                     out = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
                     pl.when(n + 1 < count)(lambda: plgpu.barrier_arrive(k_free.at[later]))
+                    if after_first is not None:
+                        pl.when(n == 0)(after_first)
                     return out
 
                 carry = (
@@ -329,6 +337,8 @@ def _kernel(
                     _row_layout(jnp.zeros((bq,), jnp.float32)),
                 )
                 n_partial = n_partial_ref[tile]
+                if after_first is not None:
+                    pl.when(count == 0)(after_first)
 
                 def steps(_: Any, carry: tuple = carry) -> tuple:
                     walk = step
@@ -370,13 +380,17 @@ def _kernel(
                     flat = _snake(geo, cta, local)
                     b = lax.rem(local, 2)
 
-                    @pl.when(local + 1 < local_items)
-                    def _prefetch() -> None:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O, LSE
-                        load_item(_item(items_ref, _snake(geo, cta, local + 1)), 1 - b)
+                    def prefetch() -> None:
+                        @pl.when(local + 1 < local_items)
+                        def _next() -> None:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's O, LSE
+                            load_item(_item(items_ref, _snake(geo, cta, local + 1)), 1 - b)
 
+                    if not cfg.late_q_prefetch:
+                        prefetch()
                     item = _item(items_ref, flat)
-                    run_item(item, b, base, turns=False)
+                    after_first = prefetch if cfg.late_q_prefetch else None
+                    run_item(item, b, base, turns=False, after_first=after_first)
                     return base + count_ref[item[0]]
 
                 take_turns(
