@@ -282,12 +282,20 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 @pytest.mark.parametrize(
     "d, in_place_pv, overlap, persistent, deal, raw, late",
-    [(64, False, False, False, False, False, False), (128, False, False, False, False, False, False),
-     (128, True, False, False, False, False, False), (64, True, True, False, False, False, False),
-     (128, True, True, False, False, False, False), (128, True, False, True, False, False, False),
-     (64, True, True, True, False, False, False), (128, True, False, True, True, False, False),
-     (64, True, False, True, False, True, False), (128, True, True, False, False, True, False),
-     (128, True, False, True, False, True, True), (64, True, True, True, False, True, True)],
+    [
+        (64, False, False, False, False, False, False),
+        (128, False, False, False, False, False, False),
+        (128, True, False, False, False, False, False),
+        (64, True, True, False, False, False, False),
+        (128, True, True, False, False, False, False),
+        (128, True, False, True, False, False, False),
+        (64, True, True, True, False, False, False),
+        (128, True, False, True, True, False, False),
+        (64, True, False, True, False, True, False),
+        (128, True, True, False, False, True, False),
+        (128, True, False, True, False, True, True),
+        (64, True, True, True, False, True, True),
+    ],
 )  # fmt: skip
 def test_forward_and_backward_lower_for_hopper(
     d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool, raw: bool, late: bool
