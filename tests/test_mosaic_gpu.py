@@ -130,8 +130,13 @@ def test_ragged_sq_ne_sk_empty_rows_mha_fp16() -> None:
 def test_overlapped_forward(name: str) -> None:
     """fwd_overlap (Q K^T of step n + 1 issued before the softmax of step n): the same outputs,
     also where a q tile lists no key tile at all (rows seeing nothing); launched with the q tile
-    axis fastest (tiles_fastest: the kernel finds its tile, head and batch by axis name)."""
-    config = dataclasses.replace(SMALL, fwd_overlap=True, tiles_fastest=True)
+    axis fastest (tiles_fastest: the kernel finds its tile, head and batch by axis name); on
+    causal_document also with each masked step's key-tile start loaded early
+    (early_scalar_loads)."""
+    early = name == "causal_document"
+    config = dataclasses.replace(
+        SMALL, fwd_overlap=True, tiles_fastest=True, early_scalar_loads=early
+    )
     if name == "ragged_empty_rows":  # rows 100-300: two whole q tiles that see nothing
         mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
         arrays = prepare_mask(mask, *SMALL.tiles)
@@ -281,24 +286,32 @@ def test_adapter_refuses_cpu_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize(
-    "d, in_place_pv, overlap, persistent, deal, raw, late",
+    "d, in_place_pv, overlap, persistent, deal, raw, late, early",
     [
-        (64, False, False, False, False, False, False),
-        (128, False, False, False, False, False, False),
-        (128, True, False, False, False, False, False),
-        (64, True, True, False, False, False, False),
-        (128, True, True, False, False, False, False),
-        (128, True, False, True, False, False, False),
-        (64, True, True, True, False, False, False),
-        (128, True, False, True, True, False, False),
-        (64, True, False, True, False, True, False),
-        (128, True, True, False, False, True, False),
-        (128, True, False, True, False, True, True),
-        (64, True, True, True, False, True, True),
+        (64, False, False, False, False, False, False, False),
+        (128, False, False, False, False, False, False, False),
+        (128, True, False, False, False, False, False, False),
+        (64, True, True, False, False, False, False, False),
+        (128, True, True, False, False, False, False, False),
+        (128, True, False, True, False, False, False, False),
+        (64, True, True, True, False, False, False, False),
+        (128, True, False, True, True, False, False, False),
+        (64, True, False, True, False, True, False, False),
+        (128, True, True, False, False, True, False, False),
+        (128, True, False, True, False, True, True, True),
+        (64, True, True, True, False, True, True, True),
+        (128, True, True, False, False, True, False, True),
     ],
 )  # fmt: skip
 def test_forward_and_backward_lower_for_hopper(
-    d: int, in_place_pv: bool, overlap: bool, persistent: bool, deal: bool, raw: bool, late: bool
+    d: int,
+    in_place_pv: bool,
+    overlap: bool,
+    persistent: bool,
+    deal: bool,
+    raw: bool,
+    late: bool,
+    early: bool,
 ) -> None:
     """The GPU path (layout hints, no interpreter) of forward and gradient lowers to Mosaic GPU
     for CUDA on any machine: Mosaic's layout, wgmma-shape and shared-memory checks run here.
@@ -312,6 +325,7 @@ def test_forward_and_backward_lower_for_hopper(
         deal_by_walk_start=deal,
         raw_score_max=raw,
         late_q_prefetch=late,
+        early_scalar_loads=early,
     )
     mask = make_mask("causal_document", 1024, seed=1)
     arrays = prepare_mask(mask, *config.tiles)
@@ -357,14 +371,17 @@ def test_real_lowering_s2048(name: str) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("late", [False, True])
-def test_persistent_forward(late: bool) -> None:
+@pytest.mark.parametrize("late, early", [(False, False), (True, True), (False, True)])
+def test_persistent_forward(late: bool, early: bool) -> None:
     """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
     partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
     prefetched into the other buffer at the item's start, or after its first step with
-    late_q_prefetch): the same outputs on every row, with partial tiles, ragged lengths and
-    items that list no key tile at all."""
-    config = dataclasses.replace(SMALL, persistent_fwd=True, late_q_prefetch=late)
+    late_q_prefetch; with early_scalar_loads each item's walk read from the item table one item
+    ahead): the same outputs on every row, with partial tiles, ragged lengths and items that
+    list no key tile at all."""
+    config = dataclasses.replace(
+        SMALL, persistent_fwd=True, late_q_prefetch=late, early_scalar_loads=early
+    )
     mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
     arrays = prepare_mask(mask, *SMALL.tiles)
     assert (np.asarray(arrays.kv.count) == 0).sum() == 2, "q tiles without keys"

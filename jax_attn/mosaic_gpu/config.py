@@ -89,6 +89,11 @@ class KernelConfig:
     is still in flight when the next item starts, so at its start every item waited for it
     (and its ping-pong partner with it); after the first step it has long finished. Short walks
     (document masks) meet it most often.
+    early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
+    Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
+    head, batch, key-tile count and partial count from one table (forward.item_table), one item
+    ahead; so no step's mask and no item's walk waits on a global load, or on a chain of two
+    (item, then its tile's count), with the tensor cores idle.
     """
 
     block_q: int = 64
@@ -113,6 +118,7 @@ class KernelConfig:
     bwd_pingpong: bool = False
     raw_score_max: bool = True
     late_q_prefetch: bool = False
+    early_scalar_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:

@@ -153,9 +153,18 @@ def walk_starts(geo: Geometry, index: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(listed, index, none), axis=1, initial=none)
 
 
-def _item(items_ref: Any, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q tile, q head, batch) of dealt item `flat` (deal_items)."""
-    return items_ref[0, flat], items_ref[1, flat], items_ref[2, flat]
+def _item(items_ref: Any, flat: jax.Array, rows: int = 3) -> tuple[jax.Array, ...]:
+    """(q tile, q head, batch) of dealt item `flat` (deal_items), then with rows=5 its
+    key-tile count and partial count (item_table)."""
+    return tuple(items_ref[row, flat] for row in range(rows))
+
+
+def item_table(items: jax.Array, count: jax.Array, n_partial: jax.Array) -> jax.Array:
+    """(5, items) int32: the dealt items (deal_items) with each one's q tile's key-tile count
+    and partial count beside it, so the kernel reads an item's walk without a second,
+    dependent global load (KernelConfig.early_scalar_loads)."""
+    tiles = items[0]
+    return jnp.concatenate([items, jnp.stack([count[tiles], n_partial[tiles]])]).astype(jnp.int32)
 
 
 def _snake(geo: Geometry, cta: jax.Array, local: Any) -> jax.Array:
@@ -240,8 +249,9 @@ def _kernel(
                 on the tensor cores around this item's walk (else the caller does, once).
                 after_first: called once, after the item's first step (at its start if it
                 lists no key tile), with no matmul of this warpgroup in flight."""
-                tile, head, batch = item
-                count = count_ref[tile]
+                tile, head, batch = item[:3]
+                count, n_partial = item[3:] if len(item) > 3 else (None, None)
+                count = count_ref[tile] if count is None else count
                 q_tile = buffer(q_smem, b)
                 plgpu.barrier_wait(arrival(bounds_ready, b))
                 rows_smem = buffer(bounds_smem, b)
@@ -254,14 +264,20 @@ def _kernel(
                 def ring(n: jax.Array) -> jax.Array:
                     return lax.rem(n if base is None else n + base, stages)
 
-                def softmax(s: jax.Array, carry: tuple, n: jax.Array, masked: bool) -> tuple:
-                    """Scaled, masked scores s of step n into (O rescaled, m, l, P in the input
-                    dtype)."""
+                def key_start(n: jax.Array) -> jax.Array:
+                    """First key of step n's tile (a global load)."""
+                    return index_ref[tile, n] * bk
+
+                def softmax(
+                    s: jax.Array, carry: tuple, n: jax.Array, masked: bool, start: Any = None
+                ) -> tuple:
+                    """Scaled, masked scores s of step n (its tile's first key `start`, loaded
+                    here if None) into (O rescaled, m, l, P in the input dtype)."""
                     acc, m_prev, l_prev = carry
                     if not raw_max:
                         s = s * qk_scale
                     if masked:
-                        s = _mask_scores(s, bounds, index_ref[tile, n] * bk)
+                        s = _mask_scores(s, bounds, key_start(n) if start is None else start)
                     row_max = s.max(axis=1)
                     m_next = jnp.maximum(m_prev, row_max * qk_scale if raw_max else row_max)
                     m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
@@ -293,8 +309,14 @@ def _kernel(
                     plgpu.barrier_wait(k_ready.at[slot])
                     plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
 
+                def early_start(n: jax.Array, masked: bool) -> Any:
+                    """Step n's first key loaded before its matmuls are issued, so the load's
+                    latency hides under them (early_scalar_loads), else None."""
+                    return key_start(n) if masked and cfg.early_scalar_loads else None
+
                 def step(n: jax.Array, carry: tuple, masked: bool) -> tuple:
                     slot = ring(n)
+                    start = early_start(n, masked)
 
                     def qk(acc_ref: Any) -> jax.Array:
                         issue_qk(acc_ref, slot)
@@ -305,7 +327,7 @@ def _kernel(
                     plgpu.barrier_arrive(k_free.at[slot])
                     if after_first is not None:
                         pl.when(n == 0)(after_first)
-                    acc, m_next, l_next, p16 = softmax(s, carry, n, masked)
+                    acc, m_next, l_next, p16 = softmax(s, carry, n, masked, start)
                     acc = pv(acc, p16, slot)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_next, l_next
@@ -316,11 +338,12 @@ def _kernel(
                     softmax."""
                     *state, s = carry
                     slot, later = ring(n), ring(n + 1)
+                    start = early_start(n, masked)
 
                     def body(acc_ref: Any) -> tuple:
                         pl.when(n + 1 < count)(lambda: issue_qk(acc_ref, later))
                         pingpong()
-                        acc, m_next, l_next, p16 = softmax(s, tuple(state), n, masked)
+                        acc, m_next, l_next, p16 = softmax(s, tuple(state), n, masked, start)
                         acc = pv(acc, p16, slot)  # waits for every wgmma: S(n + 1) is done too
                         return acc, m_next, l_next, acc_ref[...]
 
@@ -336,7 +359,7 @@ def _kernel(
                     _row_layout(jnp.full((bq,), -jnp.inf, jnp.float32)),
                     _row_layout(jnp.zeros((bq,), jnp.float32)),
                 )
-                n_partial = n_partial_ref[tile]
+                n_partial = n_partial_ref[tile] if n_partial is None else n_partial
                 if after_first is not None:
                     pl.when(count == 0)(after_first)
 
@@ -376,9 +399,16 @@ def _kernel(
             if geo.persistent:
                 load_item(_item(items_ref, _snake(geo, cta, 0)), 0)
 
-                def persistent_item(local: jax.Array, base: jax.Array) -> jax.Array:
+                def persistent_item(local: jax.Array, carry: tuple) -> tuple:
+                    """Item `local` of this CTA's walk; carry: its first ring step and, with
+                    early_scalar_loads, its table row, loaded one item ahead."""
+                    base, item = carry
                     flat = _snake(geo, cta, local)
                     b = lax.rem(local, 2)
+                    following = ()
+                    if cfg.early_scalar_loads:
+                        ahead = _snake(geo, cta, jnp.minimum(local + 1, local_items - 1))
+                        following = _item(items_ref, ahead, rows=5)
 
                     def prefetch() -> None:
                         @pl.when(local + 1 < local_items)
@@ -388,15 +418,22 @@ def _kernel(
 
                     if not cfg.late_q_prefetch:
                         prefetch()
-                    item = _item(items_ref, flat)
+                    if not cfg.early_scalar_loads:
+                        item = _item(items_ref, flat)
                     after_first = prefetch if cfg.late_q_prefetch else None
                     run_item(item, b, base, turns=False, after_first=after_first)
-                    return base + count_ref[item[0]]
+                    count = item[3] if cfg.early_scalar_loads else count_ref[item[0]]
+                    return base + count, following
 
+                first_row = (
+                    _item(items_ref, _snake(geo, cta, 0), rows=5) if cfg.early_scalar_loads else ()
+                )
                 take_turns(
                     sched,
                     wg,
-                    lambda _: lax.fori_loop(0, local_items, persistent_item, jnp.int32(0)),
+                    lambda _: lax.fori_loop(
+                        0, local_items, persistent_item, (jnp.int32(0), first_row)
+                    ),
                 )
             else:
                 load_item(first, 0)
@@ -539,4 +576,7 @@ def forward(
             f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
         )
     first = walk_starts(geo, index, count) if config.deal_by_walk_start else None
-    return kernel(q, k, v, bounds, index, n_partial, count, deal_items(geo, count, first))
+    items = deal_items(geo, count, first)
+    if config.early_scalar_loads:
+        items = item_table(items, count, n_partial)
+    return kernel(q, k, v, bounds, index, n_partial, count, items)
