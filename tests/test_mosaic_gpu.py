@@ -375,7 +375,7 @@ def test_real_lowering_s2048(name: str) -> None:
 def test_persistent_forward(late: bool, early: bool) -> None:
     """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
     partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
-    prefetched into the other buffer at the item's start, or after its first step with
+    prefetched into the other buffer at the item's start, or after its partial steps with
     late_q_prefetch; with early_scalar_loads each item's walk read from the item table one item
     ahead): the same outputs on every row, with partial tiles, ragged lengths and items that
     list no key tile at all."""

@@ -84,10 +84,11 @@ class KernelConfig:
     the scaled order. The default since 2026-12-05: 2-4% faster forward at D=128 and 7-14% at
     D=64 on the H200 (results/h200/mosaic_variants/41-*).
     late_q_prefetch: the persistent forward loads the next item's Q and row bounds after this
-    item's first step instead of at its start. That load first waits until the TMA store of
-    the previous item's O and LSE has read the buffer it refills: issued just before, the store
-    is still in flight when the next item starts, so at its start every item waited for it
-    (and its ping-pong partner with it); after the first step it has long finished. Short walks
+    item's partial steps (partial tiles come first) instead of at its start. That load first
+    waits until the TMA store of the previous item's O and LSE has read the buffer it refills:
+    issued just before, the store is still in flight when the next item starts, so every item
+    with partial tiles began with that wait (and its ping-pong partner with it); after them it
+    has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,

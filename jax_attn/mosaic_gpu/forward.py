@@ -242,13 +242,14 @@ def _kernel(
                 )
 
             def run_item(
-                item: tuple, b: Any, base: Any, turns: bool, after_first: Any = None
+                item: tuple, b: Any, base: Any, turns: bool, after_partial: Any = None
             ) -> None:
                 """Attention of one item's rows from buffer b; its key tiles are ring steps
                 base, base + 1, ... (None: 0, 1, ...). turns: offset the two consumers' turns
                 on the tensor cores around this item's walk (else the caller does, once).
-                after_first: called once, after the item's first step (at its start if it
-                lists no key tile), with no matmul of this warpgroup in flight."""
+                after_partial: called once, between the item's partial and full steps (at its
+                start where it has no partial tile), with no matmul of this warpgroup in
+                flight."""
                 tile, head, batch = item[:3]
                 count, n_partial = item[3:] if len(item) > 3 else (None, None)
                 count = count_ref[tile] if count is None else count
@@ -325,8 +326,6 @@ def _kernel(
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    if after_first is not None:
-                        pl.when(n == 0)(after_first)
                     acc, m_next, l_next, p16 = softmax(s, carry, n, masked, start)
                     acc = pv(acc, p16, slot)
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -350,8 +349,6 @@ def _kernel(
                     out = pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
                     pl.when(n + 1 < count)(lambda: plgpu.barrier_arrive(k_free.at[later]))
-                    if after_first is not None:
-                        pl.when(n == 0)(after_first)
                     return out
 
                 carry = (
@@ -360,8 +357,6 @@ def _kernel(
                     _row_layout(jnp.zeros((bq,), jnp.float32)),
                 )
                 n_partial = n_partial_ref[tile] if n_partial is None else n_partial
-                if after_first is not None:
-                    pl.when(count == 0)(after_first)
 
                 def steps(_: Any, carry: tuple = carry) -> tuple:
                     walk = step
@@ -379,6 +374,8 @@ def _kernel(
 
                         carry, walk = (*carry, s0), overlapped_step
                     carry = lax.fori_loop(0, n_partial, functools.partial(walk, masked=True), carry)
+                    if after_partial is not None:
+                        after_partial()
                     return lax.fori_loop(
                         n_partial, count, functools.partial(walk, masked=False), carry
                     )
@@ -420,8 +417,8 @@ def _kernel(
                         prefetch()
                     if not cfg.early_scalar_loads:
                         item = _item(items_ref, flat)
-                    after_first = prefetch if cfg.late_q_prefetch else None
-                    run_item(item, b, base, turns=False, after_first=after_first)
+                    after_partial = prefetch if cfg.late_q_prefetch else None
+                    run_item(item, b, base, turns=False, after_partial=after_partial)
                     count = item[3] if cfg.early_scalar_loads else count_ref[item[0]]
                     return base + count, following
 
