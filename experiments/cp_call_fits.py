@@ -8,8 +8,8 @@ its kernels' schedule, median ms), so candidate models can be tried on a GPU run
 without a device. A call timed again by a later process (a resumed run) counts once. Records
 from before the spans were recorded get them from their points' plans, rebuilt on the host
 (each call matched to the ring rank whose piece at its step has its tiles and layout), and so
-do all calls with --rebuild_spans, at the --slots and --partial_weight given, to try other
-schedules. For each feature set:
+do all calls with --rebuild_spans, at the --slots, --partial_weight and --column_weight given,
+to try other schedules. For each feature set:
 - within a class (one kind at one shape; the pieces differ), each call predicted from the
   class's other calls (leave one out), as the class's calibration predicts its untimed calls;
   every set is scored on the same classes (those with enough calls for the largest set);
@@ -77,12 +77,14 @@ def timed_calls(records: list[dict]) -> list[dict]:
 def add_spans(
     records: list[dict], *, rebuild: bool = False, slots: int = call_model.SLOTS,
     partial_weight: float = call_model.PARTIAL_WEIGHT,
+    column_weight: float = call_model.COLUMN_PARTIAL_WEIGHT,
 ) -> tuple[int, int]:  # fmt: skip
     """Give the timed calls of the records' simulated JAX points without spans (all of them
     where `rebuild`) the spans of their pieces, from each point's plan rebuilt on the host: the
     ring rank whose piece at the call's step has the call's tiles and layout (where several
-    do, their spans' mean). (calls given spans, calls left without: carried from another
-    point, a record this code cannot read, or no such piece in today's plan)."""
+    do, their spans' mean), as the call's features (call_model.call_features). (calls given
+    spans, calls left without: carried from another point, a record this code cannot read,
+    or no such piece in today's plan)."""
     from experiments.core.points import DEFAULT_IMPL, Point
     from experiments.cp_families import GPU_IMPL, problem_plans
     from experiments.runners import frameworks
@@ -124,10 +126,13 @@ def add_spans(
                     continue
                 heads = call["heads"], call["heads_kv"] * point.batch  # as Ranks.grid_heads
                 spans = [
-                    call_model.span_features(*layouts[i][1], *heads, slots, partial_weight)[1:]
+                    call_model.span_features(
+                        *layouts[i][1], *heads, slots, partial_weight, column_weight
+                    )
                     for i in matches
                 ]
-                call.update(zip(call_model.SPANS, np.mean(spans, axis=0).tolist()))
+                features = call_model.call_features(call["call"], np.mean(spans, axis=0))
+                call.update(zip(call_model.SPANS, features[1:].tolist()))
                 given += 1
     return given, missed + sum(map(len, wanted.values()))  # and masks no longer planned
 
@@ -382,16 +387,21 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "partial_weight", call_model.PARTIAL_WEIGHT, "A partial tile in full ones, rebuilt spans."
     )
+    flags.DEFINE_float(
+        "column_weight",
+        call_model.COLUMN_PARTIAL_WEIGHT,
+        "A partial tile in full ones in a key-tile column's walk, rebuilt spans.",
+    )
 
 
 def main(argv: list[str]) -> None:
     del argv
     if not FLAGS.results:
         raise app.UsageError("--results: give the results files of a simulated run")
-    if FLAGS.slots < 1 or FLAGS.partial_weight < 0:
+    if FLAGS.slots < 1 or min(FLAGS.partial_weight, FLAGS.column_weight) < 0:
         raise app.UsageError(
             f"--slots={FLAGS.slots} must be at least 1 and --partial_weight="
-            f"{FLAGS.partial_weight} at least 0"
+            f"{FLAGS.partial_weight} and --column_weight={FLAGS.column_weight} at least 0"
         )
     records = read_results(FLAGS.results)
     given, missed = add_spans(
@@ -399,12 +409,13 @@ def main(argv: list[str]) -> None:
         rebuild=FLAGS.rebuild_spans,
         slots=FLAGS.slots,
         partial_weight=FLAGS.partial_weight,
+        column_weight=FLAGS.column_weight,
     )
     if given or missed:
         print(
             f"spans from the points' plans rebuilt here ({FLAGS.slots} slots, a partial tile "
-            f"{FLAGS.partial_weight:g} full ones): {given} calls; {missed} left without (their "
-            "pieces not in today's plans)"
+            f"{FLAGS.partial_weight:g} full ones in a row, {FLAGS.column_weight:g} in a "
+            f"column): {given} calls; {missed} left without (their pieces not in today's plans)"
         )
     calls = timed_calls(records)
     faults = [c for c in calls if c.get("median", 1.0) <= 0]

@@ -76,7 +76,8 @@ def test_features_are_the_spans_of_the_kernels_schedule():
     """Stacked pieces of unequal lists: [1, row span, column span] from the tile lists equal
     those of each mask's block map (the lists' source), counted here tile by tile: the query
     tiles launched last first for each query head, the key tiles in order for each K/V head,
-    each walked for the group's heads, a partial tile as PARTIAL_WEIGHT full ones."""
+    each walked for the group's heads, a partial tile as PARTIAL_WEIGHT full ones in a row and
+    COLUMN_PARTIAL_WEIGHT in a column."""
     masks = [
         make_mask("causal_document", 200, seed=3),
         make_mask("sliding_window", 200, window=40),
@@ -87,13 +88,15 @@ def test_features_are_the_spans_of_the_kernels_schedule():
     heads_q, heads_kv, slots = 6, 2, 5
     x = list_spans(arrays.kv, heads_q, heads_kv, slots)
     assert x.shape == (4, 3) and call_model.MIN_CALIBRATION > 3  # a timed call per feature
-    w = call_model.PARTIAL_WEIGHT
+    w, wc = call_model.PARTIAL_WEIGHT, call_model.COLUMN_PARTIAL_WEIGHT
     for m, row in zip(masks, x):
         kinds = block_map(m, 32, 16).tolist()
         cost = [[{FULL: 1.0, PARTIAL: w}.get(k, 0.0) for k in r] for r in kinds]
+        col_cost = [[{FULL: 1.0, PARTIAL: wc}.get(k, 0.0) for k in r] for r in kinds]
         rows = [sum(r) for r in cost][::-1] * heads_q
-        cols = [heads_q // heads_kv * sum(r[j] for r in cost) for j in range(len(cost[0]))]
-        want = [1.0, _stepped_span(rows, slots), _stepped_span(cols * heads_kv, slots)]
+        cols = [heads_q // heads_kv * sum(r[j] for r in col_cost) for j in range(len(kinds[0]))]
+        halves = [2 * c for c in cols * heads_kv]  # whole steps: a column's weights in halves
+        want = [1.0, _stepped_span(rows, slots), _stepped_span(halves, slots) / 2]
         assert row.tolist() == want, m.name
         work = m.tile_counts(32, 16)
         assert call_model.span_features(*work, heads_q, heads_kv, slots).tolist() == want
@@ -103,6 +106,38 @@ def test_features_are_the_spans_of_the_kernels_schedule():
     assert dense.shape == (2, 2, 2) and (dense[..., 1] == heads_q * area).all()
     with pytest.raises(ValueError, match="heads_q=6 must be a positive multiple of heads_kv=4"):
         call_model.span_features(*masks[0].tile_counts(32, 16), 6, 4)
+
+
+def test_a_partial_tile_weighs_more_in_a_column_walk_than_in_a_row_walk():
+    """One query-tile row over one key-tile column, its tile partial, on one slot: the row
+    span is its walk at PARTIAL_WEIGHT per partial tile for every query head, the column span
+    at COLUMN_PARTIAL_WEIGHT (a dK/dV step masks keys first), for the group's heads of every
+    K/V head; either weight can be given."""
+    one = (np.array([0]), np.array([1]))
+    heads_q, heads_kv = 4, 2
+    x = call_model.span_features(one, one, heads_q, heads_kv, slots=1)
+    assert call_model.COLUMN_PARTIAL_WEIGHT > call_model.PARTIAL_WEIGHT
+    assert x.tolist() == [
+        1.0,
+        heads_q * call_model.PARTIAL_WEIGHT,
+        heads_q * call_model.COLUMN_PARTIAL_WEIGHT,
+    ]
+    x = call_model.span_features(one, one, heads_q, heads_kv, 1, 1.0, 3.0)
+    assert x.tolist() == [1.0, heads_q * 1.0, heads_q * 3.0]
+
+
+def test_a_forward_call_has_no_column_span():
+    """A forward step (attend, once) runs no key-tile kernel: its features keep the constant
+    and the row span and hold 0 for the column span, stacked pieces too; a backward step keeps
+    both spans; an impl's area features pass as they are."""
+    x = np.array([[1.0, 30.0, 50.0], [1.0, 4.0, 9.0]])
+    for call in ("attend", "once"):
+        assert call_model.call_features(call, x).tolist() == [[1.0, 30.0, 0.0], [1.0, 4.0, 0.0]]
+        area = call_model.area_features(np.float64(7.0), 2)
+        assert call_model.call_features(call, area).tolist() == [1.0, 14.0]
+    for call in ("attend_bwd", "once_bwd"):
+        assert call_model.call_features(call, x).tolist() == x.tolist()
+    assert x[0, 2] == 50.0  # the piece's features are not changed in place
 
 
 def test_fit_recovers_non_negative_costs_and_drops_a_negative_one():

@@ -210,8 +210,9 @@ def test_spans_of_older_records_come_from_their_points_plans():
     """Timed calls recorded without spans (runs from before them) get those of the ring rank
     whose piece at their step has their tiles and layout, from the point's plan rebuilt on the
     host, for the grid's heads (the batch times the rank's heads, as the predictor's); at one
-    slot a span is the whole work of the heads; a call whose layout no rank's piece has, and
-    one carried from another point's record, are left without; spans already recorded stay."""
+    slot a span is the whole work of the heads, a forward's column span 0
+    (call_model.call_features); a call whose layout no rank's piece has, and one carried from
+    another point's record, are left without; spans already recorded stay."""
     import dataclasses
 
     from experiments.cp_families import GPU_IMPL, preset_points, problem_plans
@@ -229,22 +230,30 @@ def test_spans_of_older_records_come_from_their_points_plans():
     grid_heads = 2 * point.heads_q, 2 * point.heads_kv  # ring: every head on every rank
     want = pieces.features(*grid_heads, call_model.SLOTS)
     calls = []
-    for r, t in [(0, 0), (3, 1), (5, 4), (7, 7)]:
+    steps = {(0, 0): "attend_bwd", (3, 1): "attend_bwd", (5, 4): "attend", (7, 7): "once"}
+    for (r, t), name in steps.items():
         layout = pieces.stats(r, t)
-        calls.append({**layout, "step": t, "heads": 2 * point.heads_q, "heads_kv": 8, "r": r})
+        calls.append(
+            {**layout, "call": name, "step": t, "heads": 2 * point.heads_q, "heads_kv": 8, "r": r}
+        )
     stray = {**calls[0], "full": calls[0]["full"] + 1}  # no piece has this layout
     carried = {**calls[1], "carried": True}
     masks = [{}] * index + [{"simulation": {"timed_calls": [*calls, stray, carried]}}]
     record = {"key": "p", "status": "ok", "point": dataclasses.asdict(point), "masks": masks}
     assert cp_call_fits.add_spans([record]) == (4, 2)
     for c in calls:
-        assert [c["row_span"], c["col_span"]] == pytest.approx(want[c["r"], c["step"], 1:])
+        features = call_model.call_features(c["call"], want[c["r"], c["step"]])
+        assert [c["row_span"], c["col_span"]] == pytest.approx(features[1:])
+    assert [c["col_span"] > 0 for c in calls] == [True, True, False, False]
     assert "row_span" not in stray and "row_span" not in carried
     assert cp_call_fits.add_spans([record]) == (0, 2)  # the others have theirs
     assert cp_call_fits.add_spans([record], rebuild=True, slots=1) == (4, 2)
     for c in calls:
         work = c["full"] + call_model.PARTIAL_WEIGHT * c["partial"]
-        assert c["row_span"] == c["col_span"] == pytest.approx(grid_heads[0] * work)
+        column = c["full"] + call_model.COLUMN_PARTIAL_WEIGHT * c["partial"]
+        assert c["row_span"] == pytest.approx(grid_heads[0] * work)
+        forward = c["call"] in call_model.FORWARD_CALLS
+        assert c["col_span"] == pytest.approx(0.0 if forward else grid_heads[0] * column)
 
 
 def test_calibrated_calls_plot_one_panel_per_feature_set(tmp_path):

@@ -657,8 +657,9 @@ def test_row_references_are_shared_between_a_problems_modes(monkeypatch):
 
 def _span_time(args) -> float:
     """Fake kernel time of a call: 0.5 ms + 0.01 per full-tile unit of its query-tile kernels'
-    span + 0.03 per unit of its key-tile kernel's (from the piece's forward tile lists, for the
-    heads of its q and K/V arguments; 1 ms without a piece)."""
+    span + 0.03 per unit of its key-tile kernel's, which only a backward step runs (its
+    arguments, 7 or more, hold the forward's residuals) (from the piece's forward tile lists,
+    for the heads of its q and K/V arguments; 1 ms without a piece)."""
     from jax_attn.mask_arrays import MaskArrays
 
     piece = next((a for a in args if isinstance(a, MaskArrays)), None)
@@ -667,7 +668,7 @@ def _span_time(args) -> float:
     q, k = args[0], args[1]
     heads = q.shape[0] * q.shape[2], k.shape[0] * k.shape[2]
     rows, cols = list_spans(piece.kv, *heads).reshape(-1, 3)[0, 1:]
-    return 0.5 + 0.01 * rows + 0.03 * cols
+    return 0.5 + 0.01 * rows + (0.03 * cols if len(args) >= 7 else 0.0)
 
 
 def _modelled_equals_timed(monkeypatch) -> None:
@@ -1293,6 +1294,33 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         jax.config.update("jax_log_compiles", logged)
     assert without, "the check and the timing compile their step programs when none is ready"
     assert 0 < len(ahead) <= classes and not later, (ahead, later)  # classes may share one
+
+
+def test_a_forward_calls_work_features_hold_no_column_span():
+    """The calls of an impl with tile lists take their pieces' spans as work features, a
+    forward step's without the column span (call_model.call_features: no key-tile kernel runs
+    in it), so a forward class's fit rests on its row span alone."""
+    from experiments.runners import call_model, cp_simulate, frameworks
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    point = _point("ring", 4, "fwd_bwd", sim.LinkModel(), seqlen=512)
+    (mask,) = frameworks.make_masks(point)
+    runner = JaxRunner()
+    plan = JaxRanks.executor_plan(point, mask, "pallas")
+    ranks = JaxRanks(plan, "pallas", point, 0, runner)
+    sched = sim.schedule(plan, point.mode, itemsize=4, batch=point.batch, entry=sim.EXCHANGE)
+    classes = cp_simulate.CPSimulator(runner, JaxRanks)._call_classes(ranks, sched, point)
+    spans = ranks.features()
+    forward = set()
+    for members in classes.members.values():
+        for (name, r, t, _), x in members.values():
+            want = spans[r, t].copy()
+            if name in call_model.FORWARD_CALLS:
+                want[2] = 0.0
+            assert x.tolist() == want.tolist(), name
+            forward.add(name in call_model.FORWARD_CALLS)
+    assert forward == {True, False} and (spans[..., 2] > 0).any()
 
 
 def _counting_emulations(monkeypatch) -> list[str]:
@@ -3022,7 +3050,8 @@ def test_a_resumed_prediction_times_no_call_its_records_list(monkeypatch):
 
 def test_recorded_calls_read_the_records_features_and_times():
     """A recorded call's work features are its spans where its record states them (impls
-    with tile lists), else its area times its heads (call_model.area_features); its min and
+    with tile lists; a forward's without its column span, call_model.call_features), else its
+    area times its heads (call_model.area_features); its min and
     max where listed, else (records from before they were) its p20 and p80. Passed over: calls
     missing a field the restore needs, of a tile layout without spans (older records), timed
     with fewer heads than their own; records of another backend, device, version or (on a
@@ -3038,9 +3067,10 @@ def test_recorded_calls_read_the_records_features_and_times():
         {"id": "b", **common, **times},
         {"id": "no spans", **common, **times, "full": 10, "partial": 2},
         {"id": "fewer heads", **common, **times, **spans, "heads_divisor": 8},
+        {"id": "forward", **common, **times, **spans, "call": "attend"},
         *({"id": f"no {f}", **common, **times, **spans} for f in RECORD_FIELDS if f != "id"),
     ]
-    for c in calls[4:]:
+    for c in calls[5:]:
         del c[c["id"][3:]]
     here = {
         "devices": {"jax": {"backend": "gpu", "device_kind": ["X"]}},
@@ -3056,17 +3086,19 @@ def test_recorded_calls_read_the_records_features_and_times():
         }
 
     found = recorded_calls([record()], "jax", here)
-    assert set(found) == {"a", "b"}
+    assert set(found) == {"a", "b", "forward"}
     assert found["a"].features.tolist() == [1.0, 12.5, 40.0]
+    assert found["forward"].features.tolist() == [1.0, 12.5, 0.0]
     assert found["a"].stats == {**times, "min": 1.0, "max": 9.0}
     area = call_model.area_features(np.float64(300.0), 4)
     assert found["b"].features.tolist() == area.tolist() == [1.0, 1200.0]
     assert found["b"].stats == {**times, "min": 4.0, "max": 6.0}
     assert (found["b"].cls, found["b"].kind) == ("c", "k")
-    assert set(recorded_calls([record(host="elsewhere")], "jax", here)) == {"a", "b"}  # a GPU
+    kept = {"a", "b", "forward"}
+    assert set(recorded_calls([record(host="elsewhere")], "jax", here)) == kept  # a GPU
     cpu = {"jax": {"backend": "cpu", "device_kind": ["cpu"]}}
     on_cpu = {**here, "devices": cpu}
-    assert set(recorded_calls([record(devices=cpu)], "jax", on_cpu)) == {"a", "b"}
+    assert set(recorded_calls([record(devices=cpu)], "jax", on_cpu)) == kept
     for other, mine in (
         (record(devices=cpu, host="elsewhere"), on_cpu),
         (record(devices={"jax": {"backend": "cpu", "device_kind": ["X"]}}), here),

@@ -7,13 +7,15 @@ fixed launch and edge cost, and when the last CTA of its query-tile kernels (for
 CTA a query tile and head, each walking its row of tiles) and of its key-tile kernel (dK/dV:
 one a key tile and K/V head, walking its column for the group's query heads) ends, with the
 CTAs started in the kernels' launch order on the first of SLOTS to come free (schedule_span).
-A partial tile counts as PARTIAL_WEIGHT full ones. So the model sees both the work and how it
-is spread: a piece with one 256-tile key column ran 30 ms on the H200 where its tile count gave
-6, and the same long column costs its walk on top of the rest when it starts last and hides
-under the rest when it starts first. An impl that reads no tile lists is modelled on the
-piece's visible area times its heads instead. A small calibration sample that spans the
-pieces' work is timed, the coefficients are fitted non-negative, and a held-out sample of
-further timed calls measures the model's error, which every simulated record carries.
+A partial tile counts as PARTIAL_WEIGHT full ones in a query-tile walk and COLUMN_PARTIAL_WEIGHT
+in a key-tile walk; a forward call runs no key-tile kernel, so its column span is 0
+(call_features). So the model sees both the work and how it is spread: a piece with one
+256-tile key column ran 30 ms on the H200 where its tile count gave 6, and the same long column
+costs its walk on top of the rest when it starts last and hides under the rest when it starts
+first. An impl that reads no tile lists is modelled on the piece's visible area times its heads
+instead. A small calibration sample that spans the pieces' work is timed, the coefficients are
+fitted non-negative, and a held-out sample of further timed calls measures the model's error,
+which every simulated record carries.
 
 Across shapes: a kind of call (the same step function, impl and GQA group at any shapes) keeps
 the relative cost of its features once its calls are long enough to fill the device, but not
@@ -37,12 +39,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from experiments.core.flags import MIN_TIMED_CALLS
+from shard_strategies.simulate import ATTEND, ATTEND_ONCE
 
 VALIDATION_CALLS = 4  # timed calls held out of each fit to measure its error
 REUSE_VALIDATION_CALLS = 1  # held out at each later point a class's earlier fit serves
 MIN_CALIBRATION = MIN_TIMED_CALLS  # a timed call per feature of the tile model, and one more
 SLOTS = 132  # CTAs running at once in schedule_span where the device does not say: H100/H200 SMs
 PARTIAL_WEIGHT = 2.0  # a partial tile's share of a CTA's walk, in full tiles (H200, below)
+COLUMN_PARTIAL_WEIGHT = 2.5  # the same in a dK/dV CTA's walk of its key-tile column (H100, below)
+FORWARD_CALLS = (ATTEND, ATTEND_ONCE)  # step functions that run only query-tile kernels
 SHORT_BATCH = 8  # CTAs a batch of schedule_span below which it goes CTA by CTA for a while
 SPANS = ("row_span", "col_span")  # names of the tile model's work features (timed-call records)
 ERROR_QUANTILE = 90  # the error a record states: this percentile of the held-out relative errors
@@ -58,6 +63,12 @@ PieceWork = tuple[TileWork, TileWork]  # a piece's rows' and columns' (Mask.tile
 # PARTIAL_WEIGHT and SLOTS: of 1, 1.5, 2, 3 and 4 weights and 66, 132, 198 and 264 slots, 2 and
 # 132 predicted the H200's timed calls best (results/h200/cp_predict, runs 12 and 13, scored by
 # experiments/cp_call_fits.py): a partial tile computes its scores and then masks them.
+# COLUMN_PARTIAL_WEIGHT: of 2 to 5 in a key-tile walk (the query-tile walks at 2), 2.25 to 3
+# predicted the held-out calls of H100 runs 27 and 29 (results/h100/cp_predict) best, replayed
+# by experiments/cp_call_fits.py --rebuild_spans ("as the run checked"); 2.5, the middle, with
+# forward calls' column span 0: 4.1 -> 3.4% and 5.9 -> 4.9% there, and on runs not used to
+# choose it, H100 run 25 7.8 -> 7.0% and H200 run 20 5.6 -> 5.2%. Likely (not profiled): a
+# dK/dV step builds a partial tile's mask keys first, from each of its query rows' intervals.
 
 
 def schedule_span(works: np.ndarray, slots: int = SLOTS) -> float:
@@ -105,21 +116,32 @@ def tile_work(full: np.ndarray, partial: np.ndarray, weight: float = PARTIAL_WEI
 
 def span_features(
     rows: TileWork, cols: TileWork, heads_q: int, heads_kv: int, slots: int = SLOTS,
-    partial_weight: float = PARTIAL_WEIGHT,
+    partial_weight: float = PARTIAL_WEIGHT, column_weight: float = COLUMN_PARTIAL_WEIGHT,
 ) -> np.ndarray:  # fmt: skip
     """(3,) [1, row span, column span] of a piece with (full, partial) tiles per query-tile row
-    and per key-tile column (a partial tile as partial_weight full ones), run for heads_q query
-    heads (times the batch) and heads_kv K/V heads: the query-tile kernels launch each head's
-    rows last first (jax_attn/pallas_triton/common.py query_tile_specs: the longest causal
-    rows first), the key-tile kernel each K/V head's columns in order, each column walked for
-    the group's heads_q / heads_kv heads."""
+    and per key-tile column (a partial tile as partial_weight full ones in a row's walk and
+    column_weight in a column's), run for heads_q query heads (times the batch) and heads_kv
+    K/V heads: the query-tile kernels launch each head's rows last first
+    (jax_attn/pallas_triton/common.py query_tile_specs: the longest causal rows first), the
+    key-tile kernel each K/V head's columns in order, each column walked for the group's
+    heads_q / heads_kv heads."""
     if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} must be a positive multiple of heads_kv={heads_kv}")
     row_work = tile_work(*rows, partial_weight)[::-1]
-    col_work = tile_work(*cols, partial_weight) * (heads_q // heads_kv)
+    col_work = tile_work(*cols, column_weight) * (heads_q // heads_kv)
     row_span = schedule_span(np.tile(row_work, heads_q), slots)
     col_span = schedule_span(np.tile(col_work, heads_kv), slots)
     return np.array([1.0, row_span, col_span])
+
+
+def call_features(call: str, features: np.ndarray) -> np.ndarray:
+    """A call's work features from its piece's (span_features; area_features pass as they
+    are): a forward (FORWARD_CALLS) runs no key-tile kernel, so its column span is 0 and a
+    class's fit cannot lean on it."""
+    features = np.array(features, np.float64)
+    if call in FORWARD_CALLS and features.shape[-1] == 1 + len(SPANS):
+        features[..., 2] = 0.0
+    return features
 
 
 def area_features(area: np.ndarray, heads_q: int) -> np.ndarray:

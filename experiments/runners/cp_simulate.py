@@ -165,7 +165,8 @@ def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[
                 stats = {q: c[q] for q in ("median", "p20", "p80", "n")}
                 stats |= {"min": c.get("min", c["p20"]), "max": c.get("max", c["p80"])}
                 if spans:
-                    features = np.array([1.0, *(c[s] for s in call_model.SPANS)])
+                    spanned = np.array([1.0, *(c[s] for s in call_model.SPANS)])
+                    features = call_model.call_features(c.get("call", ""), spanned)
                 else:
                     features = call_model.area_features(np.float64(c["area"]), c["heads"])
                 found[c["id"]] = RecordedCall(c["class"], c["kind"], stats, features)
@@ -408,7 +409,7 @@ class CPSimulator:
                 key = (*cls, ranks.fingerprint(r, ph.step))
                 out.members.setdefault(cls, {})[key] = (
                     (ph.call, r, ph.step, ph.group_start),
-                    features[r, ph.step],
+                    call_model.call_features(ph.call, features[r, ph.step]),
                 )
                 out.uses.append((p, r, key))
         return out
@@ -583,7 +584,8 @@ class CPSimulator:
         layout = ranks.piece_stats(r, t)  # where the kernels take tile lists: spans too
         spans = {}
         if layout:
-            spans = dict(zip(call_model.SPANS, ranks.features()[r, t][1:].tolist()))
+            features = call_model.call_features(name, ranks.features()[r, t])
+            spans = dict(zip(call_model.SPANS, features[1:].tolist()))
             spans["slots"] = ranks.slots()  # the schedule's, so a run says what it assumed
         self._timed_log.append(
             {
