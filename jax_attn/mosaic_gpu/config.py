@@ -327,8 +327,9 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     dP^T 128 wide; at D=128, 17-18% slower, likely registers), else 64. The persistent
     forward loads the next item's Q after the item's partial steps (late_q_prefetch), and at
     D=64 reads its scalars early (early_scalar_loads): on an H100 3-8% faster on document and
-    window masks at D=64 and 1-3% at D=128 in three runs, full and causal within 1%
-    (results/h100/mosaic_variants 56-* to 59-*, NOTES.md).
+    window masks at D=64 and 1-3% at D=128 in three runs of their first form, and full and
+    causal at most 1% faster in a run of the final one (results/h100/mosaic_variants 56-* to
+    59-*, NOTES.md).
     """
     del dtype
     common = dict(
