@@ -79,8 +79,9 @@ def add_spans(
     partial_weight: float = call_model.PARTIAL_WEIGHT,
     column_weight: float = call_model.COLUMN_PARTIAL_WEIGHT,
 ) -> tuple[int, int]:  # fmt: skip
-    """Give the timed calls of the records' simulated JAX points without spans (all of them
-    where `rebuild`) the spans of their pieces, from each point's plan rebuilt on the host: the
+    """Give the timed calls of the records' simulated JAX points without spans or with spans of
+    other partial-tile weights (all of them where `rebuild`) the spans of their pieces at these
+    weights, from each point's plan rebuilt on the host: the
     ring rank whose piece at the call's step has the call's tiles and layout (where several
     do, their spans' mean), as the call's features (call_model.call_features). (calls given
     spans, calls left without: carried from another point, a record this code cannot read,
@@ -89,6 +90,11 @@ def add_spans(
     from experiments.cp_families import GPU_IMPL, problem_plans
     from experiments.runners import frameworks
     from experiments.runners.cp_ranks_jax import PlanPieces
+
+    weights = call_model.span_weights(partial_weight, column_weight)
+
+    def stale(call: dict) -> bool:
+        return call_model.recorded_weights(call) != weights
 
     wanted: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (point, mask) -> calls
     points, missed = {}, 0
@@ -102,7 +108,7 @@ def add_spans(
             calls = [
                 c
                 for c in (mask.get("simulation") or {}).get("timed_calls") or []
-                if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys())
+                if "full" in c and (rebuild or not set(call_model.SPANS) <= c.keys() or stale(c))
             ]
             # carried calls were timed for another point's plan
             own = [c for c in calls if planned and not c.get("carried")]
@@ -132,7 +138,7 @@ def add_spans(
                     for i in matches
                 ]
                 features = call_model.call_features(call["call"], np.mean(spans, axis=0))
-                call.update(zip(call_model.SPANS, features[1:].tolist()))
+                call.update(zip(call_model.SPANS, features[1:].tolist()), **weights)
                 given += 1
     return given, missed + sum(map(len, wanted.values()))  # and masks no longer planned
 

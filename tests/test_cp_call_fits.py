@@ -247,6 +247,10 @@ def test_spans_of_older_records_come_from_their_points_plans():
     assert [c["col_span"] > 0 for c in calls] == [True, True, False, False]
     assert "row_span" not in stray and "row_span" not in carried
     assert cp_call_fits.add_spans([record]) == (0, 2)  # the others have theirs
+    calls[2]["column_weight"], calls[2]["col_span"] = 2.0, -1.0  # spans of another weight
+    assert cp_call_fits.add_spans([record]) == (1, 2)
+    assert call_model.recorded_weights(calls[2]) == call_model.span_weights()
+    assert calls[2]["col_span"] == pytest.approx(0.0)  # a forward call's, rebuilt
     assert cp_call_fits.add_spans([record], rebuild=True, slots=1) == (4, 2)
     for c in calls:
         work = c["full"] + call_model.PARTIAL_WEIGHT * c["partial"]

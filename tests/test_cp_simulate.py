@@ -727,6 +727,7 @@ def _modelled_equals_timed(monkeypatch) -> None:
             law = 0.5 + 0.01 * c["row_span"] + 0.03 * c["col_span"]
             assert c["median"] == pytest.approx(law), c
             assert c["slots"] == call_model.SLOTS  # a CPU device: the H100/H200's count
+            assert call_model.recorded_weights(c) == call_model.span_weights()
             assert c["rows"] <= c["q_tiles"] and c["cols"] <= c["k_tiles"]
             assert c["row_max"] * c["rows"] >= tiles and c["col_max"] * c["cols"] >= tiles
             assert c["q"] == 128 and c["k"] > 0 and c["area"] <= c["q"] * c["k"]
@@ -3053,13 +3054,16 @@ def test_recorded_calls_read_the_records_features_and_times():
     with tile lists; a forward's without its column span, call_model.call_features), else its
     area times its heads (call_model.area_features); its min and
     max where listed, else (records from before they were) its p20 and p80. Passed over: calls
-    missing a field the restore needs, of a tile layout without spans (older records), timed
-    with fewer heads than their own; records of another backend, device, version or (on a
-    CPU) host."""
+    missing a field the restore needs, of a tile layout without spans (older records) or with
+    spans of other partial-tile weights (none listed: 2 and 2), timed with fewer heads than
+    their own; records of another backend, device, version or (on a CPU) host."""
     from experiments.runners import call_model
     from experiments.runners.cp_simulate import RECORD_FIELDS, recorded_calls
 
-    spans = {"row_span": 12.5, "col_span": 40.0, "min": 1.0, "max": 9.0}
+    weights = call_model.span_weights()
+    spans = {"row_span": 12.5, "col_span": 40.0, "min": 1.0, "max": 9.0, **weights}
+    unweighted = {k: v for k, v in spans.items() if k not in weights}
+    assert call_model.recorded_weights(unweighted) != weights  # the column weight moved
     common = {"class": "c", "kind": "k", "area": 300.0, "heads": 4}
     times = {"median": 5.0, "p20": 4.0, "p80": 6.0, "n": 3}
     calls = [
@@ -3068,9 +3072,10 @@ def test_recorded_calls_read_the_records_features_and_times():
         {"id": "no spans", **common, **times, "full": 10, "partial": 2},
         {"id": "fewer heads", **common, **times, **spans, "heads_divisor": 8},
         {"id": "forward", **common, **times, **spans, "call": "attend"},
+        {"id": "old weights", **common, **times, **unweighted, "full": 10, "partial": 2},
         *({"id": f"no {f}", **common, **times, **spans} for f in RECORD_FIELDS if f != "id"),
     ]
-    for c in calls[5:]:
+    for c in calls[6:]:
         del c[c["id"][3:]]
     here = {
         "devices": {"jax": {"backend": "gpu", "device_kind": ["X"]}},

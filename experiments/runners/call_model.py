@@ -134,6 +134,20 @@ def span_features(
     return np.array([1.0, row_span, col_span])
 
 
+def span_weights(
+    partial_weight: float = PARTIAL_WEIGHT, column_weight: float = COLUMN_PARTIAL_WEIGHT
+) -> dict[str, float]:
+    """The partial-tile weights a timed call's spans are computed with, as its record lists
+    them (beside the schedule's slots), so spans made under other weights are not mixed in."""
+    return {"partial_weight": float(partial_weight), "column_weight": float(column_weight)}
+
+
+def recorded_weights(call: dict) -> dict[str, float]:
+    """The partial-tile weights of a recorded call's spans: 2 in every walk for records from
+    before they were listed."""
+    return span_weights(call.get("partial_weight", 2.0), call.get("column_weight", 2.0))
+
+
 def call_features(call: str, features: np.ndarray) -> np.ndarray:
     """A call's work features from its piece's (span_features; area_features pass as they
     are): a forward (FORWARD_CALLS) runs no key-tile kernel, so its column span is 0 and a

@@ -138,7 +138,8 @@ def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[
     installed versions, and on a CPU the same host. By id: a resumed CP prediction times none
     of them again, and its kinds' models start from them. Calls a record lists without what
     that needs are passed over: those missing RECORD_FIELDS, those of a tile layout without
-    its spans (runs before the spans were recorded) and those timed with fewer heads than
+    its spans (runs before the spans were recorded) or with spans of other partial-tile
+    weights (call_model.recorded_weights), and those timed with fewer heads than
     their own (a removed option's rate calls). Records from before 9fce7a0 list no min and
     max: p20 and p80 stand for them."""
     mine = here["devices"][framework]
@@ -162,6 +163,8 @@ def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[
                     continue
                 if "full" in c and not spans:  # a tile layout, its spans not recorded
                     continue
+                if spans and call_model.recorded_weights(c) != call_model.span_weights():
+                    continue  # spans of other partial-tile weights
                 stats = {q: c[q] for q in ("median", "p20", "p80", "n")}
                 stats |= {"min": c.get("min", c["p20"]), "max": c.get("max", c["p80"])}
                 if spans:
@@ -587,6 +590,7 @@ class CPSimulator:
             features = call_model.call_features(name, ranks.features()[r, t])
             spans = dict(zip(call_model.SPANS, features[1:].tolist()))
             spans["slots"] = ranks.slots()  # the schedule's, so a run says what it assumed
+            spans |= call_model.span_weights()
         self._timed_log.append(
             {
                 "role": role,
