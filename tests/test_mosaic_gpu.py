@@ -371,16 +371,23 @@ def test_real_lowering_s2048(name: str) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("late, early", [(False, False), (True, True), (False, True)])
-def test_persistent_forward(late: bool, early: bool) -> None:
+@pytest.mark.parametrize(
+    "late, early, overlap",
+    [(False, False, False), (True, True, False), (False, True, False), (True, False, True)],
+)
+def test_persistent_forward(late: bool, early: bool, overlap: bool) -> None:
     """persistent_fwd (5 CTAs walking 18 (q tile, head, batch) items in snake order, so the last,
     partial row goes to 3 of them; the K/V ring running on across items, the next item's Q
     prefetched into the other buffer at the item's start, or after its partial steps with
     late_q_prefetch; with early_scalar_loads each item's walk read from the item table one item
-    ahead): the same outputs on every row, with partial tiles, ragged lengths and items that
-    list no key tile at all."""
+    ahead; with fwd_overlap the next step's Q K^T issued before a step's softmax): the same
+    outputs on every row, with partial tiles, ragged lengths and items that list no key tile."""
     config = dataclasses.replace(
-        SMALL, persistent_fwd=True, late_q_prefetch=late, early_scalar_loads=early
+        SMALL,
+        persistent_fwd=True,
+        late_q_prefetch=late,
+        early_scalar_loads=early,
+        fwd_overlap=overlap,
     )
     mask = from_slices([[0, 30], [50, 100]], [[0, 50], [60, 136]], [FULL, CAUSAL], 300, 136)
     arrays = prepare_mask(mask, *SMALL.tiles)
@@ -403,11 +410,6 @@ def test_persistent_forward_dealt_by_walk_start() -> None:
     arrays = prepare_mask(mask, *SMALL.tiles)
     assert (np.asarray(arrays.kv.count) == 0).sum() == 1 and np.asarray(arrays.kv.count).max() > 1
     _check(mask, arrays, b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, config=config, seed=5)
-
-
-def test_late_q_prefetch_needs_the_persistent_forward() -> None:
-    with pytest.raises(ValueError, match="late_q_prefetch .* needs persistent_fwd=True"):
-        KernelConfig(late_q_prefetch=True)
 
 
 def test_walk_start_deal_needs_the_persistent_forward() -> None:

@@ -386,12 +386,19 @@ def test_gpu_lowering_s2048(d: int) -> None:
     [
         (KernelConfig(block_k=64), (2, 1)),
         (KernelConfig(block_k=128, num_stages_bwd=3, persistent_fwd=True), (2, 2)),
+        (
+            KernelConfig(
+                block_k=128, persistent_fwd=True, late_q_prefetch=True, early_scalar_loads=True
+            ),
+            (2, 2),
+        ),
         (KernelConfig(block_k=128, bwd_warpgroups=2, dq_warpgroups=2, fwd_overlap=True), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
     ],
     ids=[
         "gqa_2stages",
         "mha_3stages_persistent_fwd",
+        "mha_persistent_fwd_late_early",
         "warp_specialised_gqa",
         "warp_specialised_fused",
     ],

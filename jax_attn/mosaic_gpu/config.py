@@ -89,7 +89,8 @@ class KernelConfig:
     issued just before, the store is still in flight when the next item starts, so every item
     with partial tiles began with that wait (and its ping-pong partner with it); after them it
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
-    (document masks) meet it most often.
+    (document masks) meet it most often. Without persistent_fwd there is no next item: no
+    effect (so a default config with persistent_fwd=False stays valid).
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -173,11 +174,6 @@ class KernelConfig:
                 f"fused_bwd with block_q_dkv={self.block_q_dkv}: the fused kernel's dS^T tiles and "
                 "fp32 dQ stage at that many rows exceed a CTA's shared memory (233,552 bytes at "
                 "D=64); valid: block_q_dkv=64 (or None) with fused_bwd"
-            )
-        if self.late_q_prefetch and not self.persistent_fwd:
-            raise ValueError(
-                "late_q_prefetch times the persistent forward's next-item load: it needs "
-                "persistent_fwd=True, got persistent_fwd=False"
             )
         if self.deal_by_walk_start and not self.persistent_fwd:
             raise ValueError(
@@ -326,9 +322,9 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     are chosen per call (dkv_block_q): 128 on masks with few partial tiles at D=64 (S^T and
     dP^T 128 wide; at D=128, 17-18% slower, likely registers), else 64. The persistent
     forward loads the next item's Q after the item's partial steps (late_q_prefetch), and at
-    D=64 reads its scalars early (early_scalar_loads): on an H100 3-8% faster on document and
-    window masks at D=64 and 1-3% at D=128 in three runs of their first form, and full and
-    causal at most 1% faster in a run of the final one (results/h100/mosaic_variants 56-* to
+    D=64 reads its scalars early (early_scalar_loads): on an H100 about 3-8% faster on
+    document and window masks at D=64 and up to 3% at D=128 in three runs of their first form,
+    full and causal no slower in a run of the final one (results/h100/mosaic_variants 56-* to
     59-*, NOTES.md).
     """
     del dtype

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -242,7 +243,11 @@ def _kernel(
                 )
 
             def run_item(
-                item: tuple, b: Any, base: Any, turns: bool, after_partial: Any = None
+                item: tuple,
+                b: Any,
+                base: Any,
+                turns: bool,
+                after_partial: Callable[[], None] | None = None,
             ) -> None:
                 """Attention of one item's rows from buffer b; its key tiles are ring steps
                 base, base + 1, ... (None: 0, 1, ...). turns: offset the two consumers' turns
@@ -400,7 +405,7 @@ def _kernel(
                     """Item `local` of this CTA's walk; carry: its first ring step and, with
                     early_scalar_loads, its table row, loaded one item ahead."""
                     base, item = carry
-                    flat = _snake(geo, cta, local)
+                    flat = _snake(geo, cta, local)  # read here unless the carry holds its row
                     b = lax.rem(local, 2)
                     following = ()
                     if cfg.early_scalar_loads:
