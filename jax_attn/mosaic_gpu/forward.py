@@ -399,7 +399,9 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
 
             if geo.persistent:
-                load_item(_item(items_ref, _snake(geo, cta, 0)), 0)
+                rows = 5 if cfg.early_scalar_loads else 3
+                first_row = _item(items_ref, _snake(geo, cta, 0), rows=rows)
+                load_item(first_row[:3], 0)
 
                 def persistent_item(local: jax.Array, carry: tuple) -> tuple:
                     """Item `local` of this CTA's walk; carry: its first ring step and, with
@@ -416,7 +418,8 @@ def _kernel(
                         @pl.when(local + 1 < local_items)
                         def _next() -> None:
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's O, LSE
-                            load_item(_item(items_ref, _snake(geo, cta, local + 1)), 1 - b)
+                            nxt = following[:3] or _item(items_ref, _snake(geo, cta, local + 1))
+                            load_item(nxt, 1 - b)
 
                     if not cfg.late_q_prefetch:
                         prefetch()
@@ -427,14 +430,14 @@ def _kernel(
                     count = item[3] if cfg.early_scalar_loads else count_ref[item[0]]
                     return base + count, following
 
-                first_row = (
-                    _item(items_ref, _snake(geo, cta, 0), rows=5) if cfg.early_scalar_loads else ()
-                )
                 take_turns(
                     sched,
                     wg,
                     lambda _: lax.fori_loop(
-                        0, local_items, persistent_item, (jnp.int32(0), first_row)
+                        0,
+                        local_items,
+                        persistent_item,
+                        (jnp.int32(0), first_row if cfg.early_scalar_loads else ()),
                     ),
                 )
             else:
