@@ -217,6 +217,7 @@ def _kernel(
         if geo.persistent:
             cta = lax.axis_index("sm")
             local_items = _local_items(geo, cta)
+            item_rows = 5 if cfg.early_scalar_loads else 3  # the item table's rows (item_table)
         else:
             tile = geo.num_q_tiles - 1 - lax.axis_index("q")  # longest (last) q tiles first
             first = (tile, lax.axis_index("heads"), lax.axis_index("batch"))
@@ -399,8 +400,7 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(row0, bq)])
 
             if geo.persistent:
-                rows = 5 if cfg.early_scalar_loads else 3
-                first_row = _item(items_ref, _snake(geo, cta, 0), rows=rows)
+                first_row = _item(items_ref, _snake(geo, cta, 0), rows=item_rows)
                 load_item(first_row[:3], 0)
 
                 def persistent_item(local: jax.Array, carry: tuple) -> tuple:
@@ -452,9 +452,9 @@ def _kernel(
             def produce(item: tuple, base: Any) -> Any:
                 """Load an item's K and V tiles into ring steps base, base + 1, ...; the next
                 base."""
-                tile, head, batch = item
+                tile, head, batch = item[:3]
                 kv_head = lax.div(head, jnp.int32(geo.group))
-                count = count_ref[tile]
+                count = item[3] if len(item) > 3 else count_ref[tile]
 
                 def issue(n: jax.Array, _: Any) -> None:
                     step = n if base is None else n + base
@@ -485,7 +485,9 @@ def _kernel(
                 steps = lax.fori_loop(
                     0,
                     local_items,
-                    lambda local, base: produce(_item(items_ref, _snake(geo, cta, local)), base),
+                    lambda local, base: produce(
+                        _item(items_ref, _snake(geo, cta, local), rows=item_rows), base
+                    ),
                     jnp.int32(0),
                 )
             else:
