@@ -397,11 +397,11 @@ def test_persistent_forward(late: bool, early: bool, overlap: bool) -> None:
 
 @interpreted
 def test_persistent_forward_with_item_table_on_full_tiles() -> None:
-    """early_scalar_loads with late_q_prefetch on a causal mask whose q tiles walk full key
-    tiles after their partial ones: the producer and the consumers take each item's key-tile
-    count and partial count from the item table: the same outputs on every row (the next
-    item's Q prefetched from the wrong row fails here; a producer count short of the walk
-    stalls it)."""
+    """early_scalar_loads with late_q_prefetch on a causal mask where every q tile walks a
+    partial (diagonal) tile and the later ones full tiles too: the consumers take each item's
+    key-tile count and partial count, the producer its count, from the item table; the same
+    outputs on every row (the next item's Q prefetched from the wrong row fails here; a
+    producer count short of the walk stalls it)."""
     config = dataclasses.replace(
         SMALL, persistent_fwd=True, late_q_prefetch=True, early_scalar_loads=True
     )
@@ -410,7 +410,7 @@ def test_persistent_forward_with_item_table_on_full_tiles() -> None:
     count, full = np.asarray(arrays.kv.count), np.asarray(arrays.kv.full).astype(bool)
     listed = np.arange(full.shape[1]) < count[:, None]
     n_full = (full & listed).sum(axis=1)
-    assert (n_full > 0).any() and (count > n_full).all(), "full tiles beside partial ones"
+    assert (n_full > 0).any() and (count > n_full).all(), "partial tiles everywhere, full ones too"
     _check(mask, arrays, b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, config=config, seed=6)
 
 

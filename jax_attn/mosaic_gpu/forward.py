@@ -418,7 +418,10 @@ def _kernel(
                         @pl.when(local + 1 < local_items)
                         def _next() -> None:
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last item's O, LSE
-                            nxt = following[:3] or _item(items_ref, _snake(geo, cta, local + 1))
+                            if cfg.early_scalar_loads:
+                                nxt = following[:3]
+                            else:
+                                nxt = _item(items_ref, _snake(geo, cta, local + 1))
                             load_item(nxt, 1 - b)
 
                     if not cfg.late_q_prefetch:
