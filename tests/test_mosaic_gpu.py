@@ -19,6 +19,7 @@ from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 from jax_attn.mosaic_gpu import forward as mosaic_forward
+from jax_attn.mosaic_gpu.walks import kernel_walks
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
@@ -186,6 +187,44 @@ def test_gradients_through_custom_vjp_gqa(name: str) -> None:
         assert (np.asarray(g, np.float32)[:, unseen] == 0).all()
 
 
+@interpreted
+def test_walks_of_a_closed_over_mask_leave_the_program() -> None:
+    """A mask closed over by the jitted function (concrete MaskArrays) has its walks and the
+    persistent deal built once, outside the program: no sort left in it; passed as an argument
+    (traced) they are built inside it. Both give the oracle's out, dq, dk and dv."""
+    config = dataclasses.replace(
+        SMALL, persistent_fwd=True, late_q_prefetch=True, early_scalar_loads=True
+    )
+    mask = make_mask("causal_document", 320, seed=5)
+    arrays = prepare_mask(mask, *config.tiles)
+    (q, k, v), (q64, k64, v64) = _inputs(9, 1, 320, 320, 4, 2, 64, jnp.bfloat16)
+    dout = np.random.default_rng(10).standard_normal(q.shape)
+    scale = 64**-0.5
+    ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=dout)
+
+    def out_and_grads(q, k, v, arrays):
+        def loss(q, k, v):
+            out = flash_attention_mosaic(q, k, v, arrays, scale=scale, config=config)
+            return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    closed = jax.jit(lambda q, k, v: out_and_grads(q, k, v, arrays))
+    passed = jax.jit(out_and_grads)
+    assert "stablehlo.sort" not in closed.lower(q, k, v).as_text()
+    assert "stablehlo.sort" in passed.lower(q, k, v, arrays).as_text()
+    for grads, out in (closed(q, k, v), passed(q, k, v, arrays)):
+        got = np.asarray(out.astype(jnp.float32), np.float64)
+        assert np.isfinite(got).all(), "unwritten (NaN) output"
+        err = np.abs(got - ref.out).max() / np.abs(ref.out).max()
+        assert err < TOL[jnp.bfloat16], f"out: relative error {err:.2e}"
+        for name, g, want in zip(("dq", "dk", "dv"), grads, (ref.dq, ref.dk, ref.dv)):
+            g = np.asarray(g.astype(jnp.float32), np.float64)
+            assert np.isfinite(g).all(), name
+            err = np.linalg.norm(g - want) / np.linalg.norm(want)
+            assert err < TOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
+
+
 def test_config_validation_names_value_and_range() -> None:
     with pytest.raises(ValueError, match="block_q=32.*must be 64"):
         KernelConfig(block_q=32)
@@ -236,10 +275,11 @@ def test_forward_smem_count_is_mosaic_gpus() -> None:
         arrays = prepare_mask(masks[(i // 2) % len(masks)], *config.tiles)
         q = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
         static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
+        walks = kernel_walks(q, q, arrays, config=config, interpret=None)
         forward = jax.jit(mosaic_api._attention_jit, static_argnums=4)
         with core.artificial_shared_memory_limit(0):
             with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
-                forward.trace(q, q, q, arrays, static).lower(lowering_platforms=("cuda",))
+                forward.trace(q, q, q, (arrays, walks), static).lower(lowering_platforms=("cuda",))
         asked = re.search(r"smem_bytes=(\d+)", str(refused.value))
         assert asked, str(refused.value)
         intervals = int(arrays.lo.shape[-1])
@@ -332,9 +372,11 @@ def test_forward_and_backward_lower_for_hopper(
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
     static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
+    walks = kernel_walks(q, k, arrays, config=config, interpret=None)
 
     def loss(q, k, v):
-        return mosaic_api._attention_jit(q, k, v, arrays, static)[0].astype(jnp.float32).sum()
+        out = mosaic_api._attention_jit(q, k, v, (arrays, walks), static)[0]
+        return out.astype(jnp.float32).sum()
 
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from attn_masks.shapes import check_attention_shapes
 
 from ..flash_vjp import flash_vjp
-from ..kernel_inputs import TilePadding, pad_axis, padded_intervals, query_tile_walk
+from ..kernel_inputs import TilePadding, pad_axis
 from ..mask_arrays import MaskArrays
 from .backward import flash_attention_mosaic_bwd
 from .config import CONSUMER_WARPGROUPS, KernelConfig, default_config, launch_tiles_fastest
 from .forward import forward
 from .interpret import interpret_params
+from .walks import kernel_walks
 
 INTERPRET_MIN_CPU_DEVICES = 4  # the CPU client's thread pool grows with the device count
 
@@ -38,36 +39,27 @@ class _Static:
     interpret: Any  # False (the GPU) or the InterpretGPUParams to run the CPU interpreter with
 
 
-def _bounds(lo: jax.Array, hi: jax.Array, block_q: int) -> jax.Array:
-    """(padded Sq / block_q, 2K, block_q) int32 of the (K, padded Sq) intervals: per 64-row
-    slice the rows' lo, hi of each interval, interleaved."""
-    padded_q = lo.shape[1]
-    both = jnp.stack([lo.T, hi.T], axis=-1).reshape(padded_q // block_q, block_q, -1)
-    return jnp.transpose(both, (0, 2, 1))
-
-
 def _forward_padded(
-    q: jax.Array, k: jax.Array, v: jax.Array, arrays: MaskArrays, static: _Static
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: tuple, static: _Static
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq), lse again: the backward takes it unpadded) of the
-    kernel on inputs padded to whole tiles."""
+    kernel on inputs padded to whole tiles; mask: (MaskArrays, their KernelWalks)."""
+    arrays, walks = mask
     order = launch_tiles_fastest(
         static.config, group=q.shape[2] // k.shape[2], uneven_walks=arrays.uneven_walks
     )
     cfg = dataclasses.replace(static.config, tiles_fastest=order)
     pad = TilePadding.of(arrays)
-    index, n_partial, count = query_tile_walk(arrays, pad)
     out, lse = forward(
         pad_axis(q, 1, pad.padded_q),
         pad_axis(k, 1, pad.padded_k),
         pad_axis(v, 1, pad.padded_k),
-        _bounds(*padded_intervals(arrays, pad), cfg.block_q),
-        index,
-        n_partial,
-        count,
+        walks.bounds,
+        *walks.query_walk,
         scale=static.scale,
         config=cfg,
         interpret=static.interpret or None,
+        items=walks.items,
     )
     lse = lse[:, :, : pad.seq_q]
     return out[:, : pad.seq_q], lse, lse
@@ -77,7 +69,7 @@ def _backward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    arrays: MaskArrays,
+    mask: tuple,
     out: jax.Array,
     lse: jax.Array,
     d_out: jax.Array,
@@ -85,6 +77,7 @@ def _backward(
     static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients from the residuals by the Mosaic backward kernels (the LSE's cotangent too)."""
+    arrays, walks = mask
     return flash_attention_mosaic_bwd(
         q,
         k,
@@ -97,6 +90,7 @@ def _backward(
         config=static.config,
         interpret=static.interpret or None,
         dlse=d_lse,
+        walks=walks,
     )
 
 
@@ -159,5 +153,6 @@ def flash_attention_mosaic(
     if interpret is True:
         interpret = interpret_params()
     static = _Static(scale=float(scale), config=config, interpret=interpret or False)
-    out, lse = _attention_jit(q, k, v, arrays, static)
+    walks = kernel_walks(q, k, arrays, config=config, interpret=interpret or None)
+    out, lse = _attention_jit(q, k, v, (arrays, walks), static)
     return (out, lse) if return_lse else out

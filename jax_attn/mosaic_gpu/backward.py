@@ -29,10 +29,7 @@ from attn_masks import PartialFirst
 from ..kernel_inputs import (
     TilePadding,
     backward_lse,
-    key_tile_walk,
     pad_axis,
-    padded_intervals,
-    query_tile_walk,
     softmax_delta,
 )
 from ..mask_arrays import MaskArrays
@@ -66,6 +63,7 @@ from .config import (
     dkv_head_split,
     launch_tiles_fastest,
 )
+from .walks import KernelWalks, kernel_walks
 
 
 def _ring(
@@ -354,6 +352,7 @@ def flash_attention_mosaic_bwd(
     config: KernelConfig,
     interpret: Any = None,
     dlse: jax.Array | None = None,
+    walks: KernelWalks | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv of masked attention from its residuals (out, natural-log lse), on Hopper.
 
@@ -363,9 +362,12 @@ def flash_attention_mosaic_bwd(
     the warp-specialised dK/dV kernel (dkv_specialized.py), dq_warpgroups=2 the
     warp-specialised dQ kernel (dq_specialized.py). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
-    cotangent (None: zero), folded into delta = rowsum(out * do) - dlse.
+    cotangent (None: zero), folded into delta = rowsum(out * do) - dlse. walks: the arrays'
+    walks.kernel_walks for this call (None: built here).
     """
     _check(q, k, arrays)
+    if walks is None:
+        walks = kernel_walks(q, k, arrays, config=config, interpret=interpret or None)
     kernels = _kernels(q, k, arrays, scale=scale, config=config, interpret=interpret)
     pad = TilePadding.of(arrays)
     pq, pk = pad.padded_q, pad.padded_k
@@ -373,10 +375,9 @@ def flash_attention_mosaic_bwd(
     lse2 = pad_axis(backward_lse(lse.astype(jnp.float32)), 2, pq, jnp.inf)
     qp, dop = pad_axis(q, 1, pq), pad_axis(do.astype(q.dtype), 1, pq)
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
-    lo, hi = padded_intervals(arrays, pad)
-    operands = (qp, kp, vp, dop, lse2, delta, lo, hi)
+    operands = (qp, kp, vp, dop, lse2, delta, walks.lo, walks.hi)
     dkv = dkv_specialized.dkv_call if config.bwd_warpgroups == CONSUMER_WARPGROUPS else _dkv_call
-    grads = dkv(operands, key_tile_walk(arrays, pad), kernels[0], interpret)
+    grads = dkv(operands, walks.key_walk, kernels[0], interpret)
     if kernels[0].fused:
         dk, dv, dq = grads
         dq = (dq * kernels[0].scale).astype(q.dtype)
@@ -385,7 +386,7 @@ def flash_attention_mosaic_bwd(
         dq_call = (
             dq_specialized.dq_call if config.dq_warpgroups == CONSUMER_WARPGROUPS else _dq_call
         )
-        dq = dq_call(operands, query_tile_walk(arrays, pad), kernels[1], interpret)
+        dq = dq_call(operands, walks.query_walk, kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 

@@ -525,6 +525,60 @@ def _kernel(
     )
 
 
+def _geometry(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    intervals: int,
+    config: KernelConfig,
+    interpret: Any,
+) -> Geometry:
+    """The launch geometry of padded q (B,Sq,Hq,D) and k (B,Sk,Hkv,D) shapes."""
+    batch, seq_q, heads_q, head_dim = q_shape
+    geo = Geometry(
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=k_shape[1],
+        heads_q=heads_q,
+        heads_kv=k_shape[2],
+        head_dim=head_dim,
+        intervals=intervals,
+        config=config,
+        in_place_pv=config.in_place_pv and not interpret,
+        overlap=config.fwd_overlap,
+    )
+    if config.persistent_fwd:
+        geo = dataclasses.replace(geo, ctas=min(geo.num_items, _persistent_ctas(interpret)))
+    return geo
+
+
+def _deal(geo: Geometry, index: jax.Array, n_partial: jax.Array, count: jax.Array) -> jax.Array:
+    """The persistent walk's items (deal_items), with item_table's rows under
+    early_scalar_loads."""
+    if count.shape != (geo.num_q_tiles,):
+        raise ValueError(
+            f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
+        )
+    first = walk_starts(geo, index, count) if geo.config.deal_by_walk_start else None
+    items = deal_items(geo, count, first)
+    return item_table(items, count, n_partial) if geo.config.early_scalar_loads else items
+
+
+def dealt_items(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    walk: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    config: KernelConfig,
+    interpret: Any = None,
+) -> jax.Array | None:
+    """The persistent forward's dealt items for padded q and k shapes and the q tiles' walk
+    (index, n_partial, count), to build once per mask and shape (walks.kernel_walks); None
+    without config.persistent_fwd."""
+    if not config.persistent_fwd:
+        return None
+    return _deal(_geometry(q_shape, k_shape, 1, config, interpret), *walk)
+
+
 def forward(
     q: jax.Array,
     k: jax.Array,
@@ -537,6 +591,7 @@ def forward(
     scale: float,
     config: KernelConfig,
     interpret: Any = None,
+    items: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Padded q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,Hq,D), lse (B,Hq,Sq) float32.
 
@@ -544,33 +599,20 @@ def forward(
     interleaved); index/n_partial/count: the q tiles' key-tile lists, partial tiles first.
     interpret: None for the GPU, or InterpretGPUParams to run on CPU (which runs the
     fresh-accumulator P V whatever config.in_place_pv says: run_state is not interpretable).
+    items: the persistent forward's dealt items (dealt_items), dealt here where None.
     """
-    batch, seq_q, heads_q, head_dim = q.shape
-    geo = Geometry(
-        batch=batch,
-        seq_q=seq_q,
-        seq_k=k.shape[1],
-        heads_q=heads_q,
-        heads_kv=k.shape[2],
-        head_dim=head_dim,
-        intervals=bounds.shape[1] // 2,
-        config=config,
-        in_place_pv=config.in_place_pv and not interpret,
-        overlap=config.fwd_overlap,
-    )
-    if config.persistent_fwd:
-        geo = dataclasses.replace(geo, ctas=min(geo.num_items, _persistent_ctas(interpret)))
+    geo = _geometry(q.shape, k.shape, bounds.shape[1] // 2, config, interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, geo=geo, scale=float(scale)),
         out_type=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
+            jax.ShapeDtypeStruct((geo.batch, geo.heads_q, geo.seq_q), jnp.float32),
         ),
         **(
             dict(grid=(geo.ctas,), grid_names=("sm",))
             if geo.persistent
             else grid_axes(
-                ("q", geo.num_q_tiles), heads_q, batch, tiles_fastest=config.tiles_fastest
+                ("q", geo.num_q_tiles), geo.heads_q, geo.batch, tiles_fastest=config.tiles_fastest
             )
         ),
         num_threads=CONSUMER_WARPGROUPS + 1,
@@ -581,12 +623,6 @@ def forward(
     )
     if not geo.persistent:
         return kernel(q, k, v, bounds, index, n_partial, count)
-    if count.shape != (geo.num_q_tiles,):
-        raise ValueError(
-            f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
-        )
-    first = walk_starts(geo, index, count) if config.deal_by_walk_start else None
-    items = deal_items(geo, count, first)
-    if config.early_scalar_loads:
-        items = item_table(items, count, n_partial)
+    if items is None:
+        items = _deal(geo, index, n_partial, count)
     return kernel(q, k, v, bounds, index, n_partial, count, items)
