@@ -4,9 +4,9 @@ Sequences are padded to whole mask tiles; the per-row intervals become (K, padde
 padded rows; each tile list becomes its pass's attn_masks.PassTiles (tiles over the padding
 partial) walked partial tiles first (PassTiles.partial_first); the backward gets delta =
 rowsum(dout * out) - dlse and the LSE in base 2. All of it is jnp, so traced MaskArrays stay
-runtime inputs and a new mask of the same shape reuses the compiled kernels; the Triton wrappers
-build it inside their jitted program, the Mosaic kernels (mosaic_gpu.walks) once per mask where
-the MaskArrays are concrete.
+runtime inputs and a new mask of the same shape reuses the compiled kernels; pallas_triton builds
+it inside its jitted program, mosaic_gpu.mask_operands once per trace where the MaskArrays are
+concrete.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 from jax_attn.mosaic_gpu import forward as mosaic_forward
-from jax_attn.mosaic_gpu.walks import kernel_walks
+from jax_attn.mosaic_gpu.mask_operands import mask_operands
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
@@ -188,10 +188,10 @@ def test_gradients_through_custom_vjp_gqa(name: str) -> None:
 
 
 @interpreted
-def test_walks_of_a_closed_over_mask_leave_the_program() -> None:
-    """A mask closed over by the jitted function (concrete MaskArrays) has its walks and the
-    persistent deal built once, outside the program: no sort left in it; passed as an argument
-    (traced) they are built inside it. Both give the oracle's out, dq, dk and dv."""
+def test_operands_of_a_closed_over_mask_leave_the_program() -> None:
+    """A mask closed over by the jitted function (concrete MaskArrays) has its operands (walks,
+    the persistent deal) built once, outside the program: no sort left in it; passed as an
+    argument (traced) they are built inside it. Both give the oracle's out, dq, dk and dv."""
     config = dataclasses.replace(
         SMALL, persistent_fwd=True, late_q_prefetch=True, early_scalar_loads=True
     )
@@ -275,11 +275,13 @@ def test_forward_smem_count_is_mosaic_gpus() -> None:
         arrays = prepare_mask(masks[(i // 2) % len(masks)], *config.tiles)
         q = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
         static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
-        walks = kernel_walks(q, q, arrays, config=config, interpret=None)
+        operands = mask_operands(q, q, arrays, config=config)
         forward = jax.jit(mosaic_api._attention_jit, static_argnums=4)
         with core.artificial_shared_memory_limit(0):
             with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
-                forward.trace(q, q, q, (arrays, walks), static).lower(lowering_platforms=("cuda",))
+                forward.trace(q, q, q, (arrays, operands), static).lower(
+                    lowering_platforms=("cuda",)
+                )
         asked = re.search(r"smem_bytes=(\d+)", str(refused.value))
         assert asked, str(refused.value)
         intervals = int(arrays.lo.shape[-1])
@@ -372,10 +374,10 @@ def test_forward_and_backward_lower_for_hopper(
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
     static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
-    walks = kernel_walks(q, k, arrays, config=config, interpret=None)
+    operands = mask_operands(q, k, arrays, config=config)
 
     def loss(q, k, v):
-        out = mosaic_api._attention_jit(q, k, v, (arrays, walks), static)[0]
+        out = mosaic_api._attention_jit(q, k, v, (arrays, operands), static)[0]
         return out.astype(jnp.float32).sum()
 
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k)

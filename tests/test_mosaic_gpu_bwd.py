@@ -119,6 +119,14 @@ def test_gradients(name: str, interpret) -> None:
     _check(case.pop("mask"), KernelConfig(), interpret, **case)
 
 
+def test_backward_of_a_persistent_config_on_other_tiles(interpret) -> None:
+    """The backward walks mask tiles its sub-tiles divide, whatever the forward's: with a
+    persistent-forward config (whose forward deals 128-row tiles) 64 x 64 tiles give the
+    oracle's gradients, the backward dealing no forward items."""
+    case = dict(CASES["causal_document_gqa"])
+    _check(case.pop("mask"), KernelConfig(persistent_fwd=True), interpret, **case)
+
+
 FUSED_CASES = ("causal_gqa_ragged_fp16", "gaps_sq_ne_sk")
 
 

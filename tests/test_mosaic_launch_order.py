@@ -18,7 +18,7 @@ from jax_attn.mosaic_gpu.config import (
     grid_axes,
     launch_tiles_fastest,
 )
-from jax_attn.mosaic_gpu.walks import kernel_walks
+from jax_attn.mosaic_gpu.mask_operands import mask_operands
 
 EVEN = ("full", "causal", "sliding_window", "sliding_window_causal", "prefix_lm_causal")
 UNEVEN = ("causal_document", "share_question", "causal_blockwise", "prefix_lm_document")
@@ -116,9 +116,9 @@ def test_both_kernels_launch_in_the_order_the_rule_picks(
 
     monkeypatch.setattr(mosaic_api, "forward", forward)
     static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
+    operands = mask_operands(q, k, arrays, config=config)
     with pytest.raises(RuntimeError, match="stop before the launch"):
-        walks = kernel_walks(q, k, arrays, config=config, interpret=None)
-        mosaic_api._forward_padded(q, k, k, (arrays, walks), static)
+        mosaic_api._forward_padded(q, k, k, (arrays, operands), static)
     assert seen == [tiles_fastest]
 
 

@@ -17,7 +17,7 @@ from .backward import flash_attention_mosaic_bwd
 from .config import CONSUMER_WARPGROUPS, KernelConfig, default_config, launch_tiles_fastest
 from .forward import forward
 from .interpret import interpret_params
-from .walks import kernel_walks
+from .mask_operands import MaskOperands, mask_operands
 
 INTERPRET_MIN_CPU_DEVICES = 4  # the CPU client's thread pool grows with the device count
 
@@ -40,11 +40,15 @@ class _Static:
 
 
 def _forward_padded(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: tuple, static: _Static
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    inputs: tuple[MaskArrays, MaskOperands],
+    static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(out (B,Sq,Hq,D), lse (B,Hq,Sq), lse again: the backward takes it unpadded) of the
-    kernel on inputs padded to whole tiles; mask: (MaskArrays, their KernelWalks)."""
-    arrays, walks = mask
+    kernel on inputs padded to whole tiles; inputs: the mask arrays and their operands."""
+    arrays, operands = inputs
     order = launch_tiles_fastest(
         static.config, group=q.shape[2] // k.shape[2], uneven_walks=arrays.uneven_walks
     )
@@ -54,12 +58,12 @@ def _forward_padded(
         pad_axis(q, 1, pad.padded_q),
         pad_axis(k, 1, pad.padded_k),
         pad_axis(v, 1, pad.padded_k),
-        walks.bounds,
-        *walks.query_walk,
+        operands.bounds,
+        *operands.query_walk,
         scale=static.scale,
         config=cfg,
         interpret=static.interpret or None,
-        items=walks.items,
+        items=operands.items,
     )
     lse = lse[:, :, : pad.seq_q]
     return out[:, : pad.seq_q], lse, lse
@@ -69,7 +73,7 @@ def _backward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: tuple,
+    inputs: tuple[MaskArrays, MaskOperands],
     out: jax.Array,
     lse: jax.Array,
     d_out: jax.Array,
@@ -77,7 +81,7 @@ def _backward(
     static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients from the residuals by the Mosaic backward kernels (the LSE's cotangent too)."""
-    arrays, walks = mask
+    arrays, operands = inputs
     return flash_attention_mosaic_bwd(
         q,
         k,
@@ -90,7 +94,7 @@ def _backward(
         config=static.config,
         interpret=static.interpret or None,
         dlse=d_lse,
-        walks=walks,
+        operands=operands,
     )
 
 
@@ -153,6 +157,6 @@ def flash_attention_mosaic(
     if interpret is True:
         interpret = interpret_params()
     static = _Static(scale=float(scale), config=config, interpret=interpret or False)
-    walks = kernel_walks(q, k, arrays, config=config, interpret=interpret or None)
-    out, lse = _attention_jit(q, k, v, (arrays, walks), static)
+    operands = mask_operands(q, k, arrays, config=config)
+    out, lse = _attention_jit(q, k, v, (arrays, operands), static)
     return (out, lse) if return_lse else out

@@ -63,7 +63,7 @@ from .config import (
     dkv_head_split,
     launch_tiles_fastest,
 )
-from .walks import KernelWalks, kernel_walks
+from .mask_operands import MaskOperands, mask_operands
 
 
 def _ring(
@@ -352,7 +352,7 @@ def flash_attention_mosaic_bwd(
     config: KernelConfig,
     interpret: Any = None,
     dlse: jax.Array | None = None,
-    walks: KernelWalks | None = None,
+    operands: MaskOperands | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv of masked attention from its residuals (out, natural-log lse), on Hopper.
 
@@ -362,12 +362,12 @@ def flash_attention_mosaic_bwd(
     the warp-specialised dK/dV kernel (dkv_specialized.py), dq_warpgroups=2 the
     warp-specialised dQ kernel (dq_specialized.py). interpret: an
     InterpretGPUParams to run on the CPU (None or False: the GPU). dlse (B, Hq, Sq): the LSE's
-    cotangent (None: zero), folded into delta = rowsum(out * do) - dlse. walks: the arrays'
-    walks.kernel_walks for this call (None: built here).
+    cotangent (None: zero), folded into delta = rowsum(out * do) - dlse. operands: the
+    arrays' mask_operands for this call (None: built here).
     """
     _check(q, k, arrays)
-    if walks is None:
-        walks = kernel_walks(q, k, arrays, config=config, interpret=interpret or None)
+    if operands is None:
+        operands = mask_operands(q, k, arrays, config=config, deal=False)
     kernels = _kernels(q, k, arrays, scale=scale, config=config, interpret=interpret)
     pad = TilePadding.of(arrays)
     pq, pk = pad.padded_q, pad.padded_k
@@ -375,9 +375,9 @@ def flash_attention_mosaic_bwd(
     lse2 = pad_axis(backward_lse(lse.astype(jnp.float32)), 2, pq, jnp.inf)
     qp, dop = pad_axis(q, 1, pq), pad_axis(do.astype(q.dtype), 1, pq)
     kp, vp = pad_axis(k, 1, pk), pad_axis(v, 1, pk)
-    operands = (qp, kp, vp, dop, lse2, delta, walks.lo, walks.hi)
+    padded = (qp, kp, vp, dop, lse2, delta, operands.lo, operands.hi)
     dkv = dkv_specialized.dkv_call if config.bwd_warpgroups == CONSUMER_WARPGROUPS else _dkv_call
-    grads = dkv(operands, walks.key_walk, kernels[0], interpret)
+    grads = dkv(padded, operands.key_walk, kernels[0], interpret)
     if kernels[0].fused:
         dk, dv, dq = grads
         dq = (dq * kernels[0].scale).astype(q.dtype)
@@ -386,7 +386,7 @@ def flash_attention_mosaic_bwd(
         dq_call = (
             dq_specialized.dq_call if config.dq_warpgroups == CONSUMER_WARPGROUPS else _dq_call
         )
-        dq = dq_call(operands, walks.query_walk, kernels[1], interpret)
+        dq = dq_call(padded, operands.query_walk, kernels[1], interpret)
     return dq[:, : pad.seq_q], dk[:, : pad.seq_k], dv[:, : pad.seq_k]
 
 

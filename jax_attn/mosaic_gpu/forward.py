@@ -526,15 +526,12 @@ def _kernel(
 
 
 def _geometry(
-    q_shape: tuple[int, ...],
-    k_shape: tuple[int, ...],
-    intervals: int,
-    config: KernelConfig,
-    interpret: Any,
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], intervals: int, config: KernelConfig
 ) -> Geometry:
-    """The launch geometry of padded q (B,Sq,Hq,D) and k (B,Sk,Hkv,D) shapes."""
+    """The static sizes of padded q (B,Sq,Hq,D) and k (B,Sk,Hkv,D) shapes, before forward
+    chooses the persistent CTAs and the P V form for the GPU or the interpreter."""
     batch, seq_q, heads_q, head_dim = q_shape
-    geo = Geometry(
+    return Geometry(
         batch=batch,
         seq_q=seq_q,
         seq_k=k_shape[1],
@@ -543,24 +540,8 @@ def _geometry(
         head_dim=head_dim,
         intervals=intervals,
         config=config,
-        in_place_pv=config.in_place_pv and not interpret,
         overlap=config.fwd_overlap,
     )
-    if config.persistent_fwd:
-        geo = dataclasses.replace(geo, ctas=min(geo.num_items, _persistent_ctas(interpret)))
-    return geo
-
-
-def _deal(geo: Geometry, index: jax.Array, n_partial: jax.Array, count: jax.Array) -> jax.Array:
-    """The persistent walk's items (deal_items), with item_table's rows under
-    early_scalar_loads."""
-    if count.shape != (geo.num_q_tiles,):
-        raise ValueError(
-            f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
-        )
-    first = walk_starts(geo, index, count) if geo.config.deal_by_walk_start else None
-    items = deal_items(geo, count, first)
-    return item_table(items, count, n_partial) if geo.config.early_scalar_loads else items
 
 
 def dealt_items(
@@ -568,15 +549,24 @@ def dealt_items(
     k_shape: tuple[int, ...],
     walk: tuple[jax.Array, jax.Array, jax.Array],
     *,
+    intervals: int,
     config: KernelConfig,
-    interpret: Any = None,
 ) -> jax.Array | None:
-    """The persistent forward's dealt items for padded q and k shapes and the q tiles' walk
-    (index, n_partial, count), to build once per mask and shape (walks.kernel_walks); None
-    without config.persistent_fwd."""
+    """The persistent forward's items (deal_items, with item_table's rows under
+    early_scalar_loads) for padded q and k shapes, rows of `intervals` key intervals and the q
+    tiles' walk (index, n_partial, count); None without config.persistent_fwd. Built once per
+    mask and shape (mask_operands), not per call."""
     if not config.persistent_fwd:
         return None
-    return _deal(_geometry(q_shape, k_shape, 1, config, interpret), *walk)
+    geo = _geometry(q_shape, k_shape, intervals, config)
+    index, n_partial, count = walk
+    if count.shape != (geo.num_q_tiles,):
+        raise ValueError(
+            f"count has shape {count.shape}; expected ({geo.num_q_tiles},), one per q tile"
+        )
+    first = walk_starts(geo, index, count) if config.deal_by_walk_start else None
+    items = deal_items(geo, count, first)
+    return item_table(items, count, n_partial) if config.early_scalar_loads else items
 
 
 def forward(
@@ -599,9 +589,14 @@ def forward(
     interleaved); index/n_partial/count: the q tiles' key-tile lists, partial tiles first.
     interpret: None for the GPU, or InterpretGPUParams to run on CPU (which runs the
     fresh-accumulator P V whatever config.in_place_pv says: run_state is not interpretable).
-    items: the persistent forward's dealt items (dealt_items), dealt here where None.
+    items: the persistent forward's dealt items (dealt_items; the persistent forward only).
     """
-    geo = _geometry(q.shape, k.shape, bounds.shape[1] // 2, config, interpret)
+    geo = dataclasses.replace(
+        _geometry(q.shape, k.shape, bounds.shape[1] // 2, config),
+        in_place_pv=config.in_place_pv and not interpret,
+    )
+    if config.persistent_fwd:
+        geo = dataclasses.replace(geo, ctas=min(geo.num_items, _persistent_ctas(interpret)))
     kernel = plgpu.kernel(
         functools.partial(_kernel, geo=geo, scale=float(scale)),
         out_type=(
@@ -624,5 +619,5 @@ def forward(
     if not geo.persistent:
         return kernel(q, k, v, bounds, index, n_partial, count)
     if items is None:
-        items = _deal(geo, index, n_partial, count)
+        raise ValueError("the persistent forward walks dealt items: pass items=dealt_items(...)")
     return kernel(q, k, v, bounds, index, n_partial, count, items)
