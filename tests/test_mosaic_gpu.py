@@ -19,6 +19,7 @@ from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 from jax_attn.mosaic_gpu import forward as mosaic_forward
+from jax_attn.mosaic_gpu import mask_operands as mosaic_operands
 from jax_attn.mosaic_gpu.mask_operands import mask_operands
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
@@ -223,6 +224,32 @@ def test_operands_of_a_closed_over_mask_leave_the_program() -> None:
             assert np.isfinite(g).all(), name
             err = np.linalg.norm(g - want) / np.linalg.norm(want)
             assert err < TOL[jnp.bfloat16], f"{name}: relative error {err:.2e}"
+
+
+def test_operands_of_large_closed_over_masks_stay_in_the_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mask arrays above mask_operands.CONSTANT_BYTES, closed over or not, have their operands
+    built in the caller's program (its constants would be as large again): the deal's sort
+    stays in the lowered program, and the value is the same as built once."""
+    config = dataclasses.replace(SMALL, persistent_fwd=True)
+    arrays = prepare_mask(make_mask("causal_document", 320, seed=5), *config.tiles)
+    q = jnp.zeros((1, 320, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 320, 2, 64), jnp.bfloat16)
+    size = sum(x.nbytes for x in jax.tree.leaves(arrays))
+
+    def lowered() -> str:  # a new function each time: no trace cached from another limit
+        build = jax.jit(lambda q, k: mask_operands(q, k, arrays, config=config))
+        return build.lower(q, k).as_text()
+
+    once = mask_operands(q, k, arrays, config=config)
+    monkeypatch.setattr(mosaic_operands, "CONSTANT_BYTES", size)
+    assert "stablehlo.sort" not in lowered()
+    monkeypatch.setattr(mosaic_operands, "CONSTANT_BYTES", size - 1)
+    assert "stablehlo.sort" in lowered()
+    built = jax.jit(lambda q, k: mask_operands(q, k, arrays, config=config))(q, k)
+    for got, want in zip(jax.tree.leaves(built), jax.tree.leaves(once)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_config_validation_names_value_and_range() -> None:
