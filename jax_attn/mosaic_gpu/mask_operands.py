@@ -29,8 +29,9 @@ from .forward import dealt_items
 # Mask arrays larger than this have their operands built in the caller's program, not as its
 # constants: the operands are about as large again (both walks, the bounds), and at such lengths
 # (causal and full masks in 128x128 tiles from about 320K tokens: 42 MiB at 256K, 93 MiB at
-# 384K) the kernel's work grows with the square of the tiles and the operands' build about with
-# the tiles, so building them in every call costs relatively less (not measured there).
+# 384K) their build, which grows with the listed tiles (walks) and the q tiles times the heads
+# (deal), is small beside the kernel's work, which grows with the listed tiles times the heads
+# (reasoned from the sizes, not measured there).
 CONSTANT_BYTES = 64 * 2**20
 
 
