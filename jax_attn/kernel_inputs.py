@@ -5,12 +5,13 @@ padded rows; each tile list becomes its pass's attn_masks.PassTiles (tiles over 
 partial) walked partial tiles first (PassTiles.partial_first); the backward gets delta =
 rowsum(dout * out) - dlse and the LSE in base 2. All of it is jnp, so traced MaskArrays stay
 runtime inputs and a new mask of the same shape reuses the compiled kernels; pallas_triton builds
-it inside its jitted program, mosaic_gpu.mask_operands once per trace where the MaskArrays are
-concrete.
+it inside its jitted program, mosaic_gpu.mask_operands under once_per_mask: once per trace
+where the MaskArrays are concrete and small.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,26 @@ from .mask_arrays import MaskArrays
 
 LOG2E = math.log2(math.e)  # the kernels compute exponentials in base 2
 LN2 = math.log(2.0)
+# Mask arrays larger than this have their kernel inputs built in the caller's program, not as
+# its constants: the inputs are about as large again (walks, bounds), and at such lengths
+# (causal and full masks in 128x128 tiles from about 320K tokens: 42 MiB at 256K, 93 MiB at
+# 384K) their build, which grows with the listed tiles (walks) and the q tiles times the heads
+# (a persistent deal), is small beside the kernel's work, which grows with the listed tiles
+# times the heads (reasoned from the sizes, not measured there).
+CONSTANT_BYTES = 64 * 2**20
+
+
+def once_per_mask(arrays: MaskArrays) -> contextlib.AbstractContextManager:
+    """The context to build a call's inputs from `arrays` in: jax.ensure_compile_time_eval where
+    they are concrete and at most CONSTANT_BYTES (a mask closed over by the jitted caller: built
+    once, when it is traced, as constants of its program), else none (traced arrays are runtime
+    inputs, built in the caller's program, so a new mask of the same shape reuses it)."""
+    leaves = jax.tree.leaves(arrays)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return contextlib.nullcontext()
+    if sum(x.nbytes for x in leaves) > CONSTANT_BYTES:
+        return contextlib.nullcontext()
+    return jax.ensure_compile_time_eval()
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value: float = 0.0) -> jax.Array:

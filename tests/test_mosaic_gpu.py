@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from attn_masks import MaskType, from_slices, make_mask, random_slices, reference_attention
+from jax_attn import kernel_inputs
 from jax_attn.adapters.common import make_request
 from jax_attn.adapters.mosaic import MOSAIC
 from jax_attn.mask_arrays import MaskArrays, prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import KernelConfig, flash_attention_mosaic
 from jax_attn.mosaic_gpu import api as mosaic_api
 from jax_attn.mosaic_gpu import forward as mosaic_forward
-from jax_attn.mosaic_gpu import mask_operands as mosaic_operands
 from jax_attn.mosaic_gpu.mask_operands import mask_operands
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
@@ -229,7 +229,7 @@ def test_operands_of_a_closed_over_mask_leave_the_program() -> None:
 def test_operands_of_large_closed_over_masks_stay_in_the_program(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Mask arrays above mask_operands.CONSTANT_BYTES, closed over or not, have their operands
+    """Mask arrays above kernel_inputs.CONSTANT_BYTES, closed over or not, have their operands
     built in the caller's program (its constants would be as large again): the deal's sort
     stays in the lowered program, and the value is the same as built once."""
     config = dataclasses.replace(SMALL, persistent_fwd=True)
@@ -238,16 +238,15 @@ def test_operands_of_large_closed_over_masks_stay_in_the_program(
     k = jnp.zeros((1, 320, 2, 64), jnp.bfloat16)
     size = sum(x.nbytes for x in jax.tree.leaves(arrays))
 
-    def lowered() -> str:  # a new function each time: no trace cached from another limit
-        build = jax.jit(lambda q, k: mask_operands(q, k, arrays, config=config))
-        return build.lower(q, k).as_text()
+    def build():  # a new function each time: no trace cached from another limit
+        return jax.jit(lambda q, k: mask_operands(q, k, arrays, config=config))
 
     once = mask_operands(q, k, arrays, config=config)
-    monkeypatch.setattr(mosaic_operands, "CONSTANT_BYTES", size)
-    assert "stablehlo.sort" not in lowered()
-    monkeypatch.setattr(mosaic_operands, "CONSTANT_BYTES", size - 1)
-    assert "stablehlo.sort" in lowered()
-    built = jax.jit(lambda q, k: mask_operands(q, k, arrays, config=config))(q, k)
+    monkeypatch.setattr(kernel_inputs, "CONSTANT_BYTES", size)
+    assert "stablehlo.sort" not in build().lower(q, k).as_text()
+    monkeypatch.setattr(kernel_inputs, "CONSTANT_BYTES", size - 1)
+    assert "stablehlo.sort" in build().lower(q, k).as_text()
+    built = build()(q, k)
     for got, want in zip(jax.tree.leaves(built), jax.tree.leaves(once)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

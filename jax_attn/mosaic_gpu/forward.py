@@ -407,7 +407,6 @@ def _kernel(
                     """Item `local` of this CTA's walk; carry: its first ring step and, with
                     early_scalar_loads, its table row, loaded one item ahead."""
                     base, item = carry
-                    flat = _snake(geo, cta, local)  # read here unless the carry holds its row
                     b = lax.rem(local, 2)
                     following = ()
                     if cfg.early_scalar_loads:
@@ -426,8 +425,8 @@ def _kernel(
 
                     if not cfg.late_q_prefetch:
                         prefetch()
-                    if not cfg.early_scalar_loads:
-                        item = _item(items_ref, flat)
+                    if not cfg.early_scalar_loads:  # else the carry holds its row
+                        item = _item(items_ref, _snake(geo, cta, local))
                     after_partial = prefetch if cfg.late_q_prefetch else None
                     run_item(item, b, base, turns=False, after_partial=after_partial)
                     count = item[3] if cfg.early_scalar_loads else count_ref[item[0]]

@@ -7,12 +7,11 @@ a jitted function, as the driver's calls hold theirs) once, under jax.ensure_com
 when that function is traced, so they enter its program as constants, as FlexAttention's
 BlockMask or splash attention's MaskInfo are built once per mask; from traced MaskArrays
 (runtime inputs, so a new mask of the same shape reuses the compiled program), or concrete ones
-above CONSTANT_BYTES, inside the caller's program.
+above kernel_inputs.CONSTANT_BYTES, inside the caller's program (kernel_inputs.once_per_mask).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -21,18 +20,16 @@ import jax.numpy as jnp
 
 from attn_masks import PartialFirst
 
-from ..kernel_inputs import TilePadding, key_tile_walk, padded_intervals, query_tile_walk
+from ..kernel_inputs import (
+    TilePadding,
+    key_tile_walk,
+    once_per_mask,
+    padded_intervals,
+    query_tile_walk,
+)
 from ..mask_arrays import MaskArrays
 from .config import KernelConfig
 from .forward import dealt_items
-
-# Mask arrays larger than this have their operands built in the caller's program, not as its
-# constants: the operands are about as large again (both walks, the bounds), and at such lengths
-# (causal and full masks in 128x128 tiles from about 320K tokens: 42 MiB at 256K, 93 MiB at
-# 384K) their build, which grows with the listed tiles (walks) and the q tiles times the heads
-# (deal), is small beside the kernel's work, which grows with the listed tiles times the heads
-# (reasoned from the sizes, not measured there).
-CONSTANT_BYTES = 64 * 2**20
 
 
 @functools.partial(
@@ -95,11 +92,8 @@ def mask_operands(
     q: jax.Array, k: jax.Array, arrays: MaskArrays, *, config: KernelConfig, deal: bool = True
 ) -> MaskOperands:
     """The kernels' operands of `arrays` for a call on q (B,Sq,Hq,D) and k (B,Sk,Hkv,D) with
-    `config`: computed now where the arrays are concrete (and at most CONSTANT_BYTES), else
-    traced into the caller's program. deal: also deal the persistent forward's items (the
-    backward alone reads none, and takes mask tiles other than the forward's)."""
-    leaves = jax.tree.leaves(arrays)
-    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-    once = not traced and sum(x.nbytes for x in leaves) <= CONSTANT_BYTES
-    with jax.ensure_compile_time_eval() if once else contextlib.nullcontext():
+    `config`: computed now where the arrays are concrete and small, else traced into the
+    caller's program (kernel_inputs.once_per_mask). deal: also deal the persistent forward's
+    items (the backward alone reads none, and takes mask tiles other than the forward's)."""
+    with once_per_mask(arrays):
         return _build(arrays, q_shape=q.shape, k_shape=k.shape, config=config, deal=deal)
