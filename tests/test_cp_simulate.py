@@ -1364,18 +1364,19 @@ def test_a_forward_point_takes_the_outs_of_its_forward_and_backward_point(
     points = {m: _point(strategy, n, m, sim.LinkModel(), seqlen=seqlen) for m in ("fwd_bwd", "fwd")}
 
     def after_forward_and_backward() -> tuple[cp_simulate.CPSimulator, dict]:
-        simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        # no compile threads: each point checks at its own turn, not at its problem's first
+        simulator = cp_simulate.CPSimulator(runner, JaxRanks, compile_threads=0)
         simulator.expect(list(points.values()))
         assert simulator.run(points["fwd_bwd"])["check"]["ok"]
-        (store,) = simulator._forwards.values()
+        (store,) = simulator._problem.forwards.values()
         return simulator, store
 
     simulator, store = after_forward_and_backward()
     checked = emulations.count("fwd_bwd")
     assert checked >= (1 if rows else n) and len(store) == (checked if shared else 0)
-    (mask,) = simulator._masks
+    (mask,) = simulator._problem.masks
     impl = JaxRanks.resolve_impl(points["fwd"], runner)
-    plan = simulator._plans_of(points["fwd"], 0, impl)[1]
+    plan = simulator._plans_of(simulator._problem, points["fwd"], 0, impl)[1]
     own = JaxRanks(plan, impl, points["fwd"], 0, runner)  # no store: its own emulations
     for (r, u, rows_taken), out in store.items():
         taken = None if rows_taken is None else np.frombuffer(rows_taken, np.int64)
@@ -1415,11 +1416,13 @@ def test_outs_are_kept_only_for_a_forward_point_of_the_same_plan_and_inputs(monk
     wider = dataclasses.replace(forward, batch=2)
     for expected, kept_bytes in (([both], 1 << 30), ([both, forward], 0), ([both, wider], 1 << 30)):
         monkeypatch.setattr(cp_ranks, "FORWARD_KEPT_BYTES", kept_bytes)
-        simulator = cp_simulate.CPSimulator(runner, JaxRanks)
+        # no compile threads: each point checks at its own turn, not at its problem's first
+        simulator = cp_simulate.CPSimulator(runner, JaxRanks, compile_threads=0)
         simulator.expect(expected)
         emulations.clear()
         assert simulator.run(both)["check"]["ok"] and emulations
-        assert not any(simulator._forwards.values())  # no out kept (a forward point's own store)
+        # no out kept (a forward point's own store)
+        assert not any(simulator._problem.forwards.values())
     emulations.clear()
     result = simulator.run(wider)
     assert result["check"]["ok"] and emulations
@@ -1450,10 +1453,10 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
             runner.expect(points)
         results = [runner.run(points[0])]
         ahead = expect and threads > 0
-        assert len(runner.simulator._ready) == (len(points) - 1 if ahead else 0)
+        assert len(runner.simulator._problem.ready) == (len(points) - 1 if ahead else 0)
         caplog.clear()
         results += [runner.run(p) for p in points[1:]]
-        assert all(r["check"]["ok"] for r in results) and not runner.simulator._ready
+        assert all(r["check"]["ok"] for r in results) and not runner.simulator._problem.ready
         return [
             m
             for m in (r.getMessage() for r in caplog.records)

@@ -189,6 +189,11 @@ class Ranks(ABC):
         without the host drawing anything."""
 
     @abstractmethod
+    def drop_arrays(self) -> None:
+        """Drop the device arrays a check left cached here, so a point checked ahead of its
+        turn holds none while other points run (CPSimulator._check_ahead)."""
+
+    @abstractmethod
     def to_host(self, x) -> np.ndarray:
         """A float32 numpy copy of a device array."""
 

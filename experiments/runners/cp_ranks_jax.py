@@ -491,6 +491,11 @@ class JaxRanks(Ranks):
                           self.dtype, out_dtype)  # fmt: skip
         return rows, len(heads)
 
+    def drop_arrays(self) -> None:
+        """The check's row pieces and zero accumulators (row_piece, _zeros)."""
+        self._row_pieces.clear()
+        self._zero_arrays.clear()
+
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float32))
 

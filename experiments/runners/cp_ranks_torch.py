@@ -86,6 +86,9 @@ class TorchRanks(Ranks):
             out[:, torch.as_tensor(sel, device=self.device)] = drawn[:, local][:, :, heads]
         return out
 
+    def drop_arrays(self) -> None:
+        """Nothing to drop: these ranks keep no device arrays between their calls."""
+
     def to_host(self, x) -> np.ndarray:
         return _f32(x)
 

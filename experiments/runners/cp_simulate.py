@@ -211,6 +211,32 @@ class Prepared(NamedTuple):
     classes: CallClasses
 
 
+class Checked(NamedTuple):
+    """A mask's check of a point (check_ranks): its result, the global ranks checked and its
+    seconds in the ranks' emulation and in the rest (the float64 reference, the comparison)."""
+
+    check: checks.CheckResult
+    ranks: list[int]
+    emulate_s: float
+    reference_s: float
+
+
+@dataclasses.dataclass
+class Problem:
+    """One problem's masks (_problem_of: mask, length, draws) and what its points share: the
+    executor's plans of both modes, the forward outs its forward points take (_forward_store),
+    and by (point key, mask index) the points made ready ahead and the checks run ahead (each
+    a Checked or the exception it raised, for the point's own turn)."""
+
+    key: tuple
+    masks: list
+    plans: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+    forwards: dict[tuple, dict] = dataclasses.field(default_factory=dict)
+    ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
+    checked: dict[tuple, Checked | Exception] = dataclasses.field(default_factory=dict)
+    started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
+
+
 class CPSimulator:
     """Runs simulated points for a framework's runner (its device, inputs and kernel points)
     with that framework's Ranks."""
@@ -237,11 +263,10 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
+        self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
         self._ran: set[tuple] = set()  # classes of calls timed, so their programs have run
         self._expected: list[Point] = []  # the points of the run, in order (expect)
         self._position: dict[str, int] = {}  # a point's index in _expected
-        self._looked_ahead: set[int] = set()  # mask indices of this problem looked ahead for
-        self._ready: dict[tuple, Prepared] = {}  # (point key, mask index) -> made ahead
         self._calibrated: dict[tuple, dict] = {}  # per class: features of its calibration calls
         self._held_out: dict[tuple, dict] = {}  # per class: features of its held-out calls
         self._idle_stats: dict[tuple, dict] = {}  # per class: its calls without tiles' (_idle)
@@ -260,18 +285,16 @@ class CPSimulator:
         self._timed_log: list[dict] = []
         self._class_kinds: dict[tuple, tuple] = {}  # the current mask's kind of each class
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
-        # the current problem's masks and plans, which its points in both modes share
-        self._problem: tuple | None = None
-        self._masks: list = []
-        self._plans: dict[tuple, tuple] = {}
-        self._forwards: dict[tuple, dict] = {}  # per plan and inputs (_forward_store)
+        self._problem: Problem | None = None  # the current problem
+        self._next: Problem | None = None  # the next one, made ready ahead (_compile_next)
 
     def expect(
         self, points: list[Point], recorded: Iterable[dict] = (), framework: str = ""
     ) -> None:
         """The points this simulator will be given, in order: a problem's first point then
         compiles the new step programs of the points right after it of the same problem (its
-        other strategies, layouts and modes) side by side with its own. `recorded`: the run's
+        other strategies, layouts and modes) side by side with its own, runs their checks, and
+        meanwhile compiles the next problem's (_run_mask). `recorded`: the run's
         records so far, whose single-device baselines a resumed run takes instead of running
         them again (recorded_baselines), and whose calls `framework` timed in a process like
         this one (recorded_calls) it times no more (_restore)."""
@@ -361,31 +384,32 @@ class CPSimulator:
 
     def _problem_masks(self, point: Point) -> list:
         """The point's masks, drawn once per problem (mask, length, draws), so the points of
-        every strategy, layout and mode of one problem share their plans (_plans)."""
-        problem = self._problem_of(point)
-        if problem != self._problem:
-            self._problem, self._masks, self._plans = problem, frameworks.make_masks(point), {}
-            self._forwards = {}
-            self._ready, self._looked_ahead = {}, set()
-        return self._masks
+        every strategy, layout and mode of one problem share their plans (Problem.plans); the
+        problem made ready ahead where it is the next one (_compile_next)."""
+        key = self._problem_of(point)
+        if self._problem is None or key != self._problem.key:
+            ahead = self._next if self._next is not None and self._next.key == key else None
+            self._problem = ahead or Problem(key, frameworks.make_masks(point))
+            self._next = None
+        return self._problem.masks
 
     @staticmethod
     def _plan_key(point: Point, index: int, impl: str) -> tuple:
         """What the plans of mask `index` of the current problem depend on (not the mode)."""
         return (index, impl, point.dtype, *sorted(plan_settings(point).items()))
 
-    def _plans_of(self, point: Point, index: int, impl: str) -> tuple:
+    def _plans_of(self, problem: Problem, point: Point, index: int, impl: str) -> tuple:
         """(the executor's plan, the plan its ranks are timed with) of mask `index` of the
-        current problem: built once for both modes (a 64-device plan takes seconds)."""
+        problem: built once for both modes (a 64-device plan takes seconds)."""
         settings = self._plan_key(point, index, impl)
-        if settings not in self._plans:
-            mask = self._masks[index]
+        if settings not in problem.plans:
+            mask = problem.masks[index]
             try:
                 plan = self.ranks.executor_plan(point, mask, impl)
             except ValueError as e:
                 raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
-            self._plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
-        return self._plans[settings]
+            problem.plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
+        return problem.plans[settings]
 
     def _call_classes(self, ranks: Ranks, sched, point: Point) -> CallClasses:
         """Every (phase, ring rank) call of the schedule, keyed, and grouped in classes (kind
@@ -417,11 +441,12 @@ class CPSimulator:
                 out.uses.append((p, r, key))
         return out
 
-    def _prepare(self, point: Point, index: int, impl: str) -> Prepared:
-        """The point's plan for mask `index`, its schedule, ranks and classes of calls."""
+    def _prepare(self, problem: Problem, point: Point, index: int, impl: str) -> Prepared:
+        """The point's plan for mask `index` of its problem, its schedule, ranks and classes
+        of calls."""
         from shard_strategies import simulate
 
-        plan, timed_plan = self._plans_of(point, index, impl)
+        plan, timed_plan = self._plans_of(problem, point, index, impl)
         sched = simulate.schedule(
             plan,
             point.mode,
@@ -430,10 +455,10 @@ class CPSimulator:
             entry=ENTRY[point.framework],
         )
         ranks = self.ranks(timed_plan, impl, point, index, self.runner)
-        ranks.forwards = self._forward_store(point, index, impl)
+        ranks.forwards = self._forward_store(problem, point, index, impl)
         return Prepared(plan, sched, ranks, self._call_classes(ranks, sched, point))
 
-    def _forward_store(self, point: Point, index: int, impl: str) -> dict | None:
+    def _forward_store(self, problem: Problem, point: Point, index: int, impl: str) -> dict | None:
         """Ranks.forwards of the point's plan and inputs: for a forward point, and for another
         mode only where an expected forward point of the same plan and inputs follows it in
         this problem, so nothing is kept that no point takes."""
@@ -444,7 +469,7 @@ class CPSimulator:
             for q in self._problem_after(point)
         ):
             return None
-        return self._forwards.setdefault(key, {})
+        return problem.forwards.setdefault(key, {})
 
     def _store_key(self, point: Point, index: int, impl: str) -> tuple:
         """What an emulation's out depends on besides the rank and rows: the inputs (shapes,
@@ -454,43 +479,60 @@ class CPSimulator:
     def _problem_after(self, point: Point) -> list[Point]:
         """The expected points right after `point` of its problem (none where not expected)."""
         start = self._position.get(point.key)
+        return self._same_problem(start + 1) if start is not None else []
+
+    def _next_problem(self, point: Point) -> list[Point]:
+        """The expected points of the problem after `point`'s (none where not expected)."""
+        start = self._position.get(point.key)
+        if start is None:
+            return []
+        return self._same_problem(start + 1 + len(self._problem_after(point)))
+
+    def _same_problem(self, start: int) -> list[Point]:
+        """The expected points from position `start` on while they share its problem."""
         after = []
-        for q in self._expected[start + 1 :] if start is not None else ():
-            if self._problem_of(q) != self._problem_of(point):
+        for q in self._expected[start:]:
+            if after and self._problem_of(q) != self._problem_of(after[0]):
                 break
             after.append(q)
         return after
 
-    def _peers_prepared(self, point: Point, index: int) -> list[Prepared]:
-        """At a problem's first point: the expected points right after it of the same problem
-        prepared (and kept for their turn), so their step programs compile with this point's;
-        else none, as for ranks that compile nothing ahead. A peer that cannot be prepared
-        is left to fail at its turn, into its own record."""
-        ahead = self.ranks.COMPILES_AHEAD and self.compile_threads > 0
-        if not ahead or index in self._looked_ahead:
-            return []
-        self._looked_ahead.add(index)
-        peers = []
-        for q in self._problem_after(point):
-            try:
-                ready = self._prepare(q, index, self.ranks.resolve_impl(q, self.runner))
-            except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
-                continue
-            self._ready[q.key, index] = ready
-            peers.append(ready)
-        return peers
+    def _compiles_ahead(self) -> bool:
+        """Whether step programs compile before they run, in the compile threads."""
+        return self.ranks.COMPILES_AHEAD and self.compile_threads > 0
 
-    def _precompile(self, ready: Prepared, peers: list[Prepared]) -> None:
-        """Compile one call of each class of this point's and its peers' calls that this
-        process has not compiled yet, before the check and the timed calls run them one by one:
-        each lowered in turn (Ranks.lower_calls; classes that share a program once), then
-        compiled side by side in a pool of threads (XLA compiles outside the GIL). This
-        point's own failures raise; a peer's leave its classes to compile at its turn."""
-        if not self.compile_threads:
-            return
+    def _begins_problem(self, index: int) -> bool:
+        """Whether this point is the first of its problem to run mask `index`, where step
+        programs compile ahead (else never: each point compiles and checks its own)."""
+        first = self._compiles_ahead() and index not in self._problem.started
+        self._problem.started.add(index)
+        return first
+
+    def _made_ready(
+        self, problem: Problem, points: list[Point], index: int
+    ) -> list[tuple[Point, Prepared]]:
+        """The points with mask `index` of `problem` made ready (Problem.ready: made ahead,
+        or now and kept there), but those that cannot be (their turn raises)."""
+        made = []
+        for q in points:
+            key = (q.key, index)
+            if key not in problem.ready:
+                try:
+                    impl = self.ranks.resolve_impl(q, self.runner)
+                    problem.ready[key] = self._prepare(problem, q, index, impl)
+                except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
+                    continue
+            made.append((q, problem.ready[key]))
+        return made
+
+    def _lower(self, preps: list[Prepared]) -> tuple[dict, list[tuple[list, list]]]:
+        """({program: lowered} to compile, [(classes, programs)] of each point that lowered) for
+        the classes of the points' calls not compiled yet: each lowered in turn
+        (Ranks.lower_calls; classes that share a program once). The first point's failure
+        raises; a later one's leaves its classes to compile at its turn."""
         lowered: dict = {}
-        owners: list[tuple[Prepared, list[tuple], list]] = []  # (point, classes, programs)
-        for i, prep in enumerate([ready, *peers]):
+        owners: list[tuple[list, list]] = []
+        for i, prep in enumerate(preps):
             members = prep.classes.members
             fresh = [cls for cls in members if cls not in self._compiled]
             calls = [next(iter(members[cls].values()))[0] for cls in fresh]
@@ -501,16 +543,99 @@ class CPSimulator:
                     raise
                 continue
             lowered.update(new)
-            owners.append((prep, fresh, programs))
+            owners.append((fresh, programs))
+        return lowered, owners
+
+    def _submit(self, lowered: dict) -> dict:
+        """{program: future} of each lowered program compiling in the compile threads (XLA
+        compiles outside the GIL, so they run side by side and beside the device's work)."""
         if not lowered:
-            return
-        with ThreadPoolExecutor(min(len(lowered), self.compile_threads)) as pool:
-            done = {key: pool.submit(low.compile) for key, low in lowered.items()}
-        failed = {key for key, job in done.items() if job.exception() is not None}
-        for prep, fresh, programs in owners:
-            if prep is ready and failed & set(programs):
-                raise done[next(k for k in programs if k in failed)].exception()
+            return {}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
+        return {key: self._pool.submit(low.compile) for key, low in lowered.items()}
+
+    def _settle(self, jobs: dict, owners: list[tuple[list, list]]) -> set:
+        """Wait for the compile jobs; the classes whose programs compiled count as compiled.
+        The programs that failed (left to compile at their classes' turn)."""
+        failed = {key for key, job in jobs.items() if job.exception() is not None}
+        for fresh, programs in owners:
             self._compiled.update(c for c, k in zip(fresh, programs) if k not in failed)
+        return failed
+
+    def _precompile(self, ready: Prepared, peers: list[Prepared]) -> None:
+        """Compile one call of each class of this point's and its peers' calls that this
+        process has not compiled yet, before the check and the timed calls run them one by one:
+        lowered in turn, then compiled side by side in the compile threads (_lower, _submit).
+        This point's own failures raise; a peer's leave its classes to compile at its turn."""
+        if not self.compile_threads:
+            return
+        lowered, owners = self._lower([ready, *peers])
+        jobs = self._submit(lowered)
+        failed = self._settle(jobs, owners)
+        own = set(owners[0][1]) if owners else set()
+        if failed & own:
+            raise jobs[next(k for k in owners[0][1] if k in failed)].exception()
+
+    def _next_ready(self, point: Point, index: int) -> list[Prepared]:
+        """The next problem's points (_next_problem) with their mask `index` made ready, kept
+        in self._next for their turn; none where there is no next problem or it cannot be
+        drawn (its first point draws it again, and raises)."""
+        points = self._next_problem(point)
+        if not points:
+            return []
+        key = self._problem_of(points[0])
+        if self._next is None or self._next.key != key:
+            try:
+                self._next = Problem(key, frameworks.make_masks(points[0]))
+            except Exception:  # noqa: BLE001 - its first point's own error, at its turn
+                return []
+        if index >= len(self._next.masks):
+            return []
+        return [prep for _, prep in self._made_ready(self._next, points, index)]
+
+    def _compile_next(self, preps: list[Prepared]) -> tuple[dict, list]:
+        """(compile jobs, their owners: _settle) of the classes of the next problem's points
+        (_next_ready), lowered now and compiling in the compile threads while this problem's
+        checks run. A failure is left to the point's turn."""
+        try:
+            lowered, owners = self._lower(preps) if preps else ({}, [])
+        except Exception:  # noqa: BLE001 - the point's own turn raises it again
+            return {}, []
+        return self._submit(lowered), owners
+
+    def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
+        """The point's check of mask `index` (check_ranks), run now or taken from the check
+        run ahead at its problem's first point (an error it raised there raises now)."""
+        ahead = self._problem.checked.pop((point.key, index), None)
+        if isinstance(ahead, Exception):
+            raise ahead
+        if ahead is not None:
+            return ahead
+        rtol = checks.tolerance(
+            point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
+        )
+        start = time.perf_counter()
+        known = self._references.of(reference_problem(point, impl, index))
+        check, checked = check_ranks(ranks, point, mask, index, rtol, known)
+        # the rest of the check: the float64 reference (draws, host work) where it outlasts the
+        # ranks' runs beside which it is computed, and the comparison
+        rest = time.perf_counter() - start - ranks.emulate_seconds
+        return Checked(check, checked, ranks.emulate_seconds, rest)
+
+    def _check_ahead(self, peers: list[tuple[Point, Prepared]], index: int) -> None:
+        """The peers' checks of mask `index`, each kept for its turn (Problem.checked) with
+        its ranks' device arrays dropped (Ranks.drop_arrays): untimed device work, while the
+        next problem's programs compile (_run_mask)."""
+        problem = self._problem
+        for q, prep in peers:
+            impl = self.ranks.resolve_impl(q, self.runner)
+            try:
+                done = self._check(q, problem.masks[index], index, impl, prep.ranks)
+            except Exception as e:  # noqa: BLE001 - raised at the peer's turn, into its record
+                done = e
+            prep.ranks.drop_arrays()
+            problem.checked[q.key, index] = done
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
@@ -919,26 +1044,32 @@ class CPSimulator:
 
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
-        ready = self._ready.pop((point.key, index), None)
+        ready = self._problem.ready.pop((point.key, index), None)
         if ready is None:
-            ready = self._prepare(point, index, impl)
-        peers = self._peers_prepared(point, index)  # their plans: this point's plan seconds
+            ready = self._prepare(self._problem, point, index, impl)
+        # at a problem's first point: the points after it of the problem, and those of the next
+        # problem, made ready (their plans: this point's plan seconds)
+        first = self._begins_problem(index)
+        peers = self._made_ready(self._problem, self._problem_after(point), index) if first else []
+        upcoming = self._next_ready(point, index) if first else []
         plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
         wall["plan"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._precompile(ready, peers)
+        self._precompile(ready, [prep for _, prep in peers])
+        jobs, owners = self._compile_next(upcoming)
         wall["compile"] = time.perf_counter() - start
-        rtol = checks.tolerance(
-            point.dtype, on_gpu=self.runner.on_gpu, override=self.runner.rtol_override
-        )
-        start = time.perf_counter()
-        known = self._references.of(reference_problem(point, impl, index))
-        check, checked = check_ranks(ranks, point, mask, index, rtol, known)
-        wall["emulate"] = ranks.emulate_seconds  # the check's runs of the ranks
-        # the rest of the check: the float64 reference (draws, host work) where it outlasts the
-        # ranks' runs beside which it is computed, and the comparison
-        wall["reference"] = time.perf_counter() - start - wall["emulate"]
+        try:
+            done = self._check(point, mask, index, impl, ranks)
+            if done.check.ok:
+                self._check_ahead(peers, index)
+        finally:
+            start = time.perf_counter()
+            self._settle(jobs, owners)  # no program compiles while calls are timed
+            wall["compile"] += time.perf_counter() - start
+        wall["emulate"] = done.emulate_s  # the check's runs of the ranks
+        wall["reference"] = done.reference_s
+        check, checked = done.check, done.ranks
         if not check.ok:
             raise PointFailure(WRONG, f"mask {index}: {check.message}", {"check": check.as_dict()})
         start = time.perf_counter()

@@ -22,7 +22,7 @@ for p in points:
     if prof: prof.enable()
     try:
         for i in range(len(masks_)):
-            sim._prepare(p, i, GPU_IMPL)
+            sim._prepare(sim._problem, p, i, GPU_IMPL)
         status = "ok"
     except PointFailure as e:
         status = "unsupported"
