@@ -1503,6 +1503,173 @@ def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
         runner.run(points[1])
 
 
+def _two_problems(seqlens=(256, 384)) -> list:
+    """A ring and an all-gather point of each of two problems (causal_document at two lengths,
+    so the second's step programs have other shapes), forward+backward then forward."""
+    return [
+        _point(cp, 4, mode, sim.LinkModel(), layout=layout, seqlen=n)
+        for n in seqlens
+        for mode in ("fwd_bwd", "fwd")
+        for cp, layout in (("ring", "zigzag"), ("allgather", "balanced"))
+    ]
+
+
+def test_the_next_problems_programs_compile_while_this_problems_checks_run(monkeypatch, caplog):
+    """At a problem's first point, the next problem's step programs are submitted to the
+    compile threads before this problem's peers are checked (their checks run then, before any
+    call is timed), and every one of them has compiled before the first call is timed: no
+    compile job runs while calls are timed, and the next problem's points compile nothing of
+    their own. Without it (no points expected) the next problem's first point compiles its
+    own."""
+    import logging
+    import time
+
+    import jax
+
+    from experiments.core.outcomes import ERROR
+    from experiments.runners import cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    events: list[tuple] = []
+    jobs: list = []
+    real_submit, real_emulate = cp_simulate.CPSimulator._submit, JaxRanks.emulate
+
+    class Slow:  # a compile that outlasts the checks beside it
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            time.sleep(1.0)
+            return self.lowered.compile()
+
+    def submit(self, lowered):
+        out = real_submit(self, {key: Slow(low) for key, low in lowered.items()})
+        jobs.extend(out.values())
+        events.append(("submit", len(out)))
+        return out
+
+    def emulate(self, r, u, rows=None):
+        events.append(("emulate", self.plan.strategy, self.mode))
+        return real_emulate(self, r, u, rows)
+
+    def timed(*a, iters, **kw):
+        events.append(("time", all(job.done() for job in jobs)))
+        return [1.0] * iters
+
+    def no_baseline(self, point, impl):  # a kernel point compiles programs of its own
+        return {"status": ERROR, "reason": "not run here", "key": point.key, "seqlen": 0}
+
+    monkeypatch.setattr(cp_simulate.CPSimulator, "baseline", no_baseline)
+    monkeypatch.setattr(cp_simulate.CPSimulator, "_submit", submit)
+    monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", timed)
+    steps = ("<lambda>", "first_bwd", "once_vjp", "once", "pullback")
+
+    def step_compiles() -> list[str]:
+        return [
+            m
+            for m in (r.getMessage() for r in caplog.records)
+            if "XLA compilation" in m and any(f"jit({n})" in m for n in steps)
+        ]
+
+    logged = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
+    try:
+        with caplog.at_level(logging.WARNING):
+            points = _two_problems()
+            runner = JaxRunner()
+            runner.expect(points)
+            first = runner.run(points[0])
+            kinds = [e[0] for e in events]
+            submitted = [i for i, e in enumerate(events) if e == ("submit", e[1]) and e[1]]
+            assert len(submitted) == 2, events  # this problem's, then the next one's
+            checked = {
+                e[1:] for e in events[submitted[1] : kinds.index("time")] if e[0] == "emulate"
+            }
+            # every point of this problem checked before a call is timed (the forward ring
+            # point takes its outs from the forward+backward one's, emulating none)
+            assert checked == {
+                (cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")
+            } - {("ring", "fwd")}, events
+            results = [first] + [runner.run(p) for p in points[1:4]]
+            caplog.clear()
+            results += [runner.run(p) for p in points[4:]]
+            assert not step_compiles(), step_compiles()
+            assert all(r["check"]["ok"] for r in results)
+            assert all(e[1] for e in events if e[0] == "time")
+            caplog.clear()
+            alone = JaxRunner()
+            alone.run(_two_problems((320,))[0])
+            assert step_compiles(), "with no points expected, a point compiles its own"
+    finally:
+        jax.config.update("jax_log_compiles", logged)
+
+
+def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):
+    """Points checked at their problem's first point (compile threads) and points checked at
+    their own turn (none) give the same records: checks, predictions, calls, and the forward
+    outs taken from the forward+backward points."""
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    points = _two_problems()
+
+    def records(threads: int) -> list[dict]:
+        runner = JaxRunner(sim_compile_threads=threads)
+        runner.expect(points)
+        out = []
+        for p in points:
+            r = runner.run(p)
+            (m,) = r["masks"]
+            s = m["simulation"]
+            out.append(
+                (r["check"], r["metrics"]["time_ms"], s["check_ranks"],
+                 s["check_forwards_taken"], s["calls"], s["rank_compute_ms"])
+            )  # fmt: skip
+        return out
+
+    ahead, each = records(2), records(0)
+    assert all(r[0]["ok"] for r in ahead)
+    assert any(r[3] for r in ahead), "a forward point took its forward+backward point's outs"
+    assert ahead == each
+
+
+def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
+    """A peer's check run at its problem's first point that comes out wrong, or raises, fails
+    the peer at its own turn, into its own record; the first point and the others are ok."""
+    import dataclasses
+
+    from experiments.core.outcomes import WRONG, PointFailure
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    real = cp_simulate.check_ranks
+
+    def flawed(ranks, point, mask, index, rtol, known=None):
+        check, checked = real(ranks, point, mask, index, rtol, known)
+        if point.cp == "allgather" and point.mode == "fwd_bwd":
+            return dataclasses.replace(check, ok=False, message="made wrong"), checked
+        if point.cp == "allgather":
+            raise RuntimeError("cannot check this one")
+        return check, checked
+
+    monkeypatch.setattr(cp_simulate, "check_ranks", flawed)
+    points = _two_problems((256,))
+    runner = JaxRunner()
+    runner.expect(points)
+    assert runner.run(points[0])["check"]["ok"]
+    assert (points[1].key, 0) in runner.simulator._problem.checked
+    with pytest.raises(PointFailure) as wrong:
+        runner.run(points[1])
+    assert wrong.value.status == WRONG and "made wrong" in wrong.value.reason
+    assert runner.run(points[2])["check"]["ok"]
+    with pytest.raises(RuntimeError, match="cannot check this one"):
+        runner.run(points[3])
+
+
 def test_simulated_points_on_one_cpu_device(monkeypatch):
     """The runner end to end (one test, so its compiled step functions are shared)."""
     from experiments.runners.jax_runner import JaxRunner

@@ -14,6 +14,11 @@ Each mask's record says where the point's own seconds went (wall_s: baseline, pl
 the point's new step programs side by side before anything runs them, the check's emulation of
 the ranks and its float64 reference with the input draws it needs, timed calls), so a slow
 preset shows its cost without a profiler.
+Host work overlaps the device's untimed work, never a timed call: a problem's first point
+prepares its problem's other points and the next problem's (plans: its plan seconds), compiles
+its problem's new programs, then checks every point of its problem (each check charged to its
+own point) while the next problem's programs compile in the compile threads, and waits for them
+(its compile seconds) before its first call is timed.
 """
 
 from __future__ import annotations
