@@ -228,7 +228,9 @@ def _define_simulation_flags() -> None:
         COMPILE_THREADS,
         "Threads that compile a simulated point's new step programs (and at a problem's first "
         "point those of the points after it of the same problem) side by side before they "
-        "run; 0 compiles each on first use instead. Default: 8, or fewer usable CPUs.",
+        "run, and the next problem's while the problem's checks run (never while calls are "
+        "timed); 0 compiles each on first use and checks each point at its turn instead. "
+        "Default: 8, or fewer usable CPUs.",
         lower_bound=0,
     )
     flags.register_validator("simulate_devices", _check_simulate_devices)
