@@ -1504,13 +1504,14 @@ def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
 
 
 def _two_problems(seqlens=(256, 384)) -> list:
-    """A ring and an all-gather point of each of two problems (causal_document at two lengths,
-    so the second's step programs have other shapes), forward+backward then forward."""
+    """An all-gather and a ring point of each of two problems (causal_document at two lengths,
+    so the second's step programs have other shapes), forward+backward then forward: the ring's
+    forward point takes its outs from a peer of the problem's first point."""
     return [
         _point(cp, 4, mode, sim.LinkModel(), layout=layout, seqlen=n)
         for n in seqlens
         for mode in ("fwd_bwd", "fwd")
-        for cp, layout in (("ring", "zigzag"), ("allgather", "balanced"))
+        for cp, layout in (("allgather", "balanced"), ("ring", "zigzag"))
     ]
 
 
@@ -1534,6 +1535,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     _row_checks_and_constant_timing(monkeypatch)
     events: list[tuple] = []
     jobs: list = []
+    compiling: list[bool] = []  # at each emulation: whether a compile job was running
     real_submit, real_emulate = cp_simulate.CPSimulator._submit, JaxRanks.emulate
 
     class Slow:  # a compile that outlasts the checks beside it
@@ -1552,6 +1554,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
 
     def emulate(self, r, u, rows=None):
         events.append(("emulate", self.plan.strategy, self.mode))
+        compiling.append(not all(job.done() for job in jobs))
         return real_emulate(self, r, u, rows)
 
     def timed(*a, iters, **kw):
@@ -1593,12 +1596,18 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
             assert checked == {
                 (cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")
             } - {("ring", "fwd")}, events
+            assert runner.simulator._next.ahead_s["compile"] >= 1.0  # its slow compiles
             results = [first] + [runner.run(p) for p in points[1:4]]
             caplog.clear()
             results += [runner.run(p) for p in points[4:]]
+            assert results[4]["masks"][0]["simulation"]["wall_s"]["compile"] >= 1.0
             assert not step_compiles(), step_compiles()
             assert all(r["check"]["ok"] for r in results)
             assert all(e[1] for e in events if e[0] == "time")
+            assert any(compiling), "no check ran beside the next problem's compilation"
+            # the next problem's plans and compile seconds, spent at this problem's first
+            # point, are charged to the next problem's first point
+            assert set(results[4]["masks"][0]["simulation"]["wall_s"]) >= {"plan", "compile"}
             caplog.clear()
             alone = JaxRunner()
             alone.run(_two_problems((320,))[0])
@@ -1620,8 +1629,10 @@ def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):
         runner = JaxRunner(sim_compile_threads=threads)
         runner.expect(points)
         out = []
-        for p in points:
+        for i, p in enumerate(points):
             r = runner.run(p)
+            if i == 0:  # with compile threads, the problem's other points checked now
+                assert len(runner.simulator._problem.checked) == (3 if threads else 0)
             (m,) = r["masks"]
             s = m["simulation"]
             out.append(
@@ -1638,36 +1649,100 @@ def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):
 
 def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
     """A peer's check run at its problem's first point that comes out wrong, or raises, fails
-    the peer at its own turn, into its own record; the first point and the others are ok."""
+    the peer at its own turn, into its own record (a raise: the peers after it check at their
+    turns); every point is checked once; the first point and the others are ok. A sticky
+    device fault in a check ahead fails the first point at once, naming the peer."""
     import dataclasses
 
-    from experiments.core.outcomes import WRONG, PointFailure
+    from experiments.core.outcomes import ERROR, WRONG, PointFailure
     from experiments.runners import cp_simulate
     from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     real = cp_simulate.check_ranks
+    checked: list[str] = []
+    raised = ["cannot check this one"]
 
     def flawed(ranks, point, mask, index, rtol, known=None):
-        check, checked = real(ranks, point, mask, index, rtol, known)
-        if point.cp == "allgather" and point.mode == "fwd_bwd":
-            return dataclasses.replace(check, ok=False, message="made wrong"), checked
-        if point.cp == "allgather":
-            raise RuntimeError("cannot check this one")
-        return check, checked
+        checked.append(point.key)
+        check, ranks_checked = real(ranks, point, mask, index, rtol, known)
+        if point.cp == "ring" and point.mode == "fwd_bwd":
+            return dataclasses.replace(check, ok=False, message="made wrong"), ranks_checked
+        if point.cp == "allgather" and point.mode == "fwd":
+            raise RuntimeError(raised[0])
+        return check, ranks_checked
 
     monkeypatch.setattr(cp_simulate, "check_ranks", flawed)
-    points = _two_problems((256,))
+    points = _two_problems((256,))  # allgather fwd_bwd, ring fwd_bwd, allgather fwd, ring fwd
     runner = JaxRunner()
     runner.expect(points)
     assert runner.run(points[0])["check"]["ok"]
-    assert (points[1].key, 0) in runner.simulator._problem.checked
+    assert set(runner.simulator._problem.checked) == {(p.key, 0) for p in points[1:3]}
     with pytest.raises(PointFailure) as wrong:
         runner.run(points[1])
     assert wrong.value.status == WRONG and "made wrong" in wrong.value.reason
-    assert runner.run(points[2])["check"]["ok"]
-    with pytest.raises(RuntimeError, match="cannot check this one"):
-        runner.run(points[3])
+    with pytest.raises(PointFailure) as error:
+        runner.run(points[2])
+    assert error.value.status == ERROR and "cannot check this one" in error.value.reason
+    assert runner.run(points[3])["check"]["ok"]
+    assert checked == [p.key for p in points]  # each once, the last at its own turn
+
+    raised[0] = "CUDA_ERROR_ILLEGAL_ADDRESS: the device is gone"
+    runner = JaxRunner()
+    runner.expect(_two_problems((320,)))
+    with pytest.raises(PointFailure) as fault:
+        runner.run(_two_problems((320,))[0])
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in fault.value.reason
+    assert _two_problems((320,))[2].key in fault.value.reason
+
+
+def test_no_work_ahead_near_the_end_of_the_time_budget(monkeypatch):
+    """With less than AHEAD_MIN_S of the time budget left, a problem's first point checks none
+    of its peers and prepares nothing of the next problem (work a budget ending before their
+    turn would lose); with more, it does both."""
+    from experiments.core import interrupt
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    for left, ahead in ((cp_simulate.AHEAD_MIN_S - 1, False), (cp_simulate.AHEAD_MIN_S + 1, True)):
+        monkeypatch.setattr(interrupt, "remaining_s", lambda left=left: left)
+        points = _two_problems()
+        runner = JaxRunner()
+        runner.expect(points)
+        assert runner.run(points[0])["check"]["ok"]
+        assert bool(runner.simulator._problem.checked) == ahead
+        assert (runner.simulator._next is not None) == ahead
+
+
+def test_a_plan_that_cannot_be_made_is_asked_once_per_problem(monkeypatch):
+    """A plan the executor refuses (a ValueError) makes each point of it unsupported, and is
+    asked for once per problem, not again at each point or when made ready ahead."""
+    from experiments.core.outcomes import UNSUPPORTED, PointFailure
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    real, asked = JaxRanks.executor_plan, []
+
+    def refused(point, mask, impl):
+        if point.cp == "ring":
+            asked.append(point.key)
+            raise ValueError("no ring here")
+        return real(point, mask, impl)
+
+    monkeypatch.setattr(JaxRanks, "executor_plan", staticmethod(refused))
+    points = _two_problems()
+    runner = JaxRunner()
+    runner.expect(points)
+    for p in points:
+        if p.cp == "ring":
+            with pytest.raises(PointFailure) as e:
+                runner.run(p)
+            assert e.value.status == UNSUPPORTED and "no ring here" in e.value.reason
+        else:
+            assert runner.run(p)["check"]["ok"]
+    assert len(asked) == 2  # one plan (both modes) of each problem
 
 
 def test_simulated_points_on_one_cpu_device(monkeypatch):

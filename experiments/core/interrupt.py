@@ -65,6 +65,11 @@ def stop_between_points(budget_s: float = 0.0) -> Iterator[None]:
         _deadline.clear()
 
 
+def stop_requested() -> bool:
+    """Whether a Ctrl-C asked the sweep to stop after the running point."""
+    return _requested.is_set()
+
+
 def remaining_s() -> float | None:
     """Seconds left of the time budget (None without one)."""
     return _deadline[0] - time.monotonic() if _deadline else None

@@ -33,9 +33,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments.core import provenance
+from experiments.core import interrupt, provenance
 from experiments.core.flags import COMPILE_THREADS
-from experiments.core.outcomes import ERROR, SCALED, UNSUPPORTED, WRONG, PointFailure
+from experiments.core.outcomes import (
+    ERROR,
+    SCALED,
+    UNSUPPORTED,
+    WRONG,
+    PointFailure,
+    classify,
+    device_fault,
+)
 from experiments.core.points import ITEMSIZES, Point
 from experiments.runners import call_model, checks, frameworks, measure, timing
 from experiments.runners.cp_rank_checks import ReferenceRows, check_ranks
@@ -51,6 +59,10 @@ BASELINE_MAX_SEQLEN = {"gpu": 128 * 1024, "cpu": 2 * 1024}
 # How each framework's executor takes global arrays (shard_strategies.simulate entries).
 ENTRY = {"jax": EXCHANGE, "torch": REPLICATED}
 DIGITS = 4  # significant digits of the per-step, per-rank times in a record
+# Time budget left (--time_budget) below which a problem's first point does no work ahead (its
+# peers' checks, the next problem's plans and programs): work its peers would lose if the
+# budget ends before their turn, to be done again by the run that resumes it.
+AHEAD_MIN_S = 60.0
 RECORDED = "recorded"  # first item of the key of a call known only from the records
 
 
@@ -229,17 +241,21 @@ class Checked(NamedTuple):
 @dataclasses.dataclass
 class Problem:
     """One problem's masks (_problem_of: mask, length, draws) and what its points share: the
-    executor's plans of both modes, the forward outs its forward points take (_forward_store),
+    executor's plans of both modes (or why there is none), the forward outs its forward points
+    take (_forward_store),
     and by (point key, mask index) the points made ready ahead and the checks run ahead (each
-    a Checked or the exception it raised, for the point's own turn)."""
+    a Checked or, where it raised, the failure, for the point's own turn)."""
 
     key: tuple
     masks: list
-    plans: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple, tuple | PointFailure] = dataclasses.field(default_factory=dict)
     forwards: dict[tuple, dict] = dataclasses.field(default_factory=dict)
     ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
-    checked: dict[tuple, Checked | Exception] = dataclasses.field(default_factory=dict)
+    checked: dict[tuple, Checked | PointFailure] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
+    # plan and compile seconds the previous problem's first point spent on this one, charged
+    # to this problem's first point
+    ahead_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class CPSimulator:
@@ -411,10 +427,14 @@ class CPSimulator:
             mask = problem.masks[index]
             try:
                 plan = self.ranks.executor_plan(point, mask, impl)
-            except ValueError as e:
-                raise PointFailure(UNSUPPORTED, f"not applicable: {e}") from e
-            problem.plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
-        return problem.plans[settings]
+            except ValueError as e:  # kept, so the problem's other points ask no plan again
+                problem.plans[settings] = PointFailure(UNSUPPORTED, f"not applicable: {e}")
+            else:
+                problem.plans[settings] = (plan, self.ranks.timed_plan(point, mask, impl, plan))
+        plans = problem.plans[settings]
+        if isinstance(plans, PointFailure):
+            raise PointFailure(plans.status, plans.reason)
+        return plans
 
     def _call_classes(self, ranks: Ranks, sched, point: Point) -> CallClasses:
         """Every (phase, ring rank) call of the schedule, keyed, and grouped in classes (kind
@@ -507,11 +527,13 @@ class CPSimulator:
         return self.ranks.COMPILES_AHEAD and self.compile_threads > 0
 
     def _begins_problem(self, index: int) -> bool:
-        """Whether this point is the first of its problem to run mask `index`, where step
-        programs compile ahead (else never: each point compiles and checks its own)."""
+        """Whether this point is the first of its problem to run mask `index` and does the work
+        ahead: where step programs compile ahead (else each point compiles and checks its own),
+        no stop was asked and the time budget has AHEAD_MIN_S left."""
         first = self._compiles_ahead() and index not in self._problem.started
         self._problem.started.add(index)
-        return first
+        left = interrupt.remaining_s()
+        return first and not interrupt.stop_requested() and (left is None or left >= AHEAD_MIN_S)
 
     def _made_ready(
         self, problem: Problem, points: list[Point], index: int
@@ -613,7 +635,7 @@ class CPSimulator:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
         run ahead at its problem's first point (an error it raised there raises now)."""
         ahead = self._problem.checked.pop((point.key, index), None)
-        if isinstance(ahead, Exception):
+        if isinstance(ahead, PointFailure):
             raise ahead
         if ahead is not None:
             return ahead
@@ -636,11 +658,24 @@ class CPSimulator:
         for q, prep in peers:
             impl = self.ranks.resolve_impl(q, self.runner)
             try:
-                done = self._check(q, problem.masks[index], index, impl, prep.ranks)
+                problem.checked[q.key, index] = self._check(
+                    q, problem.masks[index], index, impl, prep.ranks
+                )
             except Exception as e:  # noqa: BLE001 - raised at the peer's turn, into its record
-                done = e
+                status, reason = classify(e)
+                fault = device_fault(reason)
+                if fault:  # the device is unusable: the run stops here, naming the peer
+                    raise PointFailure(
+                        ERROR,
+                        f"the check of {q.key} (run ahead at its problem's first point; "
+                        f"--sim_compile_threads=0 checks each point at its own turn): {reason}",
+                    ) from None
+                # no traceback kept (its frames would hold the check's device arrays); the
+                # peers after it check at their own turns
+                problem.checked[q.key, index] = PointFailure(status, reason)
+                prep.ranks.drop_arrays()
+                return
             prep.ranks.drop_arrays()
-            problem.checked[q.key, index] = done
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
@@ -1052,18 +1087,27 @@ class CPSimulator:
         ready = self._problem.ready.pop((point.key, index), None)
         if ready is None:
             ready = self._prepare(self._problem, point, index, impl)
-        # at a problem's first point: the points after it of the problem, and those of the next
-        # problem, made ready (their plans: this point's plan seconds)
+        # at a problem's first point: the points after it of the problem made ready (their
+        # plans: this point's plan seconds), and below those of the next problem (charged to
+        # that problem's first point: Problem.ahead_s)
         first = self._begins_problem(index)
         peers = self._made_ready(self._problem, self._problem_after(point), index) if first else []
-        upcoming = self._next_ready(point, index) if first else []
         plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
         wall["plan"] = time.perf_counter() - start
         start = time.perf_counter()
         self._precompile(ready, [prep for _, prep in peers])
-        jobs, owners = self._compile_next(upcoming)
         wall["compile"] = time.perf_counter() - start
+        for part, secs in self._problem.ahead_s.items():  # spent on this problem before
+            wall[part] += secs
+        self._problem.ahead_s = {}
+        ahead = {"plan": 0.0, "compile": 0.0}  # spent here on the next problem
+        start = time.perf_counter()
+        upcoming = self._next_ready(point, index) if first else []
+        ahead["plan"] = time.perf_counter() - start
+        start = time.perf_counter()
+        jobs, owners = self._compile_next(upcoming)
+        ahead["compile"] = time.perf_counter() - start
         try:
             done = self._check(point, mask, index, impl, ranks)
             if done.check.ok:
@@ -1071,7 +1115,9 @@ class CPSimulator:
         finally:
             start = time.perf_counter()
             self._settle(jobs, owners)  # no program compiles while calls are timed
-            wall["compile"] += time.perf_counter() - start
+            ahead["compile"] += time.perf_counter() - start
+            if upcoming:
+                self._next.ahead_s = ahead
         wall["emulate"] = done.emulate_s  # the check's runs of the ranks
         wall["reference"] = done.reference_s
         check, checked = done.check, done.ranks
