@@ -1543,7 +1543,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
             self.lowered = lowered
 
         def compile(self):
-            time.sleep(1.0)
+            time.sleep(0.5)
             return self.lowered.compile()
 
     def submit(self, lowered):
@@ -1596,11 +1596,11 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
             assert checked == {
                 (cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")
             } - {("ring", "fwd")}, events
-            assert runner.simulator._next.ahead_s["compile"] >= 1.0  # its slow compiles
+            assert runner.simulator._next.ahead_s["compile"] >= 0.5  # its slow compiles
             results = [first] + [runner.run(p) for p in points[1:4]]
             caplog.clear()
             results += [runner.run(p) for p in points[4:]]
-            assert results[4]["masks"][0]["simulation"]["wall_s"]["compile"] >= 1.0
+            assert results[4]["masks"][0]["simulation"]["wall_s"]["compile"] >= 0.5
             assert not step_compiles(), step_compiles()
             assert all(r["check"]["ok"] for r in results)
             assert all(e[1] for e in events if e[0] == "time")
@@ -1623,7 +1623,7 @@ def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):
     from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
-    points = _two_problems()
+    points = _two_problems((256,))
 
     def records(threads: int) -> list[dict]:
         runner = JaxRunner(sim_compile_threads=threads)
@@ -1689,11 +1689,11 @@ def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
 
     raised[0] = "CUDA_ERROR_ILLEGAL_ADDRESS: the device is gone"
     runner = JaxRunner()
-    runner.expect(_two_problems((320,)))
+    runner.expect(points)
     with pytest.raises(PointFailure) as fault:
-        runner.run(_two_problems((320,))[0])
+        runner.run(points[0])
     assert "CUDA_ERROR_ILLEGAL_ADDRESS" in fault.value.reason
-    assert _two_problems((320,))[2].key in fault.value.reason
+    assert points[2].key in fault.value.reason
 
 
 def test_no_work_ahead_near_the_end_of_the_time_budget(monkeypatch):
