@@ -3,6 +3,7 @@ lock-step overlap accounting (numpy), the JAX runner on one CPU device, and the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -1429,19 +1430,44 @@ def test_outs_are_kept_only_for_a_forward_point_of_the_same_plan_and_inputs(monk
     assert result["masks"][0]["simulation"]["check_forwards_taken"] == 0
 
 
+# the JAX ranks' jitted step functions' names (cp_ranks_jax._steps)
+STEP_FUNCTIONS = ("<lambda>", "first_bwd", "once_vjp", "once", "pullback")
+
+
+def _step_compiles(caplog) -> list[str]:
+    """The XLA compilations of step functions among caplog's records."""
+    return [
+        m
+        for m in (r.getMessage() for r in caplog.records)
+        if "XLA compilation" in m and any(f"jit({n})" in m for n in STEP_FUNCTIONS)
+    ]
+
+
+@contextlib.contextmanager
+def _compiles_logged(caplog):
+    """JAX logs every compilation (a global setting: the compiling threads log too) into
+    caplog, until the block ends."""
+    import logging
+
+    import jax
+
+    logged = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            yield
+    finally:
+        jax.config.update("jax_log_compiles", logged)
+
+
 def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypatch, caplog):
     """With the points to come expected, a problem's first point compiles the step programs of
     the problem's other points (strategies, layouts) with its own, so they compile none; every
     point still passes its check. Without it (at other shapes) the second point compiles its
     own."""
-    import logging
-
-    import jax
-
     from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
-    steps = ("<lambda>", "first_bwd", "once_vjp")  # the jitted step functions' names
 
     def compiles_after_the_first(seqlen: int, expect: bool, threads: int = 2) -> list[str]:
         points = [
@@ -1457,21 +1483,12 @@ def test_a_problems_first_point_compiles_the_step_programs_of_its_peers(monkeypa
         caplog.clear()
         results += [runner.run(p) for p in points[1:]]
         assert all(r["check"]["ok"] for r in results) and not runner.simulator._problem.ready
-        return [
-            m
-            for m in (r.getMessage() for r in caplog.records)
-            if "XLA compilation" in m and any(f"jit({n})" in m for n in steps)
-        ]
+        return _step_compiles(caplog)
 
-    logged = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
-    try:
-        with caplog.at_level(logging.WARNING):
-            alone = compiles_after_the_first(192, expect=False)
-            ahead = compiles_after_the_first(256, expect=True)
-            off = compiles_after_the_first(320, expect=True, threads=0)  # --sim_compile_threads=0
-    finally:
-        jax.config.update("jax_log_compiles", logged)
+    with _compiles_logged(caplog):
+        alone = compiles_after_the_first(192, expect=False)
+        ahead = compiles_after_the_first(256, expect=True)
+        off = compiles_after_the_first(320, expect=True, threads=0)  # --sim_compile_threads=0
     assert alone, "without the points to come, each point compiles its own step programs"
     assert off, "with no compile threads, each point compiles its own step programs"
     assert not ahead, ahead
@@ -1522,10 +1539,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     compile job runs while calls are timed, and the next problem's points compile nothing of
     their own. Without it (no points expected) the next problem's first point compiles its
     own."""
-    import logging
     import time
-
-    import jax
 
     from experiments.core.outcomes import ERROR
     from experiments.runners import cp_simulate
@@ -1568,52 +1582,34 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     monkeypatch.setattr(cp_simulate.CPSimulator, "_submit", submit)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", timed)
-    steps = ("<lambda>", "first_bwd", "once_vjp", "once", "pullback")
-
-    def step_compiles() -> list[str]:
-        return [
-            m
-            for m in (r.getMessage() for r in caplog.records)
-            if "XLA compilation" in m and any(f"jit({n})" in m for n in steps)
-        ]
-
-    logged = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)  # global: the compiling threads log too
-    try:
-        with caplog.at_level(logging.WARNING):
-            points = _two_problems()
-            runner = JaxRunner()
-            runner.expect(points)
-            first = runner.run(points[0])
-            kinds = [e[0] for e in events]
-            submitted = [i for i, e in enumerate(events) if e == ("submit", e[1]) and e[1]]
-            assert len(submitted) == 2, events  # this problem's, then the next one's
-            checked = {
-                e[1:] for e in events[submitted[1] : kinds.index("time")] if e[0] == "emulate"
-            }
-            # every point of this problem checked before a call is timed (the forward ring
-            # point takes its outs from the forward+backward one's, emulating none)
-            assert checked == {
-                (cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")
-            } - {("ring", "fwd")}, events
-            assert runner.simulator._next.ahead_s["compile"] >= 0.5  # its slow compiles
-            results = [first] + [runner.run(p) for p in points[1:4]]
-            caplog.clear()
-            results += [runner.run(p) for p in points[4:]]
-            assert results[4]["masks"][0]["simulation"]["wall_s"]["compile"] >= 0.5
-            assert not step_compiles(), step_compiles()
-            assert all(r["check"]["ok"] for r in results)
-            assert all(e[1] for e in events if e[0] == "time")
-            assert any(compiling), "no check ran beside the next problem's compilation"
-            # the next problem's plans and compile seconds, spent at this problem's first
-            # point, are charged to the next problem's first point
-            assert set(results[4]["masks"][0]["simulation"]["wall_s"]) >= {"plan", "compile"}
-            caplog.clear()
-            alone = JaxRunner()
-            alone.run(_two_problems((320,))[0])
-            assert step_compiles(), "with no points expected, a point compiles its own"
-    finally:
-        jax.config.update("jax_log_compiles", logged)
+    with _compiles_logged(caplog):
+        points = _two_problems()
+        runner = JaxRunner()
+        runner.expect(points)
+        first = runner.run(points[0])
+        kinds = [e[0] for e in events]
+        submitted = [i for i, e in enumerate(events) if e[0] == "submit" and e[1]]
+        assert len(submitted) == 2, events  # this problem's, then the next one's
+        checked = {e[1:] for e in events[submitted[1] : kinds.index("time")] if e[0] == "emulate"}
+        # every point of this problem checked before a call is timed (the forward ring point
+        # takes its outs from the forward+backward one's, emulating none)
+        assert checked == {(cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")} - {
+            ("ring", "fwd")
+        }, events
+        assert any(compiling), "no check ran beside the next problem's compilation"
+        # the next problem's compile seconds spent here (its slow compiles) are charged to
+        # the next problem's first point
+        assert runner.simulator._next.ahead_s["compile"] >= 0.5
+        results = [first] + [runner.run(p) for p in points[1:4]]
+        caplog.clear()
+        results += [runner.run(p) for p in points[4:]]
+        assert results[4]["masks"][0]["simulation"]["wall_s"]["compile"] >= 0.5
+        assert not _step_compiles(caplog), _step_compiles(caplog)
+        assert all(r["check"]["ok"] for r in results)
+        assert all(e[1] for e in events if e[0] == "time")
+        caplog.clear()
+        JaxRunner().run(_two_problems((320,))[0])
+        assert _step_compiles(caplog), "with no points expected, a point compiles its own"
 
 
 def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):
