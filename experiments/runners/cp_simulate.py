@@ -15,10 +15,11 @@ the point's new step programs side by side before anything runs them, the check'
 the ranks and its float64 reference with the input draws it needs, timed calls), so a slow
 preset shows its cost without a profiler.
 Host work overlaps the device's untimed work, never a timed call: a problem's first point
-prepares its problem's other points and the next problem's (plans: its plan seconds), compiles
+prepares its problem's other points (plans: its plan seconds) and the next problem's, compiles
 its problem's new programs, then checks every point of its problem (each check charged to its
 own point) while the next problem's programs compile in the compile threads, and waits for them
-(its compile seconds) before its first call is timed.
+before its first call is timed (the next problem's plan and compile seconds charged to that
+problem's first point).
 """
 
 from __future__ import annotations
@@ -242,9 +243,8 @@ class Checked(NamedTuple):
 class Problem:
     """One problem's masks (_problem_of: mask, length, draws) and what its points share: the
     executor's plans of both modes (or why there is none), the forward outs its forward points
-    take (_forward_store),
-    and by (point key, mask index) the points made ready ahead and the checks run ahead (each
-    a Checked or, where it raised, the failure, for the point's own turn)."""
+    take (_forward_store), and by (point key, mask index) the points made ready ahead and the
+    checks run ahead (each a Checked or, where it raised, the failure, for the point's turn)."""
 
     key: tuple
     masks: list
