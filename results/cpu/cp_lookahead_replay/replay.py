@@ -1,8 +1,10 @@
 """What compiling the next problem beside this problem's checks could hide, replayed on a GPU
 run's records: per problem (mask, length, GPUs), its compile seconds against the previous
 problem's check seconds (emulate + reference, all of its points), which now run at that
-problem's first point while the next one compiles. An upper bound: the lowering part of the
-compile seconds stays on the main thread, and the checks slow where they share the host.
+problem's first point while the next one compiles; a process's first problem (a run resumed
+in a new process: the records' provenance.pid changes) has no checks before it. An upper
+bound: the lowering part of the compile seconds stays on the main thread, and the checks slow
+where they share the host.
 
     python results/cpu/cp_lookahead_replay/replay.py results/h100/cp_predict/run-30/preset.jsonl.gz
 """
@@ -18,17 +20,22 @@ def main(path: str) -> None:
     with opener(path, "rt") as f:
         records = [json.loads(line) for line in f]
     problems: dict[tuple, collections.Counter] = {}
+    first_of_process: set[tuple] = set()
+    pid = None
     for rec in records:
         p = rec["point"]
         key = (p["num_devices"], p["seqlen_per_device"], p["mask"])
+        if rec["provenance"]["pid"] != pid:
+            pid = rec["provenance"]["pid"]
+            first_of_process.add(key)
         walls = problems.setdefault(key, collections.Counter())
         for m in rec.get("masks") or []:
             walls.update((m.get("simulation") or {}).get("wall_s") or {})
     groups: dict[tuple, collections.Counter] = {}
-    previous = None
+    previous = 0.0
     for key, walls in problems.items():
         checks = walls["emulate"] + walls["reference"]
-        hidden = min(walls["compile"], previous) if previous is not None else 0.0
+        hidden = 0.0 if key in first_of_process else min(walls["compile"], previous)
         g = groups.setdefault(key[:2], collections.Counter())
         g.update(compile=walls["compile"], hidden=hidden, total=sum(walls.values()))
         previous = checks
