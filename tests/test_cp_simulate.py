@@ -1539,6 +1539,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     compile job runs while calls are timed, and the next problem's points compile nothing of
     their own. Without it (no points expected) the next problem's first point compiles its
     own."""
+    import threading
     import time
 
     from experiments.core.outcomes import ERROR
@@ -1550,21 +1551,39 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     events: list[tuple] = []
     jobs: list = []
     compiling: list[bool] = []  # at each emulation: whether a compile job was running
-    real_submit, real_emulate = cp_simulate.CPSimulator._submit, JaxRanks.emulate
+    simulator = cp_simulate.CPSimulator
+    real_submit, real_emulate = simulator._submit, JaxRanks.emulate
+    real_next, real_ahead = simulator._compile_next, simulator._check_ahead
+    checked_ahead = threading.Event()
+    next_compiles = threading.Event()  # set while the next problem's jobs are submitted
 
-    class Slow:  # a compile that outlasts the checks beside it
+    class Slow:  # a compile that outlasts the checks beside it, whatever their speed
         def __init__(self, lowered):
             self.lowered = lowered
 
         def compile(self):
+            checked_ahead.wait(timeout=60)
             time.sleep(0.5)
             return self.lowered.compile()
 
     def submit(self, lowered):
-        out = real_submit(self, {key: Slow(low) for key, low in lowered.items()})
+        if next_compiles.is_set():
+            lowered = {key: Slow(low) for key, low in lowered.items()}
+        out = real_submit(self, lowered)
         jobs.extend(out.values())
         events.append(("submit", len(out)))
         return out
+
+    def compile_next(self, preps):
+        next_compiles.set()
+        try:
+            return real_next(self, preps)
+        finally:
+            next_compiles.clear()
+
+    def check_ahead(self, peers, index):
+        real_ahead(self, peers, index)
+        checked_ahead.set()
 
     def emulate(self, r, u, rows=None):
         events.append(("emulate", self.plan.strategy, self.mode))
@@ -1578,8 +1597,10 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     def no_baseline(self, point, impl):  # a kernel point compiles programs of its own
         return {"status": ERROR, "reason": "not run here", "key": point.key, "seqlen": 0}
 
-    monkeypatch.setattr(cp_simulate.CPSimulator, "baseline", no_baseline)
-    monkeypatch.setattr(cp_simulate.CPSimulator, "_submit", submit)
+    monkeypatch.setattr(simulator, "baseline", no_baseline)
+    monkeypatch.setattr(simulator, "_submit", submit)
+    monkeypatch.setattr(simulator, "_compile_next", compile_next)
+    monkeypatch.setattr(simulator, "_check_ahead", check_ahead)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", timed)
     with _compiles_logged(caplog):
@@ -1709,6 +1730,34 @@ def test_no_work_ahead_near_the_end_of_the_time_budget(monkeypatch):
         assert runner.run(points[0])["check"]["ok"]
         assert bool(runner.simulator._problem.checked) == ahead
         assert (runner.simulator._next is not None) == ahead
+
+
+def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypatch):
+    """A point of several masks looks ahead once per mask: the next problem's plan seconds of
+    each add up, and its first point's record carries them."""
+    import dataclasses
+    import time
+
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    real = cp_simulate.CPSimulator._next_ready
+
+    def slow_next_ready(self, point, index):
+        time.sleep(0.2)
+        return real(self, point, index)
+
+    monkeypatch.setattr(cp_simulate.CPSimulator, "_next_ready", slow_next_ready)
+    points = [dataclasses.replace(p, num_masks=2) for p in _two_problems()]
+    runner = JaxRunner()
+    runner.expect(points)
+    runner.run(points[0])
+    assert runner.simulator._next.ahead_s["plan"] >= 0.4  # both masks' lookahead
+    for p in points[1:4]:
+        runner.run(p)
+    walls = [m["simulation"]["wall_s"] for m in runner.run(points[4])["masks"]]
+    assert walls[0]["plan"] >= 0.4 and not runner.simulator._problem.ahead_s  # charged once
 
 
 def test_a_plan_that_cannot_be_made_is_asked_once_per_problem(monkeypatch):

@@ -66,6 +66,16 @@ def _is_unsupported(exc: BaseException) -> bool:
     )
 
 
+def chain_text(exc: BaseException, most: int = 8) -> str:
+    """The messages of `exc` and the exceptions it was raised from or during (a runner may
+    re-raise a fault as a PointFailure whose reason is cut short)."""
+    texts: list[str] = []
+    while exc is not None and len(texts) < most:
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
 def device_fault(text: str | None) -> str | None:
     """The sticky CUDA error `text` (an exception's message) names (DEVICE_FAULTS), or None."""
     return next((f for f in DEVICE_FAULTS if text and f in text), None)

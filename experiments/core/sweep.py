@@ -11,6 +11,7 @@ from experiments.core.outcomes import (
     ERROR,
     OK,
     PointFailure,
+    chain_text,
     classify,
     device_fault,
     short_traceback,
@@ -58,7 +59,7 @@ def run_one(point: Point, runner_for: Callable[[Point], object], provenance: dic
     except Exception as e:
         status, reason = classify(e)
         details = dict(e.details) if isinstance(e, PointFailure) else {}
-        fault = device_fault(_chain_text(e))
+        fault = device_fault(chain_text(e))
         if fault:  # whatever else the message says (out of memory, a wrong check), the GPU faulted
             status, details["device_fault"] = ERROR, fault
         if status == ERROR and "traceback" not in details:
@@ -74,16 +75,6 @@ def run_one(point: Point, runner_for: Callable[[Point], object], provenance: dic
     return make_record(
         point, OK, result=result, elapsed_s=time.monotonic() - t0, provenance=provenance
     )
-
-
-def _chain_text(exc: BaseException, most: int = 8) -> str:
-    """The messages of `exc` and the exceptions it was raised from or during (a runner may
-    re-raise a fault as a PointFailure whose reason is cut short)."""
-    texts: list[str] = []
-    while exc is not None and len(texts) < most:
-        texts.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
-    return "\n".join(texts)
 
 
 def run_points(

@@ -42,6 +42,7 @@ from experiments.core.outcomes import (
     UNSUPPORTED,
     WRONG,
     PointFailure,
+    chain_text,
     classify,
     device_fault,
 )
@@ -663,7 +664,7 @@ class CPSimulator:
                 )
             except Exception as e:  # noqa: BLE001 - raised at the peer's turn, into its record
                 status, reason = classify(e)
-                fault = device_fault(reason)
+                fault = device_fault(chain_text(e))
                 if fault:  # the device is unusable: the run stops here, naming the peer
                     raise PointFailure(
                         ERROR,
@@ -1098,9 +1099,6 @@ class CPSimulator:
         start = time.perf_counter()
         self._precompile(ready, [prep for _, prep in peers])
         wall["compile"] = time.perf_counter() - start
-        for part, secs in self._problem.ahead_s.items():  # spent on this problem before
-            wall[part] += secs
-        self._problem.ahead_s = {}
         ahead = {"plan": 0.0, "compile": 0.0}  # spent here on the next problem
         start = time.perf_counter()
         upcoming = self._next_ready(point, index) if first else []
@@ -1110,14 +1108,16 @@ class CPSimulator:
         ahead["compile"] = time.perf_counter() - start
         try:
             done = self._check(point, mask, index, impl, ranks)
-            if done.check.ok:
+            if done.check.ok and peers:
+                ranks.drop_arrays()  # its check's arrays, before its peers' checks
                 self._check_ahead(peers, index)
         finally:
             start = time.perf_counter()
             self._settle(jobs, owners)  # no program compiles while calls are timed
             ahead["compile"] += time.perf_counter() - start
-            if upcoming:
-                self._next.ahead_s = ahead
+            if upcoming:  # a point of several masks looks ahead once per mask
+                for part, secs in ahead.items():
+                    self._next.ahead_s[part] = self._next.ahead_s.get(part, 0.0) + secs
         wall["emulate"] = done.emulate_s  # the check's runs of the ranks
         wall["reference"] = done.reference_s
         check, checked = done.check, done.ranks
@@ -1140,6 +1140,9 @@ class CPSimulator:
         sim["check_ranks"] = checked
         sim["check_forwards_taken"] = ranks.forwards_taken  # ranks' outs from forward+backward
         sim["timed_calls"] = self._timed_log[logged:]  # run() adds a failed point's
+        for part, secs in self._problem.ahead_s.items():  # spent on this problem before it
+            wall[part] += secs
+        self._problem.ahead_s = {}  # charged to this point, the problem's first to succeed
         sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
