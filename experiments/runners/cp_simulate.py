@@ -24,6 +24,7 @@ problem's first point).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import socket
@@ -256,7 +257,7 @@ class Problem:
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
     # plan and compile seconds the previous problem's first point spent on this one, charged
     # to this problem's first point
-    ahead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    ahead_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class CPSimulator:
@@ -553,11 +554,14 @@ class CPSimulator:
             made.append((q, problem.ready[key]))
         return made
 
-    def _lower(self, preps: list[Prepared]) -> tuple[dict, list[tuple[list, list]]]:
+    def _lower(
+        self, preps: list[Prepared], *, first_raises: bool = True
+    ) -> tuple[dict, list[tuple[list, list]]]:
         """({program: lowered} to compile, [(classes, programs)] of each point that lowered) for
         the classes of the points' calls not compiled yet: each lowered in turn
         (Ranks.lower_calls; classes that share a program once). The first point's failure
-        raises; a later one's leaves its classes to compile at its turn."""
+        raises (unless first_raises is False); another's leaves its classes to compile at its
+        turn."""
         lowered: dict = {}
         owners: list[tuple[list, list]] = []
         for i, prep in enumerate(preps):
@@ -567,7 +571,7 @@ class CPSimulator:
             try:
                 programs, new = prep.ranks.lower_calls(calls, skip=lowered)
             except Exception:  # noqa: BLE001 - a peer's error is its own, at its turn
-                if i == 0:
+                if i == 0 and first_raises:
                     raise
                 continue
             lowered.update(new)
@@ -626,10 +630,7 @@ class CPSimulator:
         """(compile jobs, their owners: _settle) of the classes of the next problem's points
         (_next_ready), lowered now and compiling in the compile threads while this problem's
         checks run. A failure is left to the point's turn."""
-        try:
-            lowered, owners = self._lower(preps) if preps else ({}, [])
-        except Exception:  # noqa: BLE001 - the point's own turn raises it again
-            return {}, []
+        lowered, owners = self._lower(preps, first_raises=False)
         return self._submit(lowered), owners
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
@@ -664,8 +665,7 @@ class CPSimulator:
                 )
             except Exception as e:  # noqa: BLE001 - raised at the peer's turn, into its record
                 status, reason = classify(e)
-                fault = device_fault(chain_text(e))
-                if fault:  # the device is unusable: the run stops here, naming the peer
+                if device_fault(chain_text(e)):  # the device is unusable: stop, naming the peer
                     raise PointFailure(
                         ERROR,
                         f"the check of {q.key} (run ahead at its problem's first point; "
@@ -674,9 +674,9 @@ class CPSimulator:
                 # no traceback kept (its frames would hold the check's device arrays); the
                 # peers after it check at their own turns
                 problem.checked[q.key, index] = PointFailure(status, reason)
-                prep.ranks.drop_arrays()
                 return
-            prep.ranks.drop_arrays()
+            finally:
+                prep.ranks.drop_arrays()
 
     def _time_calls(
         self, ranks: Ranks, sched, point: Point, classes: CallClasses
@@ -1099,10 +1099,9 @@ class CPSimulator:
         start = time.perf_counter()
         self._precompile(ready, [prep for _, prep in peers])
         wall["compile"] = time.perf_counter() - start
-        ahead = {"plan": 0.0, "compile": 0.0}  # spent here on the next problem
         start = time.perf_counter()
         upcoming = self._next_ready(point, index) if first else []
-        ahead["plan"] = time.perf_counter() - start
+        ahead = {"plan": time.perf_counter() - start}  # spent here on the next problem
         start = time.perf_counter()
         jobs, owners = self._compile_next(upcoming)
         ahead["compile"] = time.perf_counter() - start
@@ -1115,9 +1114,8 @@ class CPSimulator:
             start = time.perf_counter()
             self._settle(jobs, owners)  # no program compiles while calls are timed
             ahead["compile"] += time.perf_counter() - start
-            if upcoming:  # a point of several masks looks ahead once per mask
-                for part, secs in ahead.items():
-                    self._next.ahead_s[part] = self._next.ahead_s.get(part, 0.0) + secs
+            if upcoming:  # a point of several masks looks ahead once per mask: summed
+                self._next.ahead_s.update(ahead)
         wall["emulate"] = done.emulate_s  # the check's runs of the ranks
         wall["reference"] = done.reference_s
         check, checked = done.check, done.ranks
@@ -1142,7 +1140,7 @@ class CPSimulator:
         sim["timed_calls"] = self._timed_log[logged:]  # run() adds a failed point's
         for part, secs in self._problem.ahead_s.items():  # spent on this problem before it
             wall[part] += secs
-        self._problem.ahead_s = {}  # charged to this point, the problem's first to succeed
+        self._problem.ahead_s.clear()  # charged to this point, the problem's first to succeed
         sim["wall_s"] = {part: round(secs, 3) for part, secs in wall.items()}
         extra = {"plan": plan.summary(), "comm": comm, "simulation": sim}
         return measure.mask_metrics(point, mask, index, t, None, None, check.as_dict(), extra)
