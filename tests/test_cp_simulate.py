@@ -1273,7 +1273,8 @@ def test_precompiled_programs_serve_the_check_and_the_timing(
         classes = simulator._call_classes(ranks, sched, point)
         caplog.clear()
         if ahead:
-            simulator._precompile(cp_simulate.Prepared(plan, sched, ranks, classes), [])
+            prep = cp_simulate.Prepared(plan, sched, ranks, classes)
+            simulator._settle(simulator._compile([prep]), raises=True)
             assert simulator._compiled == set(classes.members)
         before = len(caplog.records)
         check, _ = check_ranks(ranks, point, mask, 0, rtol=1e-4)
@@ -1574,10 +1575,10 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
         events.append(("submit", len(out)))
         return out
 
-    def compile_next(self, preps):
+    def compile_next(self, preps, beside):
         next_compiles.set()
         try:
-            return real_next(self, preps)
+            return real_next(self, preps, beside)
         finally:
             next_compiles.clear()
 
@@ -1610,8 +1611,8 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
         first = runner.run(points[0])
         kinds = [e[0] for e in events]
         submitted = [i for i, e in enumerate(events) if e[0] == "submit" and e[1]]
-        assert len(submitted) == 2, events  # this problem's, then the next one's
-        checked = {e[1:] for e in events[submitted[1] : kinds.index("time")] if e[0] == "emulate"}
+        assert len(submitted) == 3, events  # this point's, its peers', the next problem's
+        checked = {e[1:] for e in events[submitted[2] : kinds.index("time")] if e[0] == "emulate"}
         # every point of this problem checked before a call is timed (the forward ring point
         # takes its outs from the forward+backward one's, emulating none)
         assert checked == {(cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")} - {
@@ -1631,6 +1632,65 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
         caplog.clear()
         JaxRunner().run(_two_problems((320,))[0])
         assert _step_compiles(caplog), "with no points expected, a point compiles its own"
+
+
+def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monkeypatch):
+    """At a problem's first point, its own step programs compile in the compile threads while
+    the host makes the plans of the problem's other points and of the next problem's: a
+    compile of the first point's that ends only once those plans are made ends, and the point
+    is ok."""
+    import threading
+
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_submit, real_made, real_next = (
+        simulator._submit, simulator._made_ready, simulator._next_ready
+    )  # fmt: skip
+    planned = threading.Event()  # set once the next problem's points are made ready
+    events: list[tuple] = []
+
+    class Gated:  # a compile of the first point's, ending only once the plans are made
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            events.append(("released", planned.wait(timeout=20)))
+            return self.lowered.compile()
+
+    def submit(self, lowered):
+        if not events:  # the first batch: the first point's own programs
+            events.append(("own", len(lowered)))
+            lowered = {key: Gated(low) for key, low in lowered.items()}
+        return real_submit(self, lowered)
+
+    def made_ready(self, problem, points, index):
+        made = real_made(self, problem, points, index)
+        events.append(("made ready", problem is self._problem, len(made)))
+        return made
+
+    def next_ready(self, point, index):
+        made = real_next(self, point, index)
+        planned.set()
+        return made
+
+    monkeypatch.setattr(simulator, "_submit", submit)
+    monkeypatch.setattr(simulator, "_made_ready", made_ready)
+    monkeypatch.setattr(simulator, "_next_ready", next_ready)
+    points = _two_problems()
+    runner = JaxRunner()
+    runner.expect(points)
+    assert runner.run(points[0])["check"]["ok"]
+    (own,) = [e for e in events if e[0] == "own"]
+    assert own[1] > 0, events
+    # this problem's three other points, then the next problem's four
+    assert [e for e in events if e[0] == "made ready"] == [
+        ("made ready", True, 3), ("made ready", False, 4)
+    ], events  # fmt: skip
+    released = [e[1] for e in events if e[0] == "released"]
+    assert len(released) == own[1] and all(released), events
 
 
 def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):

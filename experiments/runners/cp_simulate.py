@@ -29,7 +29,8 @@ import dataclasses
 import hashlib
 import socket
 import time
-from collections.abc import Iterable
+from collections import ChainMap
+from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -231,6 +232,15 @@ class Prepared(NamedTuple):
     classes: CallClasses
 
 
+class Compiling(NamedTuple):
+    """Step programs compiling in the compile threads (CPSimulator._compile): each point's
+    classes of calls with the compile job of each one's program, and every job by program,
+    the earlier batches' it shares included."""
+
+    owners: list[tuple[list, list]]
+    jobs: dict
+
+
 class Checked(NamedTuple):
     """A mask's check of a point (check_ranks): its result, the global ranks checked and its
     seconds in the ranks' emulation and in the rest (the float64 reference, the comparison)."""
@@ -275,7 +285,7 @@ class CPSimulator:
         compile_threads: int = COMPILE_THREADS,
     ) -> None:
         self.runner, self.ranks = runner, ranks
-        # threads compiling step programs ahead (_precompile); 0: each compiles on first use
+        # threads compiling step programs ahead (_compile); 0: each compiles on first use
         self.compile_threads = compile_threads
         if baseline_max_seqlen is None:
             baseline_max_seqlen = BASELINE_MAX_SEQLEN["gpu" if runner.on_gpu else "cpu"]
@@ -285,7 +295,7 @@ class CPSimulator:
         self._baselines: dict[str, dict] = {}
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
-        self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_precompile)
+        self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_compile)
         self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
         self._ran: set[tuple] = set()  # classes of calls timed, so their programs have run
         self._expected: list[Point] = []  # the points of the run, in order (expect)
@@ -555,13 +565,13 @@ class CPSimulator:
         return made
 
     def _lower(
-        self, preps: list[Prepared], *, first_raises: bool = True
+        self, preps: list[Prepared], *, first_raises: bool = True, skip: Container = ()
     ) -> tuple[dict, list[tuple[list, list]]]:
         """({program: lowered} to compile, [(classes, programs)] of each point that lowered) for
         the classes of the points' calls not compiled yet: each lowered in turn
-        (Ranks.lower_calls; classes that share a program once). The first point's failure
-        raises (unless first_raises is False); another's leaves its classes to compile at its
-        turn."""
+        (Ranks.lower_calls; classes that share a program, or a program in `skip`, once). The
+        first point's failure raises (unless first_raises is False); another's leaves its
+        classes to compile at its turn."""
         lowered: dict = {}
         owners: list[tuple[list, list]] = []
         for i, prep in enumerate(preps):
@@ -569,7 +579,7 @@ class CPSimulator:
             fresh = [cls for cls in members if cls not in self._compiled]
             calls = [next(iter(members[cls].values()))[0] for cls in fresh]
             try:
-                programs, new = prep.ranks.lower_calls(calls, skip=lowered)
+                programs, new = prep.ranks.lower_calls(calls, skip=ChainMap(lowered, skip))
             except Exception:  # noqa: BLE001 - a peer's error is its own, at its turn
                 if i == 0 and first_raises:
                     raise
@@ -580,34 +590,47 @@ class CPSimulator:
 
     def _submit(self, lowered: dict) -> dict:
         """{program: future} of each lowered program compiling in the compile threads (XLA
-        compiles outside the GIL, so they run side by side and beside the device's work)."""
+        compiles outside the GIL, so they run side by side, beside the host's plans and the
+        device's work)."""
         if not lowered:
             return {}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
         return {key: self._pool.submit(low.compile) for key, low in lowered.items()}
 
-    def _settle(self, jobs: dict, owners: list[tuple[list, list]]) -> set:
-        """Wait for the compile jobs; the classes whose programs compiled count as compiled.
-        The programs that failed (left to compile at their classes' turn)."""
-        failed = {key for key, job in jobs.items() if job.exception() is not None}
-        for fresh, programs in owners:
-            self._compiled.update(c for c, k in zip(fresh, programs) if k not in failed)
-        return failed
+    def _compile(
+        self,
+        preps: list[Prepared],
+        *,
+        first_raises: bool = True,
+        beside: Compiling | None = None,
+    ) -> Compiling:
+        """The classes of the points' calls that this process has not compiled yet, lowered
+        now in turn (_lower: the first point's failure raises unless first_raises is False)
+        and left compiling in the compile threads; a program that `beside` compiles already
+        is not lowered again. Nothing waits (_settle)."""
+        pending = beside.jobs if beside is not None else {}
+        if not self._compiles_ahead() or not preps:
+            return Compiling([], dict(pending))
+        lowered, owners = self._lower(preps, first_raises=first_raises, skip=pending)
+        jobs = {**pending, **self._submit(lowered)}
+        return Compiling([(fresh, [jobs[k] for k in keys]) for fresh, keys in owners], jobs)
 
-    def _precompile(self, ready: Prepared, peers: list[Prepared]) -> None:
-        """Compile one call of each class of this point's and its peers' calls that this
-        process has not compiled yet, before the check and the timed calls run them one by one:
-        lowered in turn, then compiled side by side in the compile threads (_lower, _submit).
-        This point's own failures raise; a peer's leave its classes to compile at its turn."""
-        if not self.compile_threads:
-            return
-        lowered, owners = self._lower([ready, *peers])
-        jobs = self._submit(lowered)
-        failed = self._settle(jobs, owners)
-        own = set(owners[0][1]) if owners else set()
-        if failed & own:
-            raise jobs[next(k for k in owners[0][1] if k in failed)].exception()
+    def _settle(self, compiling: Compiling, *, raises: bool = False) -> None:
+        """Wait for every compile job of `compiling`; the classes whose programs compiled count
+        as compiled, the others compile at their turn. With `raises`, the first point's first
+        failed program raises (once every job has ended)."""
+        for job in compiling.jobs.values():
+            job.exception()  # waits
+        failed = None
+        for i, (fresh, jobs) in enumerate(compiling.owners):
+            for cls, job in zip(fresh, jobs):
+                if job.exception() is None:
+                    self._compiled.add(cls)
+                elif raises and i == 0 and failed is None:
+                    failed = job.exception()
+        if failed is not None:
+            raise failed
 
     def _next_ready(self, point: Point, index: int) -> list[Prepared]:
         """The next problem's points (_next_problem) with their mask `index` made ready, kept
@@ -626,12 +649,11 @@ class CPSimulator:
             return []
         return [prep for _, prep in self._made_ready(self._next, points, index)]
 
-    def _compile_next(self, preps: list[Prepared]) -> tuple[dict, list]:
-        """(compile jobs, their owners: _settle) of the classes of the next problem's points
-        (_next_ready), lowered now and compiling in the compile threads while this problem's
-        checks run. A failure is left to the point's turn."""
-        lowered, owners = self._lower(preps, first_raises=False)
-        return self._submit(lowered), owners
+    def _compile_next(self, preps: list[Prepared], beside: Compiling) -> Compiling:
+        """The next problem's points' classes (_next_ready), lowered now and compiling in the
+        compile threads while this problem's checks run (a failure is left to the point's
+        turn)."""
+        return self._compile(preps, first_raises=False, beside=beside)
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
@@ -1092,27 +1114,36 @@ class CPSimulator:
         # plans: this point's plan seconds), and below those of the next problem (charged to
         # that problem's first point: Problem.ahead_s)
         first = self._begins_problem(index)
-        peers = self._made_ready(self._problem, self._problem_after(point), index) if first else []
-        plan, sched, ranks, classes = ready
-        itemsize = ITEMSIZES[point.dtype]
-        wall["plan"] = time.perf_counter() - start
+        plan_s = time.perf_counter() - start
         start = time.perf_counter()
-        self._precompile(ready, [prep for _, prep in peers])
-        wall["compile"] = time.perf_counter() - start
+        own = self._compile([ready])  # compiling while the plans below are made
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        peers = self._made_ready(self._problem, self._problem_after(point), index) if first else []
+        wall["plan"] = plan_s + time.perf_counter() - start
+        start = time.perf_counter()
+        this_problem = self._compile([p for _, p in peers], first_raises=False, beside=own)
+        compile_s += time.perf_counter() - start
         start = time.perf_counter()
         upcoming = self._next_ready(point, index) if first else []
         ahead = {"plan": time.perf_counter() - start}  # spent here on the next problem
         start = time.perf_counter()
-        jobs, owners = self._compile_next(upcoming)
+        next_problem = self._compile_next(upcoming, this_problem)
         ahead["compile"] = time.perf_counter() - start
+        plan, sched, ranks, classes = ready
+        itemsize = ITEMSIZES[point.dtype]
         try:
+            start = time.perf_counter()
+            self._settle(this_problem)  # this problem's programs compiled before its checks
+            self._settle(own, raises=True)
+            wall["compile"] = compile_s + time.perf_counter() - start
             done = self._check(point, mask, index, impl, ranks)
             if done.check.ok and peers:
                 ranks.drop_arrays()  # its check's arrays, before its peers' checks
                 self._check_ahead(peers, index)
         finally:
             start = time.perf_counter()
-            self._settle(jobs, owners)  # no program compiles while calls are timed
+            self._settle(next_problem)  # no program compiles while calls are timed
             ahead["compile"] += time.perf_counter() - start
             if upcoming:  # a point of several masks looks ahead once per mask: summed
                 self._next.ahead_s.update(ahead)
