@@ -1636,9 +1636,9 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
 
 def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monkeypatch):
     """At a problem's first point, its own step programs compile in the compile threads while
-    the host makes the plans of the problem's other points and of the next problem's: a
-    compile of the first point's that ends only once those plans are made ends, and the point
-    is ok."""
+    the host makes the plans of the problem's other points and of the next problem's: the
+    first point's compile jobs, held until the next problem's plans are made, do not time out
+    waiting, and the point is ok."""
     import threading
 
     from experiments.runners import cp_simulate
@@ -1691,6 +1691,100 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
     ], events  # fmt: skip
     released = [e[1] for e in events if e[0] == "released"]
     assert len(released) == own[1] and all(released), events
+
+
+def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypatch):
+    """A problem's first point whose own program fails to compile raises that failure once
+    every compile job (its peers' and the next problem's) has ended; the peers' classes count
+    as compiled, its own do not (they compile again at a next try)."""
+    from experiments.runners import cp_simulate
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_submit = simulator._submit
+    jobs: list = []
+    batches: list[int] = []
+
+    class Fails:
+        def compile(self):
+            raise RuntimeError("cannot compile this one")
+
+    def submit(self, lowered):
+        if not batches:  # the first batch: the first point's own programs
+            lowered = {key: Fails() for key in lowered}
+        batches.append(len(lowered))
+        out = real_submit(self, lowered)
+        jobs.extend(out.values())
+        return out
+
+    monkeypatch.setattr(simulator, "_submit", submit)
+    points = _two_problems()
+    runner = JaxRunner()
+    runner.expect(points)
+    with pytest.raises(RuntimeError, match="cannot compile this one"):
+        runner.run(points[0])
+    assert len(batches) == 3 and all(job.done() for job in jobs), batches  # own, peers, next
+    state = runner.simulator
+    compiled = state._compiled
+    assert set(state._problem.ready[points[1].key, 0].classes.members) <= compiled
+    own = state._prepare(state._problem, points[0], 0, state.ranks.resolve_impl(points[0], runner))
+    assert not set(own.classes.members) & compiled
+
+
+def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
+    """A problem's first point checks its points (its own and its peers') only once the
+    problem's step programs have compiled, however slowly they do: none of their compile
+    jobs is running at any emulation of the ranks."""
+    import time
+
+    from experiments.runners import cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+    from experiments.runners.jax_runner import JaxRunner
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_submit, real_emulate, real_next = (
+        simulator._submit, JaxRanks.emulate, simulator._compile_next
+    )  # fmt: skip
+    this_problem: list = []  # its compile jobs
+    running: list[bool] = []  # at each emulation: whether one of them was running
+    submitting_next = [False]
+
+    class Slow:
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            time.sleep(0.3)
+            return self.lowered.compile()
+
+    def submit(self, lowered):
+        if submitting_next[0]:
+            return real_submit(self, lowered)
+        out = real_submit(self, {key: Slow(low) for key, low in lowered.items()})
+        this_problem.extend(out.values())
+        return out
+
+    def compile_next(self, preps, beside):
+        submitting_next[0] = True
+        try:
+            return real_next(self, preps, beside)
+        finally:
+            submitting_next[0] = False
+
+    def emulate(self, r, u, rows=None):
+        running.append(not all(job.done() for job in this_problem))
+        return real_emulate(self, r, u, rows)
+
+    monkeypatch.setattr(simulator, "_submit", submit)
+    monkeypatch.setattr(simulator, "_compile_next", compile_next)
+    monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    points = _two_problems()
+    runner = JaxRunner()
+    runner.expect(points)
+    assert runner.run(points[0])["check"]["ok"]
+    assert this_problem and running and not any(running), running
 
 
 def test_checks_run_ahead_record_what_checks_at_each_turn_record(monkeypatch):

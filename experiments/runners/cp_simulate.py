@@ -30,7 +30,7 @@ import hashlib
 import socket
 import time
 from collections import ChainMap
-from collections.abc import Container, Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -233,11 +233,12 @@ class Prepared(NamedTuple):
 
 
 class Compiling(NamedTuple):
-    """Step programs compiling in the compile threads (CPSimulator._compile): each point's
-    classes of calls with the compile job of each one's program, and every job by program,
-    the earlier batches' it shares included."""
+    """Step programs compiling in the compile threads (CPSimulator._compile): per point that
+    lowered, its fresh classes of calls and the compile job of each one's program; and by
+    program every job of this batch and of the batches it was made beside, so settling it
+    waits for them all."""
 
-    owners: list[tuple[list, list]]
+    per_point: list[tuple[list, list]]
     jobs: dict
 
 
@@ -565,7 +566,7 @@ class CPSimulator:
         return made
 
     def _lower(
-        self, preps: list[Prepared], *, first_raises: bool = True, skip: Container = ()
+        self, preps: list[Prepared], *, first_raises: bool = True, skip: Mapping | None = None
     ) -> tuple[dict, list[tuple[list, list]]]:
         """({program: lowered} to compile, [(classes, programs)] of each point that lowered) for
         the classes of the points' calls not compiled yet: each lowered in turn
@@ -579,7 +580,7 @@ class CPSimulator:
             fresh = [cls for cls in members if cls not in self._compiled]
             calls = [next(iter(members[cls].values()))[0] for cls in fresh]
             try:
-                programs, new = prep.ranks.lower_calls(calls, skip=ChainMap(lowered, skip))
+                programs, new = prep.ranks.lower_calls(calls, skip=ChainMap(lowered, skip or {}))
             except Exception:  # noqa: BLE001 - a peer's error is its own, at its turn
                 if i == 0 and first_raises:
                     raise
@@ -608,7 +609,8 @@ class CPSimulator:
         """The classes of the points' calls that this process has not compiled yet, lowered
         now in turn (_lower: the first point's failure raises unless first_raises is False)
         and left compiling in the compile threads; a program that `beside` compiles already
-        is not lowered again. Nothing waits (_settle)."""
+        is not lowered again. Nothing waits: the result holds `beside`'s jobs too, so settling
+        it (_settle) waits for every job in flight."""
         pending = beside.jobs if beside is not None else {}
         if not self._compiles_ahead() or not preps:
             return Compiling([], dict(pending))
@@ -623,7 +625,7 @@ class CPSimulator:
         for job in compiling.jobs.values():
             job.exception()  # waits
         failed = None
-        for i, (fresh, jobs) in enumerate(compiling.owners):
+        for i, (fresh, jobs) in enumerate(compiling.per_point):
             for cls, job in zip(fresh, jobs):
                 if job.exception() is None:
                     self._compiled.add(cls)
@@ -1116,37 +1118,44 @@ class CPSimulator:
         first = self._begins_problem(index)
         plan_s = time.perf_counter() - start
         start = time.perf_counter()
-        own = self._compile([ready])  # compiling while the plans below are made
+        # compiling while the plans below are made; every job in flight is waited for before
+        # any call is timed (each batch holds the jobs of those it was made beside)
+        in_flight = own_jobs = self._compile([ready])
         compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        peers = self._made_ready(self._problem, self._problem_after(point), index) if first else []
-        wall["plan"] = plan_s + time.perf_counter() - start
-        start = time.perf_counter()
-        this_problem = self._compile([p for _, p in peers], first_raises=False, beside=own)
-        compile_s += time.perf_counter() - start
-        start = time.perf_counter()
-        upcoming = self._next_ready(point, index) if first else []
-        ahead = {"plan": time.perf_counter() - start}  # spent here on the next problem
-        start = time.perf_counter()
-        next_problem = self._compile_next(upcoming, this_problem)
-        ahead["compile"] = time.perf_counter() - start
-        plan, sched, ranks, classes = ready
-        itemsize = ITEMSIZES[point.dtype]
+        upcoming: list[Prepared] = []
         try:
             start = time.perf_counter()
-            self._settle(this_problem)  # this problem's programs compiled before its checks
-            self._settle(own, raises=True)
+            peers = (
+                self._made_ready(self._problem, self._problem_after(point), index) if first else []
+            )
+            wall["plan"] = plan_s + time.perf_counter() - start
+            start = time.perf_counter()
+            in_flight = peer_jobs = self._compile(
+                [p for _, p in peers], first_raises=False, beside=own_jobs
+            )
+            compile_s += time.perf_counter() - start
+            start = time.perf_counter()
+            upcoming = self._next_ready(point, index) if first else []
+            ahead = {"plan": time.perf_counter() - start}  # spent here on the next problem
+            start = time.perf_counter()
+            in_flight = self._compile_next(upcoming, peer_jobs)
+            ahead["compile"] = time.perf_counter() - start
+            start = time.perf_counter()
+            self._settle(peer_jobs)  # this problem's programs compiled before its checks
+            self._settle(own_jobs, raises=True)
             wall["compile"] = compile_s + time.perf_counter() - start
-            done = self._check(point, mask, index, impl, ranks)
+            done = self._check(point, mask, index, impl, ready.ranks)
             if done.check.ok and peers:
-                ranks.drop_arrays()  # its check's arrays, before its peers' checks
+                ready.ranks.drop_arrays()  # its check's arrays, before its peers' checks
                 self._check_ahead(peers, index)
         finally:
             start = time.perf_counter()
-            self._settle(next_problem)  # no program compiles while calls are timed
-            ahead["compile"] += time.perf_counter() - start
+            self._settle(in_flight)  # no program compiles while calls are timed
             if upcoming:  # a point of several masks looks ahead once per mask: summed
+                ahead["compile"] += time.perf_counter() - start
                 self._next.ahead_s.update(ahead)
+        plan, sched, ranks, classes = ready
+        itemsize = ITEMSIZES[point.dtype]
         wall["emulate"] = done.emulate_s  # the check's runs of the ranks
         wall["reference"] = done.reference_s
         check, checked = done.check, done.ranks
