@@ -4,6 +4,7 @@ float64 oracle, plus a GPU-marked run of the real lowering."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -88,27 +89,36 @@ MASKS = {
 SHARED = dict(zip(MASKS, _shared_arrays(list(MASKS.values()), SMALL.tiles)))
 
 
+GQA_KW = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL)
+
+
+@pytest.fixture(scope="module")
+def full_mask_ran() -> None:
+    """The full mask's call, checked, once in this process: its program is compiled."""
+    _check(MASKS["full"], SHARED["full"], **GQA_KW)
+
+
 @interpreted
 @pytest.mark.parametrize("name", list(MASKS))
-def test_masks_gqa_interpret(name: str) -> None:
+def test_masks_gqa_interpret(name: str, full_mask_ran: None) -> None:
     """Every mask kind, GQA 2:1, through one compiled program (masks are runtime inputs): after
-    the full mask's call, this mask's call compiles nothing new (whatever this process ran
-    before)."""
-    kw = dict(b=1, hq=2, hkv=1, d=64, dtype=jnp.bfloat16, config=SMALL)
-    _check(MASKS["full"], SHARED["full"], **kw)
+    the full mask's call (full_mask_ran), this mask's call compiles nothing new (whatever this
+    process ran before)."""
     programs = mosaic_api._attention_jit._cache_size()
-    _check(MASKS[name], SHARED[name], **kw)
+    _check(MASKS[name], SHARED[name], **GQA_KW)
     assert mosaic_api._attention_jit._cache_size() == programs
 
 
 @interpreted
-@pytest.mark.parametrize("raw_score_max", [False, True])
-@pytest.mark.parametrize("scale", [-0.125, 0.0, 8.0])
+@pytest.mark.parametrize(
+    "scale, raw_score_max", [(-0.125, True), (0.0, True), (8.0, False), (8.0, True)]
+)
 def test_scales_of_every_sign(scale: float, raw_score_max: bool) -> None:
     """Negative, zero and a sharp positive scale, on masked and unmasked tiles, with the row
     max of scaled scores and of raw ones (raw_score_max: the max scaled once per row, for a
-    scale > 0; a scale <= 0 keeps the scaled order). At scale 8 an unscaled max would leave
-    exponents past float32's range."""
+    scale > 0; a scale <= 0 keeps the scaled order, so there raw_score_max=False is the same
+    kernel as the default True, which is the one run: a raw max taken by mistake shows). At
+    scale 8 an unscaled max would leave exponents past float32's range."""
     kv = SHARED["causal"].kv
     full, count = np.asarray(kv.full).astype(bool), np.asarray(kv.count)
     kinds = full[np.arange(full.shape[-1]) < count[..., None]]
@@ -196,9 +206,9 @@ def test_operands_of_a_closed_over_mask_leave_the_program() -> None:
     config = dataclasses.replace(
         SMALL, persistent_fwd=True, late_q_prefetch=True, early_scalar_loads=True
     )
-    mask = make_mask("causal_document", 320, seed=5)
+    mask = make_mask("causal_document", 192, seed=5)  # 3 q tiles x 4 heads: 12 items, 5 CTAs
     arrays = prepare_mask(mask, *config.tiles)
-    (q, k, v), (q64, k64, v64) = _inputs(9, 1, 320, 320, 4, 2, 64, jnp.bfloat16)
+    (q, k, v), (q64, k64, v64) = _inputs(9, 1, 192, 192, 4, 2, 64, jnp.bfloat16)
     dout = np.random.default_rng(10).standard_normal(q.shape)
     scale = 64**-0.5
     ref = reference_attention(q64, k64, v64, mask, scale=scale, dout=dout)
@@ -210,11 +220,11 @@ def test_operands_of_a_closed_over_mask_leave_the_program() -> None:
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
-    closed = jax.jit(lambda q, k, v: out_and_grads(q, k, v, arrays))
-    passed = jax.jit(out_and_grads)
-    assert "stablehlo.sort" not in closed.lower(q, k, v).as_text()
-    assert "stablehlo.sort" in passed.lower(q, k, v, arrays).as_text()
-    for grads, out in (closed(q, k, v), passed(q, k, v, arrays)):
+    closed = jax.jit(lambda q, k, v: out_and_grads(q, k, v, arrays)).lower(q, k, v)
+    passed = jax.jit(out_and_grads).lower(q, k, v, arrays)
+    assert "stablehlo.sort" not in closed.as_text()
+    assert "stablehlo.sort" in passed.as_text()
+    for grads, out in (closed.compile()(q, k, v), passed.compile()(q, k, v, arrays)):
         got = np.asarray(out.astype(jnp.float32), np.float64)
         assert np.isfinite(got).all(), "unwritten (NaN) output"
         err = np.abs(got - ref.out).max() / np.abs(ref.out).max()
@@ -301,7 +311,9 @@ def test_forward_smem_count_is_mosaic_gpus() -> None:
         arrays = prepare_mask(masks[(i // 2) % len(masks)], *config.tiles)
         q = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
         static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
-        operands = mask_operands(q, q, arrays, config=config)
+        # The operands' shapes and dtypes (the program's input types) without computing them:
+        # the lowering traces them as inputs, so only their types matter.
+        operands = jax.eval_shape(functools.partial(mask_operands, config=config), q, q, arrays)
         forward = jax.jit(mosaic_api._attention_jit, static_argnums=4)
         with core.artificial_shared_memory_limit(0):
             with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
@@ -400,13 +412,14 @@ def test_forward_and_backward_lower_for_hopper(
     q = jnp.zeros((1, 1024, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 1024, 2, d), jnp.bfloat16)
     static = mosaic_api._Static(scale=0.1, config=config, interpret=False)
-    operands = mask_operands(q, k, arrays, config=config)
+    # the operands as inputs of their types, not computed: the kernels lower the same
+    operands = jax.eval_shape(functools.partial(mask_operands, config=config), q, k, arrays)
 
-    def loss(q, k, v):
+    def loss(q, k, v, operands):
         out = mosaic_api._attention_jit(q, k, v, (arrays, operands), static)[0]
         return out.astype(jnp.float32).sum()
 
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k)
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, operands)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("mosaic_flash_fwd", "mosaic_flash_dkv", "mosaic_flash_dq"):
         assert kernel in text, kernel

@@ -100,10 +100,12 @@ CASES = {
     "gaps_sq_ne_sk": dict(mask=_slices_with_gaps(), hq=2, hkv=2),
     "random_slices_fp16": dict(mask=random_slices(5, 192, 160), dtype=jnp.float16),
 }
-# three 256-key tiles (the last one ragged) with documents ending inside them
+# two 256-key tiles, the last one ragged (44 keys: one 128-key CTA of it partly filled, the
+# other empty), documents ending inside both (at 134 and 300)
 WS_ONLY_CASES = {
-    "causal_document_600": dict(mask=make_mask("causal_document", 600, seed=4), hq=2, hkv=1),
-    "share_question_gqa4": dict(mask=make_mask("share_question", 320), hq=4, hkv=1),
+    "causal_document_300": dict(mask=make_mask("causal_document", 300, seed=4), hq=2, hkv=1),
+    # two 128-key tiles, the last one ragged (64 keys: one consumer warpgroup's half empty)
+    "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -158,7 +160,7 @@ WARP_SPECIALISED = {
     # 256-key mask tiles (the D=64 default): each 128-key CTA walks its mask tile's q list
     "ws_both_256_key_tiles": (
         KernelConfig(block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128),
-        "causal_document_600",
+        "causal_document_300",
     ),
     # the D=64 default on masks with few partial tiles: 128 q rows a dK/dV step (one step a
     # 128-row mask tile; these small masks have many, so the rows are set here)
@@ -168,14 +170,14 @@ WARP_SPECIALISED = {
     ),
     "ws_d64_rows128_unsplit": (
         dataclasses.replace(default_config(64, jnp.bfloat16), block_q_dkv=128, dkv_head_split=1),
-        "causal_document_600",
+        "causal_document_300",
     ),
     "ws_d64_rows128_intervals": (
         dataclasses.replace(default_config(64, jnp.bfloat16), block_q_dkv=128),
         "random_slices_fp16",
     ),
     # the D=64 default as it is: 64 rows a dK/dV step on a mask of many partial tiles
-    "ws_d64_default_documents": (default_config(64, jnp.bfloat16), "causal_document_600"),
+    "ws_d64_default_documents": (default_config(64, jnp.bfloat16), "causal_document_300"),
     # each (key tile, kv head) split over two CTAs walking half of the GQA group each, their
     # fp32 partial dK, dV summed after the kernel
     "ws_head_split_ragged_fp16": (
@@ -191,7 +193,7 @@ WARP_SPECIALISED = {
         KernelConfig(
             block_k=256, bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2
         ),
-        "causal_document_600",
+        "causal_document_300",
     ),
     "fused_overlap_ragged_fp16": (
         KernelConfig(fused_bwd=True, bwd_overlap=True),

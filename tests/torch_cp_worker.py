@@ -4,7 +4,8 @@ Launched by the test as plain processes with torchrun's variables (RANK, WORLD_S
 MASTER_ADDR, MASTER_PORT), gloo on CPU. Imports only torch, numpy, attn_masks, torch_attn and
 shard_strategies (never jax: forking or starting after a jax import can deadlock). Each rank
 checks its own global out/lse/dq/dk/dv against the float64 oracle and its sent bytes against
-the plan, so a rank that ends up with wrong gradients is caught too.
+the plan, so a rank that ends up with wrong gradients is caught too. Each case's oracle is
+computed once, by one rank, and read by all (share_oracles).
 """
 
 from __future__ import annotations
@@ -259,8 +260,30 @@ def _forward(case: Case, mask: Mask, leaves: list[torch.Tensor], group):
     )
 
 
-def run_case(case: Case, seed: int, group) -> dict:
-    """Run one case on this rank: errors vs the oracle, sent bytes vs the plan."""
+def _oracle_path(index: int) -> str:
+    """Where share_oracles saves case `index`'s float64 oracle for every rank to read."""
+    return os.path.join(os.environ["CP_TEST_OUT"], f"oracle{index}.npz")
+
+
+def share_oracles(todo: list[tuple[int, Case]], seed: int, rank: int, world: int) -> None:
+    """Compute the float64 oracle of every world-th case (the inputs and the mask are the same on
+    every rank, so so is the oracle) into CP_TEST_OUT, then wait for the other ranks' share: each
+    oracle is computed once instead of on every rank. A case whose oracle fails here is left to
+    run_case, which computes it again and reports the exception."""
+    for index, case in todo[rank::world]:
+        try:
+            mask = build_mask(case.mask_name, seed + index)
+            ref = _oracle(case, mask, *_inputs(case, seed + index))
+        except Exception:
+            continue
+        np.savez(_oracle_path(index) + ".tmp.npz", **ref)
+        os.replace(_oracle_path(index) + ".tmp.npz", _oracle_path(index))
+    dist.barrier()
+
+
+def run_case(case: Case, seed: int, group, index: int | None = None) -> dict:
+    """Run one case on this rank: errors vs the oracle (the one share_oracles saved for case
+    `index`, if any), sent bytes vs the plan."""
     mask = build_mask(case.mask_name, seed)
     q, k, v, dout, dlse = _inputs(case, seed)
     dtype = getattr(torch, case.dtype)
@@ -275,7 +298,12 @@ def run_case(case: Case, seed: int, group) -> dict:
     got = {"out": out, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     if lse is not None:
         got["lse"] = lse
-    ref = _oracle(case, mask, q, k, v, dout, dlse)
+    path = None if index is None else _oracle_path(index)
+    if path is not None and os.path.exists(path):
+        with np.load(path) as saved:
+            ref = dict(saved)
+    else:
+        ref = _oracle(case, mask, q, k, v, dout, dlse)
     errors = {key: _error(t.detach().double().numpy(), ref[key]) for key, t in got.items()}
     return {
         "errors": errors,
@@ -307,13 +335,15 @@ def main() -> None:
         "copy": dist.new_group(list(range(4))),
         "pair": dist.new_group(list(SUBGROUP)),
     }
+    todo = [(i, case) for i, case in enumerate(cases()) if only in case.name]
+    share_oracles(todo, seed, rank, dist.get_world_size())
     path = os.path.join(os.environ["CP_TEST_OUT"], f"rank{rank}.jsonl")
     with open(path, "w") as f:
-        for i, case in enumerate(cases()):
-            if only not in case.name or (case.group == "pair" and rank not in SUBGROUP):
+        for i, case in todo:
+            if case.group == "pair" and rank not in SUBGROUP:
                 continue
             try:
-                rec = run_case(case, seed + i, groups[case.group])
+                rec = run_case(case, seed + i, groups[case.group], i)
             except Exception:
                 rec = {"exception": traceback.format_exc()}
             f.write(json.dumps({"case": case.name, "rank": rank, **rec}) + "\n")
