@@ -1499,7 +1499,6 @@ def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
     """A problem's first point compiles its peers' programs, but a peer whose programs cannot
     be made fails at its own turn, into its own record: the first point is ok."""
     from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     real = JaxRanks.lower_calls
@@ -1514,11 +1513,19 @@ def test_a_peer_that_cannot_compile_fails_at_its_own_turn(monkeypatch):
         _point(cp, 4, "fwd", sim.LinkModel(), layout="zigzag", seqlen=160)
         for cp in ("ring", "allgather")
     ]
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     assert runner.run(points[0])["check"]["ok"]
     with pytest.raises(RuntimeError, match="cannot lower this one"):
         runner.run(points[1])
+
+
+def _expecting(points: list):
+    """A JAX runner told the run's points (expect), so it works ahead of them."""
+    from experiments.runners.jax_runner import JaxRunner
+
+    runner = JaxRunner()
+    runner.expect(points)
+    return runner
 
 
 def _two_problems(seqlens=(256, 384)) -> list:
@@ -1642,7 +1649,6 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
     import threading
 
     from experiments.runners import cp_simulate
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
@@ -1680,8 +1686,7 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
     monkeypatch.setattr(simulator, "_made_ready", made_ready)
     monkeypatch.setattr(simulator, "_next_ready", next_ready)
     points = _two_problems()
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     assert runner.run(points[0])["check"]["ok"]
     (own,) = [e for e in events if e[0] == "own"]
     assert own[1] > 0, events
@@ -1698,7 +1703,6 @@ def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypat
     every compile job (its peers' and the next problem's) has ended; the peers' classes count
     as compiled, its own do not (they compile again at a next try)."""
     from experiments.runners import cp_simulate
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
@@ -1720,8 +1724,7 @@ def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypat
 
     monkeypatch.setattr(simulator, "_submit", submit)
     points = _two_problems()
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     with pytest.raises(RuntimeError, match="cannot compile this one"):
         runner.run(points[0])
     assert len(batches) == 3 and all(job.done() for job in jobs), batches  # own, peers, next
@@ -1740,7 +1743,6 @@ def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
 
     from experiments.runners import cp_simulate
     from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
@@ -1781,8 +1783,7 @@ def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
     monkeypatch.setattr(simulator, "_compile_next", compile_next)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     points = _two_problems()
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     assert runner.run(points[0])["check"]["ok"]
     assert this_problem and running and not any(running), running
 
@@ -1827,7 +1828,6 @@ def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
 
     from experiments.core.outcomes import ERROR, WRONG, PointFailure
     from experiments.runners import cp_simulate
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     real = cp_simulate.check_ranks
@@ -1845,8 +1845,7 @@ def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
 
     monkeypatch.setattr(cp_simulate, "check_ranks", flawed)
     points = _two_problems((256,))  # allgather fwd_bwd, ring fwd_bwd, allgather fwd, ring fwd
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     assert runner.run(points[0])["check"]["ok"]
     assert set(runner.simulator._problem.checked) == {(p.key, 0) for p in points[1:3]}
     with pytest.raises(PointFailure) as wrong:
@@ -1859,8 +1858,7 @@ def test_a_peer_whose_check_fails_ahead_fails_at_its_own_turn(monkeypatch):
     assert checked == [p.key for p in points]  # each once, the last at its own turn
 
     raised[0] = "CUDA_ERROR_ILLEGAL_ADDRESS: the device is gone"
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     with pytest.raises(PointFailure) as fault:
         runner.run(points[0])
     assert "CUDA_ERROR_ILLEGAL_ADDRESS" in fault.value.reason
@@ -1893,7 +1891,6 @@ def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypat
     import time
 
     from experiments.runners import cp_simulate
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     real = cp_simulate.CPSimulator._next_ready
@@ -1904,8 +1901,7 @@ def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypat
 
     monkeypatch.setattr(cp_simulate.CPSimulator, "_next_ready", slow_next_ready)
     points = [dataclasses.replace(p, num_masks=2) for p in _two_problems()]
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     runner.run(points[0])
     assert runner.simulator._next.ahead_s["plan"] >= 0.4  # both masks' lookahead
     for p in points[1:4]:
@@ -1919,7 +1915,6 @@ def test_a_plan_that_cannot_be_made_is_asked_once_per_problem(monkeypatch):
     asked for once per problem, not again at each point or when made ready ahead."""
     from experiments.core.outcomes import UNSUPPORTED, PointFailure
     from experiments.runners.cp_ranks_jax import JaxRanks
-    from experiments.runners.jax_runner import JaxRunner
 
     _row_checks_and_constant_timing(monkeypatch)
     real, asked = JaxRanks.executor_plan, []
@@ -1932,8 +1927,7 @@ def test_a_plan_that_cannot_be_made_is_asked_once_per_problem(monkeypatch):
 
     monkeypatch.setattr(JaxRanks, "executor_plan", staticmethod(refused))
     points = _two_problems()
-    runner = JaxRunner()
-    runner.expect(points)
+    runner = _expecting(points)
     for p in points:
         if p.cp == "ring":
             with pytest.raises(PointFailure) as e:
