@@ -1541,12 +1541,12 @@ def _two_problems(seqlens=(256, 384)) -> list:
 
 
 def test_the_next_problems_programs_compile_while_this_problems_checks_run(monkeypatch, caplog):
-    """At a problem's first point, the next problem's step programs are submitted to the
-    compile threads before this problem's peers are checked (their checks run then, before any
-    call is timed), and every one of them has compiled before the first call is timed: no
-    compile job runs while calls are timed, and the next problem's points compile nothing of
-    their own. Without it (no points expected) the next problem's first point compiles its
-    own."""
+    """At a problem's first point, the next problem's step programs compile in the compile
+    threads beside this problem's checks (the checks here wait until they are submitted, from
+    the planner thread: every check of the problem runs before any call is timed), and every
+    one of them has compiled before the first call is timed: no compile job runs while calls
+    are timed, and the next problem's points compile nothing of their own. Without it (no
+    points expected) the next problem's first point compiles its own."""
     import threading
     import time
 
@@ -1564,6 +1564,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     real_next, real_ahead = simulator._compile_next, simulator._check_ahead
     checked_ahead = threading.Event()
     next_compiles = threading.Event()  # set while the next problem's jobs are submitted
+    next_submitted = threading.Event()
 
     class Slow:  # a compile that outlasts the checks beside it, whatever their speed
         def __init__(self, lowered):
@@ -1588,12 +1589,14 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
             return real_next(self, preps, beside)
         finally:
             next_compiles.clear()
+            next_submitted.set()
 
     def check_ahead(self, peers, index):
         real_ahead(self, peers, index)
         checked_ahead.set()
 
     def emulate(self, r, u, rows=None):
+        assert next_submitted.wait(timeout=30), "the next problem's programs never submitted"
         events.append(("emulate", self.plan.strategy, self.mode))
         compiling.append(not all(job.done() for job in jobs))
         return real_emulate(self, r, u, rows)
@@ -1696,6 +1699,38 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
     ], events  # fmt: skip
     released = [e[1] for e in events if e[0] == "released"]
     assert len(released) == own[1] and all(released), events
+
+
+def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeypatch):
+    """At a problem's first point, the next problem's points are made ready (plans, classes of
+    calls) in the planner thread while this problem's checks run: each lookahead, held until a
+    check has begun, does not time out waiting, and every point is ok."""
+    import threading
+
+    from experiments.runners import cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_next, real_emulate = simulator._next_ready, JaxRanks.emulate
+    checking = threading.Event()  # set once a check runs a rank
+    released: list[bool] = []
+
+    def next_ready(self, point, index):
+        released.append(checking.wait(timeout=20))
+        return real_next(self, point, index)
+
+    def emulate(self, r, u, rows=None):
+        checking.set()
+        return real_emulate(self, r, u, rows)
+
+    monkeypatch.setattr(simulator, "_next_ready", next_ready)
+    monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    points = _two_problems()
+    runner = _expecting(points)
+    results = [runner.run(p) for p in points]
+    assert released == [True, True], released  # each problem's first point looks ahead
+    assert all(r["check"]["ok"] for r in results), [r["status"] for r in results]
 
 
 def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypatch):
@@ -1885,21 +1920,32 @@ def test_no_work_ahead_near_the_end_of_the_time_budget(monkeypatch):
 
 
 def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypatch):
-    """A point of several masks looks ahead once per mask: the next problem's plan seconds of
-    each add up, and its first point's record carries them."""
+    """A point of several masks looks ahead once per mask: the seconds it waited for the next
+    problem's plans past its checks (here each mask's plans end 0.2 s after its checks) add
+    up, and the next problem's first point's record carries them."""
     import dataclasses
     import time
 
     from experiments.runners import cp_simulate
 
     _row_checks_and_constant_timing(monkeypatch)
-    real = cp_simulate.CPSimulator._next_ready
+    simulator = cp_simulate.CPSimulator
+    real, real_ahead = simulator._next_ready, simulator._check_ahead
+    checked = [0]  # masks whose checks ran
+
+    def check_ahead(self, peers, index):
+        real_ahead(self, peers, index)
+        checked[0] += 1
 
     def slow_next_ready(self, point, index):
+        deadline = time.monotonic() + 30
+        while checked[0] <= index and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(0.2)
         return real(self, point, index)
 
-    monkeypatch.setattr(cp_simulate.CPSimulator, "_next_ready", slow_next_ready)
+    monkeypatch.setattr(simulator, "_check_ahead", check_ahead)
+    monkeypatch.setattr(simulator, "_next_ready", slow_next_ready)
     points = [dataclasses.replace(p, num_masks=2) for p in _two_problems()]
     runner = _expecting(points)
     runner.run(points[0])

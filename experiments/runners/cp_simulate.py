@@ -31,7 +31,7 @@ import socket
 import time
 from collections import ChainMap
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -266,7 +266,8 @@ class Problem:
     ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
     checked: dict[tuple, Checked | PointFailure] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
-    # plan and compile seconds the previous problem's first point spent on this one, charged
+    # the seconds the previous problem's first point waited for this one (its plans and
+    # lowering, made beside that point's checks, past them; its compiles past those), charged
     # to this problem's first point
     ahead_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -298,6 +299,7 @@ class CPSimulator:
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_compile)
         self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
+        self._planner: ThreadPoolExecutor | None = None  # makes the next problem ready (_ahead)
         self._ran: set[tuple] = set()  # classes of calls timed, so their programs have run
         self._expected: list[Point] = []  # the points of the run, in order (expect)
         self._position: dict[str, int] = {}  # a point's index in _expected
@@ -595,9 +597,14 @@ class CPSimulator:
         device's work)."""
         if not lowered:
             return {}
+        return {key: self._compile_pool().submit(low.compile) for key, low in lowered.items()}
+
+    def _compile_pool(self) -> ThreadPoolExecutor:
+        """The compile threads, made on first use (by the main thread: _ahead makes them
+        before its planner thread can submit)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
-        return {key: self._pool.submit(low.compile) for key, low in lowered.items()}
+        return self._pool
 
     def _compile(
         self,
@@ -656,6 +663,21 @@ class CPSimulator:
         compile threads while this problem's checks run (a failure is left to the point's
         turn)."""
         return self._compile(preps, first_raises=False, beside=beside)
+
+    def _ahead(self, point: Point, index: int, beside: Compiling) -> Future:
+        """The next problem's points made ready (_next_ready) and their programs compiling
+        (_compile_next, beside `beside`'s jobs), in the planner thread while this problem's
+        checks run: host work beside device work (the checks' runs wait on the device outside
+        the GIL). Its result: (the points made ready, every compile job in flight)."""
+        self._compile_pool()
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(1, "planner")
+
+        def made_ready() -> tuple[list[Prepared], Compiling]:
+            upcoming = self._next_ready(point, index)
+            return upcoming, self._compile_next(upcoming, beside)
+
+        return self._planner.submit(made_ready)
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
@@ -1123,6 +1145,7 @@ class CPSimulator:
         in_flight = own_jobs = self._compile([ready])
         compile_s = time.perf_counter() - start
         upcoming: list[Prepared] = []
+        planning: Future | None = None
         try:
             start = time.perf_counter()
             peers = (
@@ -1134,12 +1157,8 @@ class CPSimulator:
                 [p for _, p in peers], first_raises=False, beside=own_jobs
             )
             compile_s += time.perf_counter() - start
-            start = time.perf_counter()
-            upcoming = self._next_ready(point, index) if first else []
-            ahead = {"plan": time.perf_counter() - start}  # spent here on the next problem
-            start = time.perf_counter()
-            in_flight = self._compile_next(upcoming, peer_jobs)
-            ahead["compile"] = time.perf_counter() - start
+            # the next problem made ready in the planner thread while this one's checks run
+            planning = self._ahead(point, index, peer_jobs) if first else None
             start = time.perf_counter()
             self._settle(peer_jobs)  # this problem's programs compiled before its checks
             self._settle(own_jobs, raises=True)
@@ -1150,9 +1169,15 @@ class CPSimulator:
                 self._check_ahead(peers, index)
         finally:
             start = time.perf_counter()
-            self._settle(in_flight)  # no program compiles while calls are timed
+            try:  # what the planner thread's plans and lowering outlast the checks by
+                if planning is not None:
+                    upcoming, in_flight = planning.result()
+            finally:
+                ahead = {"plan": time.perf_counter() - start}  # waited here for the next problem
+                start = time.perf_counter()
+                self._settle(in_flight)  # no program compiles while calls are timed
             if upcoming:  # a point of several masks looks ahead once per mask: summed
-                ahead["compile"] += time.perf_counter() - start
+                ahead["compile"] = time.perf_counter() - start
                 self._next.ahead_s.update(ahead)
         plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
