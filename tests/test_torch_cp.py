@@ -13,6 +13,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 from gloo_ranks import launch
 
 WORLD = 4
@@ -71,6 +72,22 @@ def test_workers_run_every_layout_of_the_project():
 
     assert torch_cp_worker.LAYOUTS is shard_strategies.LAYOUTS
     assert {case.layout for case in torch_cp_worker.cases()} == set(shard_strategies.LAYOUTS)
+
+
+def test_workers_leave_out_only_generators_that_build_another_ones_masks():
+    """The generators the workers skip build, from the document lengths the workers give, the
+    same slices as the generator that runs in their place (only the name differs)."""
+    import torch_cp_worker
+
+    from attn_masks import MASK_NAMES
+
+    assert set(torch_cp_worker.GENERATORS) | set(torch_cp_worker.SAME_AS) == set(MASK_NAMES)
+    for seed in range(5):
+        for skipped, kept in torch_cp_worker.SAME_AS.items():
+            a, b = (torch_cp_worker.build_mask(name, seed) for name in (skipped, kept))
+            assert a.name == skipped and (a.seqlen_q, a.seqlen_k) == (b.seqlen_q, b.seqlen_k)
+            for x, y in zip(a.slices, b.slices):
+                np.testing.assert_array_equal(x, y, err_msg=f"{skipped}, seed {seed}")
 
 
 def test_torch_cp_against_the_oracle_and_the_plan(tmp_path):
