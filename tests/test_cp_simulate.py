@@ -1541,12 +1541,13 @@ def _two_problems(seqlens=(256, 384)) -> list:
 
 
 def test_the_next_problems_programs_compile_while_this_problems_checks_run(monkeypatch, caplog):
-    """At a problem's first point, the next problem's step programs compile in the compile
-    threads beside this problem's checks (the checks here wait until they are submitted, from
-    the planner thread: every check of the problem runs before any call is timed), and every
-    one of them has compiled before the first call is timed: no compile job runs while calls
-    are timed, and the next problem's points compile nothing of their own. Without it (no
-    points expected) the next problem's first point compiles its own."""
+    """At a problem's first point, the next problem's step programs, lowered between two of this
+    problem's checks once the planner thread has made its points ready (here the checks wait
+    for that), compile in the compile threads beside the later checks (every check of the
+    problem runs before any call is timed), and every one of them has compiled before the
+    first call is timed: no compile job runs while calls are timed, and the next problem's
+    points compile nothing of their own. Without it (no points expected) the next problem's
+    first point compiles its own."""
     import threading
     import time
 
@@ -1562,9 +1563,10 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     simulator = cp_simulate.CPSimulator
     real_submit, real_emulate = simulator._submit, JaxRanks.emulate
     real_next, real_ahead = simulator._compile_next, simulator._check_ahead
+    real_next_ready = simulator._next_ready
     checked_ahead = threading.Event()
     next_compiles = threading.Event()  # set while the next problem's jobs are submitted
-    next_submitted = threading.Event()
+    planned = threading.Event()  # set once the planner has made the next problem's points
 
     class Slow:  # a compile that outlasts the checks beside it, whatever their speed
         def __init__(self, lowered):
@@ -1589,14 +1591,19 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
             return real_next(self, preps, beside)
         finally:
             next_compiles.clear()
-            next_submitted.set()
 
-    def check_ahead(self, peers, index):
-        real_ahead(self, peers, index)
+    def next_ready(self, point, index):
+        try:
+            return real_next_ready(self, point, index)
+        finally:
+            planned.set()
+
+    def check_ahead(self, peers, index, between):
+        real_ahead(self, peers, index, between)
         checked_ahead.set()
 
     def emulate(self, r, u, rows=None):
-        assert next_submitted.wait(timeout=30), "the next problem's programs never submitted"
+        assert planned.wait(timeout=120), "the next problem's points never made ready"
         events.append(("emulate", self.plan.strategy, self.mode))
         compiling.append(not all(job.done() for job in jobs))
         return real_emulate(self, r, u, rows)
@@ -1612,6 +1619,7 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     monkeypatch.setattr(simulator, "_submit", submit)
     monkeypatch.setattr(simulator, "_compile_next", compile_next)
     monkeypatch.setattr(simulator, "_check_ahead", check_ahead)
+    monkeypatch.setattr(simulator, "_next_ready", next_ready)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", timed)
     with _compiles_logged(caplog):
@@ -1622,12 +1630,14 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
         kinds = [e[0] for e in events]
         submitted = [i for i, e in enumerate(events) if e[0] == "submit" and e[1]]
         assert len(submitted) == 3, events  # this point's, its peers', the next problem's
-        checked = {e[1:] for e in events[submitted[2] : kinds.index("time")] if e[0] == "emulate"}
+        checks = [i for i, e in enumerate(events[: kinds.index("time")]) if e[0] == "emulate"]
         # every point of this problem checked before a call is timed (the forward ring point
-        # takes its outs from the forward+backward one's, emulating none)
-        assert checked == {(cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")} - {
-            ("ring", "fwd")
-        }, events
+        # takes its outs from the forward+backward one's, emulating none), some after the next
+        # problem's programs were submitted
+        assert {events[i][1:] for i in checks} == {
+            (cp, m) for cp in ("ring", "allgather") for m in ("fwd_bwd", "fwd")
+        } - {("ring", "fwd")}, events
+        assert submitted[2] < checks[-1], events
         assert any(compiling), "no check ran beside the next problem's compilation"
         # the next problem's compile seconds spent here (its slow compiles) are charged to
         # the next problem's first point
@@ -1704,7 +1714,8 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
 def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeypatch):
     """At a problem's first point, the next problem's points are made ready (plans, classes of
     calls) in the planner thread while this problem's checks run: each lookahead, held until a
-    check has begun, does not time out waiting, and every point is ok."""
+    check has begun, does not time out waiting, and every point is ok. Their programs are
+    lowered between checks, never during one (lowering draws inputs on the device)."""
     import threading
 
     from experiments.runners import cp_simulate
@@ -1713,11 +1724,25 @@ def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeyp
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
     real_next, real_emulate = simulator._next_ready, JaxRanks.emulate
+    real_check, real_lower = simulator._check, JaxRanks.lower_calls
     checking = threading.Event()  # set once a check runs a rank
     released: list[bool] = []
+    in_check = [0]  # checks running
+    lowered_in_check: list[bool] = []
+
+    def check(self, *args):
+        in_check[0] += 1
+        try:
+            return real_check(self, *args)
+        finally:
+            in_check[0] -= 1
+
+    def lower_calls(self, calls, skip=()):
+        lowered_in_check.append(in_check[0] > 0)
+        return real_lower(self, calls, skip=skip)
 
     def next_ready(self, point, index):
-        released.append(checking.wait(timeout=20))
+        released.append(checking.wait(timeout=120))
         return real_next(self, point, index)
 
     def emulate(self, r, u, rows=None):
@@ -1725,11 +1750,14 @@ def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeyp
         return real_emulate(self, r, u, rows)
 
     monkeypatch.setattr(simulator, "_next_ready", next_ready)
+    monkeypatch.setattr(simulator, "_check", check)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
+    monkeypatch.setattr(JaxRanks, "lower_calls", lower_calls)
     points = _two_problems()
     runner = _expecting(points)
     results = [runner.run(p) for p in points]
     assert released == [True, True], released  # each problem's first point looks ahead
+    assert lowered_in_check and not any(lowered_in_check), lowered_in_check
     assert all(r["check"]["ok"] for r in results), [r["status"] for r in results]
 
 
@@ -1933,14 +1961,15 @@ def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypat
     real, real_ahead = simulator._next_ready, simulator._check_ahead
     checked = [0]  # masks whose checks ran
 
-    def check_ahead(self, peers, index):
-        real_ahead(self, peers, index)
+    def check_ahead(self, peers, index, between):
+        real_ahead(self, peers, index, between)
         checked[0] += 1
 
     def slow_next_ready(self, point, index):
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while checked[0] <= index and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert checked[0] > index, "the next problem's plans were made before the checks"
         time.sleep(0.2)
         return real(self, point, index)
 
@@ -1949,11 +1978,11 @@ def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypat
     points = [dataclasses.replace(p, num_masks=2) for p in _two_problems()]
     runner = _expecting(points)
     runner.run(points[0])
-    assert runner.simulator._next.ahead_s["plan"] >= 0.4  # both masks' lookahead
+    assert 0.4 <= runner.simulator._next.ahead_s["plan"] < 5  # both masks' wait, no more
     for p in points[1:4]:
         runner.run(p)
     walls = [m["simulation"]["wall_s"] for m in runner.run(points[4])["masks"]]
-    assert walls[0]["plan"] >= 0.4 and not runner.simulator._problem.ahead_s  # charged once
+    assert 0.4 <= walls[0]["plan"] < 5 and not runner.simulator._problem.ahead_s  # charged once
 
 
 def test_a_plan_that_cannot_be_made_is_asked_once_per_problem(monkeypatch):

@@ -30,7 +30,7 @@ import hashlib
 import socket
 import time
 from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -242,6 +242,19 @@ class Compiling(NamedTuple):
     jobs: dict
 
 
+@dataclasses.dataclass
+class Lookahead:
+    """The next problem worked on at a problem's first point (CPSimulator._ahead): its points
+    made ready in the planner thread (`planning`, whose result is them), then lowered by the
+    main thread (`upcoming` once done) with every compile job in flight (`in_flight`), and the
+    seconds the main thread spent on it, charged to that problem's first point."""
+
+    planning: Future
+    in_flight: Compiling
+    upcoming: list[Prepared] | None = None
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
 class Checked(NamedTuple):
     """A mask's check of a point (check_ranks): its result, the global ranks checked and its
     seconds in the ranks' emulation and in the rest (the float64 reference, the comparison)."""
@@ -322,7 +335,7 @@ class CPSimulator:
         self._class_kinds: dict[tuple, tuple] = {}  # the current mask's kind of each class
         self._references = ReferenceRows()  # the row checks' float64 values of one problem
         self._problem: Problem | None = None  # the current problem
-        self._next: Problem | None = None  # the next one, made ready ahead (_compile_next)
+        self._next: Problem | None = None  # the next one, made ready ahead (_ahead)
 
     def expect(
         self, points: list[Point], recorded: Iterable[dict] = (), framework: str = ""
@@ -421,7 +434,7 @@ class CPSimulator:
     def _problem_masks(self, point: Point) -> list:
         """The point's masks, drawn once per problem (mask, length, draws), so the points of
         every strategy, layout and mode of one problem share their plans (Problem.plans); the
-        problem made ready ahead where it is the next one (_compile_next)."""
+        problem made ready ahead where it is the next one (_ahead)."""
         key = self._problem_of(point)
         if self._problem is None or key != self._problem.key:
             ahead = self._next if self._next is not None and self._next.key == key else None
@@ -597,14 +610,9 @@ class CPSimulator:
         device's work)."""
         if not lowered:
             return {}
-        return {key: self._compile_pool().submit(low.compile) for key, low in lowered.items()}
-
-    def _compile_pool(self) -> ThreadPoolExecutor:
-        """The compile threads, made on first use (by the main thread: _ahead makes them
-        before its planner thread can submit)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
-        return self._pool
+        return {key: self._pool.submit(low.compile) for key, low in lowered.items()}
 
     def _compile(
         self,
@@ -664,20 +672,28 @@ class CPSimulator:
         turn)."""
         return self._compile(preps, first_raises=False, beside=beside)
 
-    def _ahead(self, point: Point, index: int, beside: Compiling) -> Future:
-        """The next problem's points made ready (_next_ready) and their programs compiling
-        (_compile_next, beside `beside`'s jobs), in the planner thread while this problem's
-        checks run: host work beside device work (the checks' runs wait on the device outside
-        the GIL). Its result: (the points made ready, every compile job in flight)."""
-        self._compile_pool()
+    def _ahead(self, point: Point, index: int, beside: Compiling) -> Lookahead:
+        """The next problem's points made ready (_next_ready) in the planner thread while this
+        problem's checks run: host work (plans, ranks, classes of calls) beside the checks'
+        device work, whose runs wait on the device outside the GIL."""
         if self._planner is None:
             self._planner = ThreadPoolExecutor(1, "planner")
+        return Lookahead(self._planner.submit(self._next_ready, point, index), beside)
 
-        def made_ready() -> tuple[list[Prepared], Compiling]:
-            upcoming = self._next_ready(point, index)
-            return upcoming, self._compile_next(upcoming, beside)
-
-        return self._planner.submit(made_ready)
+    def _lower_ahead(self, ahead: Lookahead | None, *, wait: bool) -> None:
+        """The next problem's new programs lowered in this (the main) thread and left compiling
+        (_compile_next) once the planner has made its points ready (with `wait`: waiting for
+        it; else only where it has): between two checks, so that the inputs lowering draws on
+        the device never add to a check's arrays. Once per lookahead."""
+        if ahead is None or ahead.upcoming is not None or not (wait or ahead.planning.done()):
+            return
+        start = time.perf_counter()
+        upcoming = ahead.planning.result()
+        ahead.seconds["plan"] += time.perf_counter() - start  # waited for the planner
+        start = time.perf_counter()
+        ahead.in_flight = self._compile_next(upcoming, ahead.in_flight)
+        ahead.upcoming = upcoming
+        ahead.seconds["compile"] += time.perf_counter() - start
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
@@ -698,12 +714,15 @@ class CPSimulator:
         rest = time.perf_counter() - start - ranks.emulate_seconds
         return Checked(check, checked, ranks.emulate_seconds, rest)
 
-    def _check_ahead(self, peers: list[tuple[Point, Prepared]], index: int) -> None:
+    def _check_ahead(
+        self, peers: list[tuple[Point, Prepared]], index: int, between: Callable[[], None]
+    ) -> None:
         """The peers' checks of mask `index`, each kept for its turn (Problem.checked) with
         its ranks' device arrays dropped (Ranks.drop_arrays): untimed device work, while the
-        next problem's programs compile (_run_mask)."""
+        next problem's programs compile (_run_mask); between() runs before each."""
         problem = self._problem
         for q, prep in peers:
+            between()
             impl = self.ranks.resolve_impl(q, self.runner)
             try:
                 problem.checked[q.key, index] = self._check(
@@ -1144,8 +1163,7 @@ class CPSimulator:
         # any call is timed (each batch holds the jobs of those it was made beside)
         in_flight = own_jobs = self._compile([ready])
         compile_s = time.perf_counter() - start
-        upcoming: list[Prepared] = []
-        planning: Future | None = None
+        ahead: Lookahead | None = None
         try:
             start = time.perf_counter()
             peers = (
@@ -1157,28 +1175,27 @@ class CPSimulator:
                 [p for _, p in peers], first_raises=False, beside=own_jobs
             )
             compile_s += time.perf_counter() - start
-            # the next problem made ready in the planner thread while this one's checks run
-            planning = self._ahead(point, index, peer_jobs) if first else None
+            # the next problem made ready in the planner thread while this one's checks run,
+            # its programs lowered between two checks and compiling beside the later ones
+            ahead = self._ahead(point, index, peer_jobs) if first else None
             start = time.perf_counter()
             self._settle(peer_jobs)  # this problem's programs compiled before its checks
             self._settle(own_jobs, raises=True)
             wall["compile"] = compile_s + time.perf_counter() - start
+            self._lower_ahead(ahead, wait=False)
             done = self._check(point, mask, index, impl, ready.ranks)
             if done.check.ok and peers:
                 ready.ranks.drop_arrays()  # its check's arrays, before its peers' checks
-                self._check_ahead(peers, index)
+                self._check_ahead(peers, index, lambda: self._lower_ahead(ahead, wait=False))
         finally:
-            start = time.perf_counter()
-            try:  # what the planner thread's plans and lowering outlast the checks by
-                if planning is not None:
-                    upcoming, in_flight = planning.result()
+            try:
+                self._lower_ahead(ahead, wait=True)
             finally:
-                ahead = {"plan": time.perf_counter() - start}  # waited here for the next problem
                 start = time.perf_counter()
-                self._settle(in_flight)  # no program compiles while calls are timed
-            if upcoming:  # a point of several masks looks ahead once per mask: summed
-                ahead["compile"] = time.perf_counter() - start
-                self._next.ahead_s.update(ahead)
+                self._settle(in_flight if ahead is None else ahead.in_flight)  # none while timed
+            if ahead is not None and ahead.upcoming:  # per mask of the point: summed
+                ahead.seconds["compile"] += time.perf_counter() - start
+                self._next.ahead_s.update(ahead.seconds)
         plan, sched, ranks, classes = ready
         itemsize = ITEMSIZES[point.dtype]
         wall["emulate"] = done.emulate_s  # the check's runs of the ranks
