@@ -1676,7 +1676,7 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
             self.lowered = lowered
 
         def compile(self):
-            events.append(("released", planned.wait(timeout=20)))
+            events.append(("released", planned.wait(timeout=120)))
             return self.lowered.compile()
 
     def submit(self, lowered):
