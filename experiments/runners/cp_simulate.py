@@ -279,9 +279,9 @@ class Problem:
     ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
     checked: dict[tuple, Checked | PointFailure] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
-    # the seconds the previous problem's first point waited for this one (its plans and
-    # lowering, made beside that point's checks, past them; its compiles past those), charged
-    # to this problem's first point
+    # the seconds the previous problem's first point spent on this one: waiting for its plans
+    # (made in the planner thread beside that point's checks) past them, lowering its programs
+    # and waiting for their compiles; charged to this problem's first point
     ahead_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
