@@ -1541,13 +1541,13 @@ def _two_problems(seqlens=(256, 384)) -> list:
 
 
 def test_the_next_problems_programs_compile_while_this_problems_checks_run(monkeypatch, caplog):
-    """At a problem's first point, the next problem's step programs, lowered between two of this
-    problem's checks once the planner thread has made its points ready (here the checks wait
-    for that), compile in the compile threads beside the later checks (every check of the
-    problem runs before any call is timed), and every one of them has compiled before the
-    first call is timed: no compile job runs while calls are timed, and the next problem's
-    points compile nothing of their own. Without it (no points expected) the next problem's
-    first point compiles its own."""
+    """At a problem's first point, the next problem's step programs, lowered in the planner
+    thread once it has made their points ready (here the checks wait for their submission),
+    compile in the compile threads beside this problem's checks (every check of the problem
+    runs before any call is timed), and every one of them has compiled before the first call
+    is timed: no compile job runs while calls are timed, and the next problem's points compile
+    nothing of their own. Without it (no points expected) the next problem's first point
+    compiles its own."""
     import threading
     import time
 
@@ -1562,11 +1562,10 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
     compiling: list[bool] = []  # at each emulation: whether a compile job was running
     simulator = cp_simulate.CPSimulator
     real_submit, real_emulate = simulator._submit, JaxRanks.emulate
-    real_next, real_ahead = simulator._compile_next, simulator._check_ahead
-    real_next_ready = simulator._next_ready
+    real_plan_ahead, real_ahead = simulator._plan_ahead, simulator._check_ahead
     checked_ahead = threading.Event()
-    next_compiles = threading.Event()  # set while the next problem's jobs are submitted
-    planned = threading.Event()  # set once the planner has made the next problem's points
+    next_compiles = threading.Event()  # set while the planner works on the next problem
+    next_submitted = threading.Event()  # set once the next problem's jobs are submitted
 
     class Slow:  # a compile that outlasts the checks beside it, whatever their speed
         def __init__(self, lowered):
@@ -1583,27 +1582,24 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
         out = real_submit(self, lowered)
         jobs.extend(out.values())
         events.append(("submit", len(out)))
+        if next_compiles.is_set():
+            next_submitted.set()
         return out
 
-    def compile_next(self, preps, beside):
+    def plan_ahead(self, point, index, ahead):
         next_compiles.set()
         try:
-            return real_next(self, preps, beside)
+            return real_plan_ahead(self, point, index, ahead)
         finally:
             next_compiles.clear()
+            next_submitted.set()  # also where nothing was lowered: no check waits in vain
 
-    def next_ready(self, point, index):
-        try:
-            return real_next_ready(self, point, index)
-        finally:
-            planned.set()
-
-    def check_ahead(self, peers, index, between):
-        real_ahead(self, peers, index, between)
+    def check_ahead(self, peers, index):
+        real_ahead(self, peers, index)
         checked_ahead.set()
 
     def emulate(self, r, u, rows=None):
-        assert planned.wait(timeout=120), "the next problem's points never made ready"
+        assert next_submitted.wait(timeout=120), "the next problem's programs never submitted"
         events.append(("emulate", self.plan.strategy, self.mode))
         compiling.append(not all(job.done() for job in jobs))
         return real_emulate(self, r, u, rows)
@@ -1617,9 +1613,8 @@ def test_the_next_problems_programs_compile_while_this_problems_checks_run(monke
 
     monkeypatch.setattr(simulator, "baseline", no_baseline)
     monkeypatch.setattr(simulator, "_submit", submit)
-    monkeypatch.setattr(simulator, "_compile_next", compile_next)
+    monkeypatch.setattr(simulator, "_plan_ahead", plan_ahead)
     monkeypatch.setattr(simulator, "_check_ahead", check_ahead)
-    monkeypatch.setattr(simulator, "_next_ready", next_ready)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     monkeypatch.setattr(cp_simulate.timing, "jax_time_calls", timed)
     with _compiles_logged(caplog):
@@ -1713,10 +1708,13 @@ def test_a_problems_plans_are_made_while_its_first_points_programs_compile(monke
 
 def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeypatch):
     """At a problem's first point, the next problem's points are made ready (plans, classes of
-    calls) in the planner thread while this problem's checks run: each lookahead, held until a
-    check has begun, does not time out waiting, and every point is ok. Their programs are
-    lowered between checks, never during one (lowering draws inputs on the device)."""
+    calls) and their programs lowered in the planner thread while this problem's checks run:
+    each lookahead, held until a check has begun, does not time out waiting, and every point
+    is ok. Lowering there makes no array on the device (a check's inputs beside it could fill
+    the device): while a call's inputs are made for lowering, no new array is alive."""
     import threading
+
+    import jax
 
     from experiments.runners import cp_simulate
     from experiments.runners.cp_ranks_jax import JaxRanks
@@ -1724,22 +1722,28 @@ def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeyp
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
     real_next, real_emulate = simulator._next_ready, JaxRanks.emulate
-    real_check, real_lower = simulator._check, JaxRanks.lower_calls
+    real_lower, real_call = JaxRanks.lower_calls, JaxRanks.call
     checking = threading.Event()  # set once a check runs a rank
     released: list[bool] = []
-    in_check = [0]  # checks running
-    lowered_in_check: list[bool] = []
-
-    def check(self, *args):
-        in_check[0] += 1
-        try:
-            return real_check(self, *args)
-        finally:
-            in_check[0] -= 1
+    lowering: dict[int, set] = {}  # per thread lowering: the arrays alive as it began
+    lowered_by: list[str] = []  # the threads that lowered
+    new_arrays: list[int] = []  # per call lowered: arrays alive that were not before
 
     def lower_calls(self, calls, skip=()):
-        lowered_in_check.append(in_check[0] > 0)
-        return real_lower(self, calls, skip=skip)
+        lowered_by.append(threading.current_thread().name)
+        lowering[threading.get_ident()] = {id(x) for x in jax.live_arrays()}
+        try:
+            return real_lower(self, calls, skip=skip)
+        finally:
+            del lowering[threading.get_ident()]
+
+    def call(self, *args, **kw):
+        fn, inputs = real_call(self, *args, **kw)
+        before = lowering.get(threading.get_ident())
+        if before is not None:
+            leaves = jax.tree.leaves(inputs)
+            new_arrays.append(sum(isinstance(x, jax.Array) and id(x) not in before for x in leaves))
+        return fn, inputs
 
     def next_ready(self, point, index):
         released.append(checking.wait(timeout=120))
@@ -1750,15 +1754,51 @@ def test_the_next_problems_plans_are_made_while_this_problems_checks_run(monkeyp
         return real_emulate(self, r, u, rows)
 
     monkeypatch.setattr(simulator, "_next_ready", next_ready)
-    monkeypatch.setattr(simulator, "_check", check)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     monkeypatch.setattr(JaxRanks, "lower_calls", lower_calls)
+    monkeypatch.setattr(JaxRanks, "call", call)
     points = _two_problems()
     runner = _expecting(points)
     results = [runner.run(p) for p in points]
     assert released == [True, True], released  # each problem's first point looks ahead
-    assert lowered_in_check and not any(lowered_in_check), lowered_in_check
+    assert any(name.startswith("planner") for name in lowered_by), lowered_by
+    assert new_arrays and not any(new_arrays), new_arrays
     assert all(r["check"]["ok"] for r in results), [r["status"] for r in results]
+
+
+def test_after_a_stop_request_the_planner_lowers_nothing(monkeypatch):
+    """A stop request (Ctrl-C) that comes while the planner makes the next problem's points
+    ready leaves their programs unlowered (the point's end waits for the planner, which then
+    has nothing more to do), and the point is ok."""
+    import threading
+
+    from experiments.core import interrupt
+    from experiments.runners import cp_simulate
+    from experiments.runners.cp_ranks_jax import JaxRanks
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_next, real_lower = simulator._next_ready, JaxRanks.lower_calls
+    stop = threading.Event()
+    by_planner: list[bool] = []  # per lowering: whether the planner thread lowered
+
+    def next_ready(self, point, index):
+        made = real_next(self, point, index)
+        stop.set()  # the Ctrl-C, once the next problem's points are made ready
+        return made
+
+    def lower_calls(self, calls, skip=()):
+        by_planner.append(threading.current_thread().name.startswith("planner"))
+        return real_lower(self, calls, skip=skip)
+
+    monkeypatch.setattr(interrupt, "stop_requested", stop.is_set)
+    monkeypatch.setattr(simulator, "_next_ready", next_ready)
+    monkeypatch.setattr(JaxRanks, "lower_calls", lower_calls)
+    points = _two_problems()
+    runner = _expecting(points)
+    assert runner.run(points[0])["check"]["ok"]
+    assert stop.is_set() and runner.simulator._next.ready  # the next problem was planned
+    assert by_planner and not any(by_planner), by_planner
 
 
 def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypatch):
@@ -1802,6 +1842,7 @@ def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
     """A problem's first point checks its points (its own and its peers') only once the
     problem's step programs have compiled, however slowly they do: none of their compile
     jobs is running at any emulation of the ranks."""
+    import threading
     import time
 
     from experiments.runners import cp_simulate
@@ -1809,12 +1850,9 @@ def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
 
     _row_checks_and_constant_timing(monkeypatch)
     simulator = cp_simulate.CPSimulator
-    real_submit, real_emulate, real_next = (
-        simulator._submit, JaxRanks.emulate, simulator._compile_next
-    )  # fmt: skip
+    real_submit, real_emulate = simulator._submit, JaxRanks.emulate
     this_problem: list = []  # its compile jobs
     running: list[bool] = []  # at each emulation: whether one of them was running
-    submitting_next = [False]
 
     class Slow:
         def __init__(self, lowered):
@@ -1825,25 +1863,17 @@ def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
             return self.lowered.compile()
 
     def submit(self, lowered):
-        if submitting_next[0]:
+        if threading.current_thread().name.startswith("planner"):  # the next problem's
             return real_submit(self, lowered)
         out = real_submit(self, {key: Slow(low) for key, low in lowered.items()})
         this_problem.extend(out.values())
         return out
-
-    def compile_next(self, preps, beside):
-        submitting_next[0] = True
-        try:
-            return real_next(self, preps, beside)
-        finally:
-            submitting_next[0] = False
 
     def emulate(self, r, u, rows=None):
         running.append(not all(job.done() for job in this_problem))
         return real_emulate(self, r, u, rows)
 
     monkeypatch.setattr(simulator, "_submit", submit)
-    monkeypatch.setattr(simulator, "_compile_next", compile_next)
     monkeypatch.setattr(JaxRanks, "emulate", emulate)
     points = _two_problems()
     runner = _expecting(points)
@@ -1961,8 +1991,8 @@ def test_the_next_problems_seconds_of_every_mask_go_to_its_first_point(monkeypat
     real, real_ahead = simulator._next_ready, simulator._check_ahead
     checked = [0]  # masks whose checks ran
 
-    def check_ahead(self, peers, index, between):
-        real_ahead(self, peers, index, between)
+    def check_ahead(self, peers, index):
+        real_ahead(self, peers, index)
         checked[0] += 1
 
     def slow_next_ready(self, point, index):

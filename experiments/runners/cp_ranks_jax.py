@@ -304,6 +304,7 @@ class JaxRanks(Ranks):
     """One plan's ranks on the JaxRunner's device, with the JAX executor's step functions."""
 
     COMPILES_AHEAD = True
+    _shapes_only = False  # a call's inputs as their shapes alone, no arrays (lower_calls)
 
     def __init__(self, plan, impl: str, point: Point, index: int, runner) -> None:
         import jax
@@ -370,7 +371,10 @@ class JaxRanks(Ranks):
         return self.pieces.arrays(int(self.pieces.index[r, t]))
 
     def piece(self, r: int, t: int):
-        """The executor's MaskArrays of ring rank r at kept step t, on the device."""
+        """The executor's MaskArrays of ring rank r at kept step t, on the device (their
+        shapes alone while lowering)."""
+        if self._shapes_only:
+            return self.jax.eval_shape(lambda piece: piece, self._host_piece(r, t))
         return self.jax.device_put(self._host_piece(r, t))
 
     def check_block(self) -> int:
@@ -464,6 +468,8 @@ class JaxRanks(Ranks):
 
     def normal(self, shape: tuple[int, ...], seed: int):
         """The seed's TIMING_POOL values (_timing_pool), repeated to the shape (_repeat)."""
+        if self._shapes_only:
+            return self.jax.ShapeDtypeStruct(tuple(shape), self.dtype)
         return _repeat()(_timing_pool(seed, self.dtype), tuple(shape))
 
     def device_rows(self, name: str, positions: np.ndarray | None = None, heads=None):
@@ -522,6 +528,8 @@ class JaxRanks(Ranks):
         asked (a point's steps ask thousands, dispatched one by one otherwise); the steps
         take it as an input and return new arrays, so one serves them all."""
         key = (tuple(shape), self.jnp.dtype(dtype))
+        if self._shapes_only:
+            return self.jax.ShapeDtypeStruct(*key)
         kept = self._zero_arrays
         zeros = kept.pop(key, None)
         if zeros is None:
@@ -576,6 +584,8 @@ class JaxRanks(Ranks):
         key = ("residuals", q.shape, str(q.dtype), k.shape)
         if key not in self._timing_inputs:
             shapes = self.jax.eval_shape(self.steps.fwd, q, k, v, a, None, None)
+            if self._shapes_only:
+                return shapes
             out, lse = (
                 _repeat()(_timing_pool(i + 1, x.dtype), tuple(x.shape))
                 for i, x in enumerate(shapes)
@@ -591,20 +601,22 @@ class JaxRanks(Ranks):
         return self._timing_inputs[key]
 
     def lower_calls(self, calls: list[tuple], skip: Container = ()) -> tuple[list, dict]:
-        """(each call's program, {program: jax Lowered} of those not in `skip`): the steps that
-        only make a call's inputs are traced for their shapes, not run; calls of one step
-        function with equal argument structure and shapes share a program."""
-        jax, kept, zeros = self.jax, dict(self._timing_inputs), dict(self._zero_arrays)
+        """(each call's program, {program: jax Lowered} of those not in `skip`), lowered from
+        the inputs' shapes alone: no array is made on the device, so a thread may lower beside
+        a check without adding to its memory (CPSimulator._ahead). Calls of one step function
+        with equal argument structure and shapes share a program."""
+        jax, kept, zeros = self.jax, self._timing_inputs, self._zero_arrays
+        self._timing_inputs, self._zero_arrays, self._shapes_only = {}, {}, True
         programs, lowered = [], {}
-        for c in calls:
-            fn, args = self.call(*c, run=jax.eval_shape)
-            key = _program_key(jax, fn, args)
-            if key not in lowered and key not in skip:
-                lowered[key] = fn.lower(*args)
-            programs.append(key)
-        # the timing draws its inputs after the check, as before, and a point prepared ahead
-        # holds no device arrays
-        self._timing_inputs, self._zero_arrays = kept, zeros
+        try:
+            for c in calls:
+                fn, args = self.call(*c, run=jax.eval_shape)
+                key = _program_key(jax, fn, args)
+                if key not in lowered and key not in skip:
+                    lowered[key] = fn.lower(*args)
+                programs.append(key)
+        finally:
+            self._timing_inputs, self._zero_arrays, self._shapes_only = kept, zeros, False
         return programs, lowered
 
     def timer(self, call: tuple) -> CallTimer:

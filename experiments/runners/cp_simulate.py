@@ -27,10 +27,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import socket
+import threading
 import time
 from collections import ChainMap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -244,14 +246,16 @@ class Compiling(NamedTuple):
 
 @dataclasses.dataclass
 class Lookahead:
-    """The next problem worked on at a problem's first point (CPSimulator._ahead): its points
-    made ready in the planner thread (`planning`, whose result is them), then lowered by the
-    main thread (`upcoming` once done) with every compile job in flight (`in_flight`), and the
-    seconds the main thread spent on it, charged to that problem's first point."""
+    """The next problem worked on at a problem's first point (CPSimulator._ahead): in the
+    planner thread, its points made ready (`upcoming`, from `planned_at`) and their new
+    programs lowered and left compiling beside `beside`'s jobs (`planning`, whose result holds
+    every job in flight); the seconds the main thread then waited for it, charged to that
+    problem's first point."""
 
-    planning: Future
-    in_flight: Compiling
+    beside: Compiling
+    planning: Future | None = None
     upcoming: list[Prepared] | None = None
+    planned_at: float = math.inf  # perf_counter() once the points were made ready
     seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -312,6 +316,7 @@ class CPSimulator:
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_compile)
         self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
+        self._pool_made = threading.Lock()  # the planner thread submits compile jobs too
         self._planner: ThreadPoolExecutor | None = None  # makes the next problem ready (_ahead)
         self._ran: set[tuple] = set()  # classes of calls timed, so their programs have run
         self._expected: list[Point] = []  # the points of the run, in order (expect)
@@ -610,8 +615,9 @@ class CPSimulator:
         device's work)."""
         if not lowered:
             return {}
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
+        with self._pool_made:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.compile_threads, "compile")
         return {key: self._pool.submit(low.compile) for key, low in lowered.items()}
 
     def _compile(
@@ -666,34 +672,40 @@ class CPSimulator:
             return []
         return [prep for _, prep in self._made_ready(self._next, points, index)]
 
-    def _compile_next(self, preps: list[Prepared], beside: Compiling) -> Compiling:
-        """The next problem's points' classes (_next_ready), lowered now and compiling in the
-        compile threads while this problem's checks run (a failure is left to the point's
-        turn)."""
-        return self._compile(preps, first_raises=False, beside=beside)
-
     def _ahead(self, point: Point, index: int, beside: Compiling) -> Lookahead:
-        """The next problem's points made ready (_next_ready) in the planner thread while this
-        problem's checks run: host work (plans, ranks, classes of calls) beside the checks'
-        device work, whose runs wait on the device outside the GIL."""
+        """The next problem worked on in the planner thread while this problem's checks run
+        (_plan_ahead): host work (plans, classes of calls, tracing) beside the checks' device
+        work, whose runs wait on the device outside the GIL."""
         if self._planner is None:
             self._planner = ThreadPoolExecutor(1, "planner")
-        return Lookahead(self._planner.submit(self._next_ready, point, index), beside)
+        ahead = Lookahead(beside)
+        ahead.planning = self._planner.submit(self._plan_ahead, point, index, ahead)
+        return ahead
 
-    def _lower_ahead(self, ahead: Lookahead | None, *, wait: bool) -> None:
-        """The next problem's new programs lowered in this (the main) thread and left compiling
-        (_compile_next) once the planner has made its points ready (with `wait`: waiting for
-        it; else only where it has): between two checks, so that the inputs lowering draws on
-        the device never add to a check's arrays. Once per lookahead."""
-        if ahead is None or ahead.upcoming is not None or not (wait or ahead.planning.done()):
-            return
+    def _plan_ahead(self, point: Point, index: int, ahead: Lookahead) -> Compiling:
+        """The next problem's points made ready (_next_ready), then their new programs lowered
+        and left compiling in the compile threads (a failure is left to the point's turn):
+        lowering makes no array on the device (Ranks.lower_calls), so it adds nothing to the
+        memory of the check beside it. After a stop request (Ctrl-C) nothing is lowered: the
+        point's end waits for the planner."""
+        ahead.upcoming = self._next_ready(point, index)
+        ahead.planned_at = time.perf_counter()
+        if interrupt.stop_requested():
+            return ahead.beside
+        return self._compile(ahead.upcoming, first_raises=False, beside=ahead.beside)
+
+    def _join_ahead(self, ahead: Lookahead) -> Compiling:
+        """The planner's jobs in flight, once it is done; the main thread's wait charged to
+        the next problem's plans until the planner made its points ready, to its compiles
+        after."""
         start = time.perf_counter()
-        upcoming = ahead.planning.result()
-        ahead.seconds["plan"] += time.perf_counter() - start  # waited for the planner
-        start = time.perf_counter()
-        ahead.in_flight = self._compile_next(upcoming, ahead.in_flight)
-        ahead.upcoming = upcoming
-        ahead.seconds["compile"] += time.perf_counter() - start
+        try:
+            return ahead.planning.result()
+        finally:
+            end = time.perf_counter()
+            planned = min(max(ahead.planned_at, start), end)
+            ahead.seconds["plan"] += planned - start
+            ahead.seconds["compile"] += end - planned
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
@@ -714,15 +726,12 @@ class CPSimulator:
         rest = time.perf_counter() - start - ranks.emulate_seconds
         return Checked(check, checked, ranks.emulate_seconds, rest)
 
-    def _check_ahead(
-        self, peers: list[tuple[Point, Prepared]], index: int, between: Callable[[], None]
-    ) -> None:
+    def _check_ahead(self, peers: list[tuple[Point, Prepared]], index: int) -> None:
         """The peers' checks of mask `index`, each kept for its turn (Problem.checked) with
         its ranks' device arrays dropped (Ranks.drop_arrays): untimed device work, while the
-        next problem's programs compile (_run_mask); between() runs before each."""
+        next problem is planned and its programs compile (_run_mask)."""
         problem = self._problem
         for q, prep in peers:
-            between()
             impl = self.ranks.resolve_impl(q, self.runner)
             try:
                 problem.checked[q.key, index] = self._check(
@@ -1175,24 +1184,24 @@ class CPSimulator:
                 [p for _, p in peers], first_raises=False, beside=own_jobs
             )
             compile_s += time.perf_counter() - start
-            # the next problem made ready in the planner thread while this one's checks run,
-            # its programs lowered between two checks and compiling beside the later ones
+            # the next problem made ready, lowered and compiling in the planner thread while
+            # this one's checks run
             ahead = self._ahead(point, index, peer_jobs) if first else None
             start = time.perf_counter()
             self._settle(peer_jobs)  # this problem's programs compiled before its checks
             self._settle(own_jobs, raises=True)
             wall["compile"] = compile_s + time.perf_counter() - start
-            self._lower_ahead(ahead, wait=False)
             done = self._check(point, mask, index, impl, ready.ranks)
             if done.check.ok and peers:
                 ready.ranks.drop_arrays()  # its check's arrays, before its peers' checks
-                self._check_ahead(peers, index, lambda: self._lower_ahead(ahead, wait=False))
+                self._check_ahead(peers, index)
         finally:
             try:
-                self._lower_ahead(ahead, wait=True)
+                if ahead is not None:
+                    in_flight = self._join_ahead(ahead)
             finally:
                 start = time.perf_counter()
-                self._settle(in_flight if ahead is None else ahead.in_flight)  # none while timed
+                self._settle(in_flight)  # none while timed
             if ahead is not None and ahead.upcoming:  # per mask of the point: summed
                 ahead.seconds["compile"] += time.perf_counter() - start
                 self._next.ahead_s.update(ahead.seconds)
