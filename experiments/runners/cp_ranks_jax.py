@@ -584,8 +584,6 @@ class JaxRanks(Ranks):
         key = ("residuals", q.shape, str(q.dtype), k.shape)
         if key not in self._timing_inputs:
             shapes = self.jax.eval_shape(self.steps.fwd, q, k, v, a, None, None)
-            if self._shapes_only:
-                return shapes
             out, lse = (
                 _repeat()(_timing_pool(i + 1, x.dtype), tuple(x.shape))
                 for i, x in enumerate(shapes)

@@ -283,9 +283,9 @@ class Problem:
     ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
     checked: dict[tuple, Checked | PointFailure] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
-    # the seconds the previous problem's first point spent on this one: waiting for its plans
-    # (made in the planner thread beside that point's checks) past them, lowering its programs
-    # and waiting for their compiles; charged to this problem's first point
+    # the seconds the previous problem's first point waited for this one past its checks: for
+    # its plans, then for its programs' lowering and compiles (both in the planner thread and
+    # the compile threads); charged to this problem's first point
     ahead_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -684,15 +684,19 @@ class CPSimulator:
 
     def _plan_ahead(self, point: Point, index: int, ahead: Lookahead) -> Compiling:
         """The next problem's points made ready (_next_ready), then their new programs lowered
-        and left compiling in the compile threads (a failure is left to the point's turn):
-        lowering makes no array on the device (Ranks.lower_calls), so it adds nothing to the
-        memory of the check beside it. After a stop request (Ctrl-C) nothing is lowered: the
-        point's end waits for the planner."""
+        point by point and left compiling in the compile threads (a failure is left to the
+        point's turn): lowering makes no array on the device (Ranks.lower_calls), so it adds
+        nothing to the memory of the check beside it. After a stop request (Ctrl-C) no further
+        point is lowered: the point's end waits for the planner and the jobs in flight."""
         ahead.upcoming = self._next_ready(point, index)
         ahead.planned_at = time.perf_counter()
-        if interrupt.stop_requested():
-            return ahead.beside
-        return self._compile(ahead.upcoming, first_raises=False, beside=ahead.beside)
+        compiling = Compiling([], ahead.beside.jobs)
+        for prep in ahead.upcoming:
+            if interrupt.stop_requested():
+                break
+            batch = self._compile([prep], first_raises=False, beside=compiling)
+            compiling = Compiling(compiling.per_point + batch.per_point, batch.jobs)
+        return compiling
 
     def _join_ahead(self, ahead: Lookahead) -> Compiling:
         """The planner's jobs in flight, once it is done; the main thread's wait charged to
