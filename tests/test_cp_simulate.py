@@ -1837,6 +1837,41 @@ def test_a_first_points_failed_compile_fails_it_and_no_job_outlives_it(monkeypat
     assert not set(own.classes.members) & compiled
 
 
+def test_a_point_says_why_its_classes_compiled_at_its_turn(monkeypatch):
+    """A class whose compile ahead failed (here every program of the peers' batch at the
+    problem's first point) compiles at its point's turn, and that point's record says why,
+    per class: the stage, the error's type and first line. Points whose classes compiled
+    ahead say nothing."""
+    from experiments.runners import cp_simulate
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_submit = simulator._submit
+    batches: list[int] = []
+
+    class Fails:
+        def compile(self):
+            raise RuntimeError("no room to compile\nthe rest of the message")
+
+    def submit(self, lowered):
+        batches.append(len(lowered))
+        if len(batches) == 2:  # the peers' batch
+            lowered = {key: Fails() for key in lowered}
+        return real_submit(self, lowered)
+
+    monkeypatch.setattr(simulator, "_submit", submit)
+    points = _two_problems()
+    runner = _expecting(points)
+    results = [runner.run(p) for p in points]
+    assert batches[1] > 0 and all(r["check"]["ok"] for r in results), batches
+    said = [r["masks"][0]["simulation"].get("compiled_at_turn") for r in results]
+    assert not said[0] and not any(said[4:]), said  # compiled ahead: the first, the next's
+    assert any(said[1:4]), said
+    reasons = {why for s in said if s for why in s.values()}
+    assert reasons == {"compile: RuntimeError: no room to compile"}, reasons
+    assert not runner.simulator._ahead_failed  # each said once, by its point
+
+
 def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
     """A problem's first point checks its points (its own and its peers') only once the
     problem's step programs have compiled, however slowly they do: none of their compile

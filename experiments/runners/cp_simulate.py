@@ -199,6 +199,12 @@ def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[
     return found
 
 
+def _why(stage: str, error: BaseException) -> str:
+    """One line on a failed compile ahead: the stage, the error's type and first line."""
+    first = str(error).strip().split("\n", 1)[0][:200]
+    return f"{stage}: {type(error).__name__}: {first}"
+
+
 def _digest(x: tuple) -> str:
     """A short, stable name of a class or kind of calls, to group a run's timed calls by."""
     return hashlib.sha1(repr(x).encode()).hexdigest()[:12]
@@ -315,6 +321,9 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_compile)
+        # per class whose compile ahead failed (a peer's or the next problem's): why, until
+        # its point compiles it at its turn and records that (simulation.compiled_at_turn)
+        self._ahead_failed: dict[tuple, str] = {}
         self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
         self._pool_made = threading.Lock()  # the planner thread submits compile jobs too
         self._planner: ThreadPoolExecutor | None = None  # makes the next problem ready (_ahead)
@@ -601,9 +610,10 @@ class CPSimulator:
             calls = [next(iter(members[cls].values()))[0] for cls in fresh]
             try:
                 programs, new = prep.ranks.lower_calls(calls, skip=ChainMap(lowered, skip or {}))
-            except Exception:  # noqa: BLE001 - a peer's error is its own, at its turn
+            except Exception as e:  # noqa: BLE001 - a peer's error is its own, at its turn
                 if i == 0 and first_raises:
                     raise
+                self._ahead_failed.update(dict.fromkeys(fresh, _why("lowering", e)))
                 continue
             lowered.update(new)
             owners.append((fresh, programs))
@@ -650,8 +660,10 @@ class CPSimulator:
             for cls, job in zip(fresh, jobs):
                 if job.exception() is None:
                     self._compiled.add(cls)
-                elif raises and i == 0 and failed is None:
-                    failed = job.exception()
+                elif raises and i == 0:
+                    failed = failed or job.exception()
+                else:
+                    self._ahead_failed[cls] = _why("compile", job.exception())
         if failed is not None:
             raise failed
 
@@ -1176,6 +1188,12 @@ class CPSimulator:
         # any call is timed (each batch holds the jobs of those it was made beside)
         in_flight = own_jobs = self._compile([ready])
         compile_s = time.perf_counter() - start
+        at_turn = {  # its classes compiled now though compiled ahead: why that failed
+            _digest(cls): self._ahead_failed.pop(cls)
+            for fresh, _ in own_jobs.per_point
+            for cls in fresh
+            if cls in self._ahead_failed
+        }
         ahead: Lookahead | None = None
         try:
             start = time.perf_counter()
@@ -1231,6 +1249,8 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
+        if at_turn:
+            sim["compiled_at_turn"] = at_turn
         sim["check_forwards_taken"] = ranks.forwards_taken  # ranks' outs from forward+backward
         sim["timed_calls"] = self._timed_log[logged:]  # run() adds a failed point's
         for part, secs in self._problem.ahead_s.items():  # spent on this problem before it
