@@ -1872,6 +1872,33 @@ def test_a_point_says_why_its_classes_compiled_at_its_turn(monkeypatch):
     assert not runner.simulator._ahead_failed  # each said once, by its point
 
 
+def test_a_point_not_made_ready_ahead_says_why(monkeypatch):
+    """A point that could not be made ready ahead (here a peer's plan raises once, at the
+    problem's first point) is made ready at its turn, and its record says why it was not
+    before; the other points say nothing of it."""
+    from experiments.runners import cp_simulate
+
+    _row_checks_and_constant_timing(monkeypatch)
+    simulator = cp_simulate.CPSimulator
+    real_prepare = simulator._prepare
+    points = _two_problems()
+    refused: list[str] = []
+
+    def prepare(self, problem, point, index, impl):
+        if point.key == points[2].key and not refused:
+            refused.append(point.key)
+            raise RuntimeError("no memory for the plan\nthe rest")
+        return real_prepare(self, problem, point, index, impl)
+
+    monkeypatch.setattr(simulator, "_prepare", prepare)
+    runner = _expecting(points)
+    results = [runner.run(p) for p in points]
+    assert refused and all(r["check"]["ok"] for r in results)
+    said = [r["masks"][0]["simulation"].get("compiled_at_turn", {}) for r in results]
+    assert said[2].get("point") == "made ready: RuntimeError: no memory for the plan", said
+    assert not any("point" in s for i, s in enumerate(said) if i != 2), said
+
+
 def test_a_problems_checks_run_once_its_programs_compiled(monkeypatch):
     """A problem's first point checks its points (its own and its peers') only once the
     problem's step programs have compiled, however slowly they do: none of their compile

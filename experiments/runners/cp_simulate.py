@@ -287,6 +287,7 @@ class Problem:
     plans: dict[tuple, tuple | PointFailure] = dataclasses.field(default_factory=dict)
     forwards: dict[tuple, dict] = dataclasses.field(default_factory=dict)
     ready: dict[tuple, Prepared] = dataclasses.field(default_factory=dict)
+    unready: dict[tuple, str] = dataclasses.field(default_factory=dict)  # why not made ready
     checked: dict[tuple, Checked | PointFailure] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)  # mask indices begun
     # the seconds the previous problem's first point waited for this one past its checks: for
@@ -589,7 +590,8 @@ class CPSimulator:
                 try:
                     impl = self.ranks.resolve_impl(q, self.runner)
                     problem.ready[key] = self._prepare(problem, q, index, impl)
-                except Exception:  # noqa: BLE001 - it fails again at its turn, into its own record
+                except Exception as e:  # noqa: BLE001 - it is made again at its turn
+                    problem.unready[key] = _why("made ready", e)
                     continue
             made.append((q, problem.ready[key]))
         return made
@@ -1176,6 +1178,7 @@ class CPSimulator:
         wall = {"baseline": 0.0}  # where this point's seconds went (the baseline: run() says)
         start = time.perf_counter()
         ready = self._problem.ready.pop((point.key, index), None)
+        unready = self._problem.unready.pop((point.key, index), None)
         if ready is None:
             ready = self._prepare(self._problem, point, index, impl)
         # at a problem's first point: the points after it of the problem made ready (their
@@ -1249,6 +1252,8 @@ class CPSimulator:
         sim = self._summary(point, mask, index, sched, med, link, impl, base)
         sim["calls"] = {"total": int((compute["median"] > 0).sum()), **counts}
         sim["check_ranks"] = checked
+        if unready:
+            at_turn["point"] = unready  # its whole point: its classes were not lowered ahead
         if at_turn:
             sim["compiled_at_turn"] = at_turn
         sim["check_forwards_taken"] = ranks.forwards_taken  # ranks' outs from forward+backward
