@@ -322,8 +322,9 @@ class CPSimulator:
         self._baseline_s: dict[str, float] = {}  # per baseline: its seconds, until charged
         self._timings: dict[tuple, dict] = {}  # per distinct call: its time statistics
         self._compiled: set[tuple] = set()  # classes of calls compiled ahead (_compile)
-        # per class whose compile ahead failed (a peer's or the next problem's): why, until
-        # its point compiles it at its turn and records that (simulation.compiled_at_turn)
+        # per class whose last lowering or compile ahead failed (a peer's or the next
+        # problem's): why, until a point compiles it at its turn and records that
+        # (simulation.compiled_at_turn) or a later try compiles it
         self._ahead_failed: dict[tuple, str] = {}
         self._pool: ThreadPoolExecutor | None = None  # the compile threads, made on first use
         self._pool_made = threading.Lock()  # the planner thread submits compile jobs too
@@ -593,6 +594,7 @@ class CPSimulator:
                 except Exception as e:  # noqa: BLE001 - it is made again at its turn
                     problem.unready[key] = _why("made ready", e)
                     continue
+                problem.unready.pop(key, None)  # a later try made it ready
             made.append((q, problem.ready[key]))
         return made
 
@@ -662,6 +664,7 @@ class CPSimulator:
             for cls, job in zip(fresh, jobs):
                 if job.exception() is None:
                     self._compiled.add(cls)
+                    self._ahead_failed.pop(cls, None)  # a later try compiled it
                 elif raises and i == 0:
                     failed = failed or job.exception()
                 else:
