@@ -200,7 +200,8 @@ def recorded_calls(records: Iterable[dict], framework: str, here: dict) -> dict[
 
 
 def _why(stage: str, error: BaseException) -> str:
-    """One line on a failed compile ahead: the stage, the error's type and first line."""
+    """One line on work ahead that failed (made ready, lowering, compile): the stage, the
+    error's type and first line (simulation.compiled_at_turn)."""
     first = str(error).strip().split("\n", 1)[0][:200]
     return f"{stage}: {type(error).__name__}: {first}"
 
@@ -1194,7 +1195,7 @@ class CPSimulator:
         # any call is timed (each batch holds the jobs of those it was made beside)
         in_flight = own_jobs = self._compile([ready])
         compile_s = time.perf_counter() - start
-        at_turn = {  # its classes compiled now though compiled ahead: why that failed
+        at_turn = {  # its classes compiled now after a failed try ahead: why it failed
             _digest(cls): self._ahead_failed.pop(cls)
             for fresh, _ in own_jobs.per_point
             for cls in fresh
