@@ -3831,3 +3831,33 @@ def test_zero_accumulators_are_made_once_per_shape():
     ranks._zeros((99, 3), jnp.float32)  # past ZEROS_KEPT: the LSE, least recently asked, goes
     assert len(ranks._zero_arrays) == ZEROS_KEPT and ranks._zero_dkv(k, k)[0] is dk
     assert ranks._zero_lse(jnp.ones((1, 24, 4, 8), jnp.bfloat16)) is not lse
+
+
+def test_report_names_the_next_strategy_and_marks_the_near_ones():
+    """Beside each best strategy/layout the best point of another strategy and how far behind,
+    marked ~ where the gap is under the cost model's target error; a layout of the best's own
+    strategy is not its runner-up."""
+    from experiments.reports import report_sim
+
+    records = [
+        _record("ring", 8, 10.0, simulated=True),
+        _record("allgather", 8, 10.3, simulated=True),  # 2.9% behind: within the model's error
+        _record("ulysses", 8, 12.5, simulated=True),
+        _record("ring", 4, 10.0, simulated=True),
+        _record("ulysses", 4, 12.0, simulated=True),  # 16.7% behind
+        _record("allgather", 4, 0.0, simulated=True, status="unsupported"),
+    ]
+    balanced = _record("ring", 4, 11.0, simulated=True)
+    balanced["point"]["layout"] = "balanced"  # the best's own strategy: never its runner-up
+    rows = [report_sim.flat_row(r) for r in [*records, balanced]]
+    best_rows = {
+        line.split("|")[2].strip(): line for line in report_sim.tables(rows) if "| causal |" in line
+    }
+    behind_8 = 100 * (1 - 10.0 / 10.3)
+    assert (
+        best_rows["8"].rstrip().endswith(f"| ~ allgather/zigzag 0.0971 ({behind_8:.1f}% behind) |")
+    )
+    assert best_rows["4"].rstrip().endswith("| ulysses/zigzag 0.0833 (16.7% behind) |")
+    alone = report_sim.flat_row(_record("ring", 2, 10.0, simulated=True))
+    (line,) = [x for x in report_sim.tables([alone]) if x.startswith("| causal | 2 | ring")]
+    assert line.rstrip().endswith("| - |"), "no other strategy ran: no runner-up"

@@ -142,9 +142,29 @@ def _cell(row: dict) -> str:
     return f"{row['tflops_per_gpu']:.3g} ({eff:.0f}%{scaled})"
 
 
+def _ms(x: float) -> str:
+    """Milliseconds at 3 significant digits; a float difference's residue (an exposed
+    communication of -4e-12 ms) reads 0."""
+    return "0" if abs(x) < 1e-9 else f"{x:.3g}"
+
+
+def _runner_up(best: dict, oks: list[dict]) -> str:
+    """The best point of another strategy than `best`'s: its strategy/layout, per-GPU TFLOP/s
+    and how far behind; `~` first where the gap is under the cost model's target error, which
+    the prediction cannot tell apart ("-" where no other strategy ran)."""
+    others = [r for r in oks if r["strategy"] != best["strategy"]]
+    if not others:
+        return "-"
+    r = max(others, key=lambda o: o["tflops_per_gpu"])
+    behind = 100 * (1 - r["tflops_per_gpu"] / best["tflops_per_gpu"])
+    near = "~ " if behind < MODEL_TARGET_PCT else ""
+    return f"{near}{report_cp.series(r)} {r['tflops_per_gpu']:.3g} ({behind:.1f}% behind)"
+
+
 def tables(rows: list[dict]) -> list[str]:
     """Markdown: per (mode, shape, impl, tokens/GPU, link) a table of masks x GPUs by
-    strategy/layout, and the best strategy/layout of each (mask, GPUs)."""
+    strategy/layout, and the best strategy/layout of each (mask, GPUs) with the best of the
+    other strategies beside it, marked where the two are closer than the model's error."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[_group(r)].append(r)
@@ -152,14 +172,13 @@ def tables(rows: list[dict]) -> list[str]:
     for (mode, shape, impl, tokens, link), members in sorted(groups.items()):
         cols = sorted({report_cp.series(r) for r in members}, key=report_cp.series_order)
         cells: dict[tuple, dict[str, str]] = defaultdict(dict)
-        best: dict[tuple, dict] = {}
+        oks: dict[tuple, list[dict]] = defaultdict(list)
         for r in members:
             at = (r["mask"], r["num_gpus"])
             cells[at][report_cp.series(r)] = _cell(r)
-            if r["status"] == "ok" and (
-                at not in best or r["tflops_per_gpu"] > best[at]["tflops_per_gpu"]
-            ):
-                best[at] = r
+            if r["status"] == "ok":
+                oks[at].append(r)
+        best = {at: max(rs, key=lambda r: r["tflops_per_gpu"]) for at, rs in oks.items()}
         title = f"{mode}, {shape}, impl {impl}, {plots.seqlen_label(tokens)} tokens/GPU"
         lines += [f"### Predicted: {title}", "", f"Link model {link}.", ""]
         body = [[m, n, *(c.get(s, "") for s in cols)] for (m, n), c in sorted(cells.items())]
@@ -170,13 +189,20 @@ def tables(rows: list[dict]) -> list[str]:
                 n,
                 report_cp.series(b),
                 f"{b['tflops_per_gpu']:.3g}",
-                f"{b['compute_ms']:.3g} / {b['exposed_comm_ms']:.3g} / {b['dispatch_ms']:.3g}",
+                " / ".join(_ms(b[k]) for k in ("compute_ms", "exposed_comm_ms", "dispatch_ms")),
                 f"{b['load_imbalance']:.2f}",
+                _runner_up(b, oks[m, n]),
             ]
             for (m, n), b in sorted(best.items())
         ]
         header = ["mask", "GPUs", "best", "TFLOP/s/GPU", "compute / exposed comm / dispatch ms"]
-        lines += md_table([*header, "imbalance"], body) + [""]
+        lines += md_table([*header, "imbalance", "next strategy"], body) + [
+            "",
+            "next strategy: the best point of another strategy; ~ marks one less than "
+            f"{MODEL_TARGET_PCT:g}% behind (the cost model's target error at the 90th percentile), "
+            "which the prediction does not tell apart from the best.",
+            "",
+        ]
     return lines
 
 
