@@ -3858,6 +3858,9 @@ def test_report_names_the_next_strategy_and_marks_the_near_ones():
         best_rows["8"].rstrip().endswith(f"| ~ allgather/zigzag 0.0971 ({behind_8:.1f}% behind) |")
     )
     assert best_rows["4"].rstrip().endswith("| ulysses/zigzag 0.0833 (16.7% behind) |")
-    alone = report_sim.flat_row(_record("ring", 2, 10.0, simulated=True))
+    residue = _record("ring", 2, 10.0, simulated=True)
+    residue["masks"][0]["simulation"]["time_ms"]["exposed_comm"] = -4e-12  # an older record's
+    alone = report_sim.flat_row(residue)
+    assert alone["exposed_comm_ms"] == 0.0, "strategy time minus compute never reads below 0"
     (line,) = [x for x in report_sim.tables([alone]) if x.startswith("| causal | 2 | ring")]
     assert line.rstrip().endswith("| - |"), "no other strategy ran: no runner-up"

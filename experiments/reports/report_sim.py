@@ -110,7 +110,7 @@ def flat_row(rec: dict) -> dict:
         "single_gpu_status": single.get("status"),
         "efficiency_pct": m.get("efficiency_pct"),
         "compute_ms": times.get("slowest_compute"),
-        "exposed_comm_ms": times.get("exposed_comm"),
+        "exposed_comm_ms": _exposed(times.get("exposed_comm")),
         "dispatch_ms": times.get("dispatch"),
         "load_imbalance": m.get("load_imbalance"),
         "comm_bytes": report_cp.comm_bytes(masks[0].get("comm"), p["mode"]),
@@ -123,6 +123,12 @@ def flat_row(rec: dict) -> dict:
         "error": rec.get("reason"),
     }
     return {c: row.get(c) for c in COLUMNS}
+
+
+def _exposed(ms: float | None) -> float | None:
+    """Exposed communication (strategy time minus the slowest compute, never below it): a
+    record's float residue below zero (-4e-12 ms, before the simulator clamped it) reads 0."""
+    return None if ms is None else max(ms, 0.0)
 
 
 def _group(row: dict) -> tuple:
@@ -140,12 +146,6 @@ def _cell(row: dict) -> str:
         return f"{row['tflops_per_gpu']:.3g} (eff. n/a)"
     scaled = "*" if row["single_gpu_status"] == SCALED else ""
     return f"{row['tflops_per_gpu']:.3g} ({eff:.0f}%{scaled})"
-
-
-def _ms(x: float) -> str:
-    """Milliseconds at 3 significant digits; a float difference's residue (an exposed
-    communication of -4e-12 ms) reads 0."""
-    return "0" if abs(x) < 1e-9 else f"{x:.3g}"
 
 
 def _runner_up(best: dict, oks: list[dict]) -> str:
@@ -189,7 +189,7 @@ def tables(rows: list[dict]) -> list[str]:
                 n,
                 report_cp.series(b),
                 f"{b['tflops_per_gpu']:.3g}",
-                " / ".join(_ms(b[k]) for k in ("compute_ms", "exposed_comm_ms", "dispatch_ms")),
+                f"{b['compute_ms']:.3g} / {b['exposed_comm_ms']:.3g} / {b['dispatch_ms']:.3g}",
                 f"{b['load_imbalance']:.2f}",
                 _runner_up(b, oks[m, n]),
             ]

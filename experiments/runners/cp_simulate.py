@@ -1293,7 +1293,7 @@ class CPSimulator:
                 "strategy": strategy_ms,
                 "dispatch": pred.part_ms(simulate.DISPATCH),
                 "slowest_compute": slowest,
-                "exposed_comm": strategy_ms - slowest,
+                "exposed_comm": max(strategy_ms - slowest, 0.0),  # no float residue below 0
             },
             "tflops_per_gpu": per_gpu,
             "tflops_per_gpu_strategy": flops / point.num_devices / (strategy_ms * 1e-3) / 1e12,
