@@ -218,12 +218,22 @@ WARP_SPECIALISED = {
         ),
         "share_question_gqa4",
     ),  # fmt: skip
+    # S^T's A operand K (and dP^T's V) held in registers over the walk: masked and full steps
+    "ws_k_registers_d128": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, dkv_kv_registers=1),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_kv_registers_split": (
+        KernelConfig(bwd_warpgroups=2, dkv_kv_registers=2, dkv_head_split=2),
+        "share_question_gqa4",
+    ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
+    "ws_k_registers_d128": 128,
 }
 
 
@@ -241,6 +251,7 @@ HEADS = {
     "fused_overlap_ragged_fp16": (2, 1),
     "ws_pingpong_empty_tiles": (1, 1),
     "ws_pingpong_3stages": (2, 1),
+    "ws_k_registers_d128": (2, 1),
 }
 
 
@@ -289,6 +300,18 @@ def test_pingpong_refusals(changes: dict) -> None:
     with pytest.raises(ValueError, match="bwd_pingpong needs .* at least two stages") as e:
         KernelConfig(bwd_warpgroups=warpgroups, bwd_pingpong=True, **changes)
     got = dict(bwd_warpgroups=warpgroups, fused_bwd=False, num_stages_bwd=None) | changes
+    assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
+
+
+@pytest.mark.parametrize("changes", [dict(bwd_warpgroups=1), dict(fused_bwd=True)], ids=str)
+def test_kv_registers_refusals(changes: dict) -> None:
+    """dkv_kv_registers names its valid values, and the kernel it needs with what it got."""
+    with pytest.raises(ValueError, match=r"dkv_kv_registers=3 is invalid: valid values are 0"):
+        KernelConfig(bwd_warpgroups=2, dkv_kv_registers=3)
+    config = dict(bwd_warpgroups=2) | changes
+    with pytest.raises(ValueError, match="dkv_kv_registers=1 needs the warp-specialised") as e:
+        KernelConfig(dkv_kv_registers=1, **config)
+    got = dict(fused_bwd=False) | config
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
@@ -389,11 +412,13 @@ def test_lowers_for_hopper(d: int) -> None:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
-    # the default, with 128 dK/dV rows, and fused on top of it (the fused kernel's rows at 64:
-    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
+    # the default, with 128 dK/dV rows, fused on top of it (the fused kernel's rows at 64: at
+    # 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses),
+    # and with K (and V) loaded into registers as S^T's (and dP^T's) A operands
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
+    registers = (dataclasses.replace(default, dkv_kv_registers=n) for n in (1, 2))
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), *registers):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -328,6 +328,7 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
+            kv_registers=config.dkv_kv_registers,
             **common,
         ),
         Kernel(

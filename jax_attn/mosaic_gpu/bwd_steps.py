@@ -40,6 +40,7 @@ class Kernel:
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
+    kv_registers: int = 0  # K, then V as register A operands (KernelConfig.dkv_kv_registers)
 
     @property
     def qk_scale(self) -> float:
@@ -130,6 +131,11 @@ def tile_start(
         return pl.multiple_of(index_ref[outer, unit] * mask_tile, tile)
     entry = index_ref[outer, lax.div(unit, jnp.int32(split))]
     return pl.multiple_of(entry * mask_tile + lax.rem(unit, jnp.int32(split)) * tile, tile)
+
+
+def register_operand(ref: Any, kern: Kernel) -> jax.Array:
+    """A 2-byte SMEM tile loaded into registers as a wgmma A operand (the WGMMA layout)."""
+    return cast(ref[...], plgpu.Layout.WGMMA, kern)
 
 
 def store_tile(smem: Any, value: jax.Array, dst: Any) -> None:
@@ -287,10 +293,12 @@ def dkv_step(
     dk_acc: Any, dv_acc: Any,
     around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
     turn: Callable[[], None] | None = None,
+    kv_a: tuple[Any, Any] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
+    kv_a, when given, are the A operands of S^T and dP^T (K, V: SMEM refs or registers).
     around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
     (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
     runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong."""
@@ -303,8 +311,9 @@ def dkv_step(
             s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
         return jnp.exp2(s_t)
 
+    k_a, v_a = (k_s, v_s) if kv_a is None else kv_a
     p_t, dp_t = two_matmuls(
-        k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
+        k_a, plgpu.transpose_ref(q, (1, 0)), v_a, plgpu.transpose_ref(do, (1, 0)), shape,
         probabilities, early=kern.overlap, issued=turn,
     )  # fmt: skip
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)

@@ -91,6 +91,12 @@ class KernelConfig:
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often. Without persistent_fwd there is no next item: no
     effect (so a default config with persistent_fwd=False stays valid).
+    dkv_kv_registers: how many of the warp-specialised dK/dV kernel's constant A operands a
+    consumer holds in registers for the whole walk instead of reading them from shared memory
+    in every step: 0 none, 1 K (S^T = K Q^T), 2 K and V (dP^T = V dO^T as well). Each is
+    64 keys x D bf16 per consumer (D / 4 registers a thread); its SS wgmma becomes RS and
+    reads a quarter (D=128) of the step's operand bytes less from shared memory, at the cost
+    of those registers beside dK, dV, S^T and dP^T.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -121,6 +127,7 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
+    dkv_kv_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -188,6 +195,17 @@ class KernelConfig:
                 f"least two stages (bwd_warpgroups=2, fused_bwd=False, num_stages_bwd None or "
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
+            )
+        if self.dkv_kv_registers not in (0, 1, 2):
+            raise ValueError(
+                f"dkv_kv_registers={self.dkv_kv_registers} is invalid: valid values are 0 (none), "
+                "1 (K) and 2 (K and V)"
+            )
+        if self.dkv_kv_registers and (self.bwd_warpgroups != CONSUMER_WARPGROUPS or self.fused_bwd):
+            raise ValueError(
+                f"dkv_kv_registers={self.dkv_kv_registers} needs the warp-specialised unfused "
+                f"dK/dV kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
+                f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

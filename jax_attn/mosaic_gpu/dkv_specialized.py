@@ -44,6 +44,7 @@ from .bwd_steps import (
     fetch_queries,
     launch_dkv,
     query_ring,
+    register_operand,
     tile_smem,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
@@ -93,12 +94,17 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                         dst = dq_ref.at[batch, pl.ds(start, bq), head]
                         around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
                     dkv_step(
-                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
-                    )
+                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn,
+                        kv_a,
+                    )  # fmt: skip
 
                 consume(total, n_masked, stages, ready, free, step)
 
             plgpu.barrier_wait(kv_bar.at[wg])
+            kv_a = tuple(
+                register_operand(x, kern) if i < kern.kv_registers else x
+                for i, x in enumerate((k_own, v_own))
+            )
             take_turns(sched, wg, steps)
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
