@@ -218,14 +218,25 @@ WARP_SPECIALISED = {
         ),
         "share_question_gqa4",
     ),  # fmt: skip
-    # S^T's A operand K (and dP^T's V) held in registers over the walk: masked and full steps
-    "ws_k_registers_d128": (
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, dkv_kv_registers=1),
+    # step n's S^T, dP^T (S, dP) issued behind step n - 1's dV, dK (dQ), in both kernels: with
+    # P computed under dP, ping-pong turns, 3 stages, and empty tiles
+    "ws_issue_ahead_overlap_d128": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_issue_ahead=True, bwd_overlap=True),
         "causal_gqa_ragged_fp16",
     ),
-    "ws_kv_registers_split": (
-        KernelConfig(bwd_warpgroups=2, dkv_kv_registers=2, dkv_head_split=2),
+    "ws_issue_ahead_pingpong_3stages": (
+        KernelConfig(
+            bwd_warpgroups=2,
+            dq_warpgroups=2,
+            bwd_issue_ahead=True,
+            bwd_pingpong=True,
+            num_stages_bwd=3,
+        ),
         "share_question_gqa4",
+    ),
+    "ws_issue_ahead_empty_tiles": (
+        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_issue_ahead=True),
+        "empty_tiles",
     ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
@@ -233,7 +244,7 @@ HEAD_DIMS = {
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
-    "ws_k_registers_d128": 128,
+    "ws_issue_ahead_overlap_d128": 128,
 }
 
 
@@ -251,7 +262,8 @@ HEADS = {
     "fused_overlap_ragged_fp16": (2, 1),
     "ws_pingpong_empty_tiles": (1, 1),
     "ws_pingpong_3stages": (2, 1),
-    "ws_k_registers_d128": (2, 1),
+    "ws_issue_ahead_overlap_d128": (2, 1),
+    "ws_issue_ahead_empty_tiles": (1, 1),
 }
 
 
@@ -303,15 +315,17 @@ def test_pingpong_refusals(changes: dict) -> None:
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
-@pytest.mark.parametrize("changes", [dict(bwd_warpgroups=1), dict(fused_bwd=True)], ids=str)
-def test_kv_registers_refusals(changes: dict) -> None:
-    """dkv_kv_registers names its valid values, and the kernel it needs with what it got."""
-    with pytest.raises(ValueError, match=r"dkv_kv_registers=3 is invalid: valid values are 0"):
-        KernelConfig(bwd_warpgroups=2, dkv_kv_registers=3)
-    config = dict(bwd_warpgroups=2) | changes
-    with pytest.raises(ValueError, match="dkv_kv_registers=1 needs the warp-specialised") as e:
-        KernelConfig(dkv_kv_registers=1, **config)
-    got = dict(fused_bwd=False) | config
+@pytest.mark.parametrize(
+    "changes",
+    [dict(), dict(bwd_warpgroups=2, fused_bwd=True), dict(bwd_warpgroups=2, num_stages_bwd=1)],
+    ids=str,
+)
+def test_issue_ahead_refusals(changes: dict) -> None:
+    """bwd_issue_ahead names what it needs and what it got: a warp-specialised unfused kernel
+    and a ring of two stages or more (with one, a step would hold the slot it waits to refill)."""
+    with pytest.raises(ValueError, match="bwd_issue_ahead needs .* at least two stages") as e:
+        KernelConfig(bwd_issue_ahead=True, **changes)
+    got = dict(bwd_warpgroups=1, dq_warpgroups=1, fused_bwd=False, num_stages_bwd=None) | changes
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
@@ -414,11 +428,11 @@ def test_lowers_for_hopper(d: int) -> None:
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
     # the default, with 128 dK/dV rows, fused on top of it (the fused kernel's rows at 64: at
     # 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses),
-    # and with K (and V) loaded into registers as S^T's (and dP^T's) A operands
+    # and with each step's first matmuls issued behind the last step's
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    registers = (dataclasses.replace(default, dkv_kv_registers=n) for n in (1, 2))
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), *registers):
+    ahead = dataclasses.replace(default, bwd_issue_ahead=True)
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), ahead):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -17,6 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LOG2E
 from .config import grid_axes
+from .ws_ring import then
 
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
@@ -40,7 +41,7 @@ class Kernel:
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
-    kv_registers: int = 0  # K, then V as register A operands (KernelConfig.dkv_kv_registers)
+    issue_ahead: bool = False  # step n's S, dP queue behind n - 1's (KernelConfig.bwd_issue_ahead)
 
     @property
     def qk_scale(self) -> float:
@@ -131,11 +132,6 @@ def tile_start(
         return pl.multiple_of(index_ref[outer, unit] * mask_tile, tile)
     entry = index_ref[outer, lax.div(unit, jnp.int32(split))]
     return pl.multiple_of(entry * mask_tile + lax.rem(unit, jnp.int32(split)) * tile, tile)
-
-
-def register_operand(ref: Any, kern: Kernel) -> jax.Array:
-    """A 2-byte SMEM tile loaded into registers as a wgmma A operand (the WGMMA layout)."""
-    return cast(ref[...], plgpu.Layout.WGMMA, kern)
 
 
 def store_tile(smem: Any, value: jax.Array, dst: Any) -> None:
@@ -293,15 +289,15 @@ def dkv_step(
     dk_acc: Any, dv_acc: Any,
     around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
     turn: Callable[[], None] | None = None,
-    kv_a: tuple[Any, Any] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
-    kv_a, when given, are the A operands of S^T and dP^T (K, V: SMEM refs or registers).
     around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
     (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
-    runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong."""
+    runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong.
+    release, when given, runs once S^T and dP^T are issued, before turn (ws_ring.consume)."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
 
@@ -311,10 +307,9 @@ def dkv_step(
             s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
         return jnp.exp2(s_t)
 
-    k_a, v_a = (k_s, v_s) if kv_a is None else kv_a
     p_t, dp_t = two_matmuls(
-        k_a, plgpu.transpose_ref(q, (1, 0)), v_a, plgpu.transpose_ref(do, (1, 0)), shape,
-        probabilities, early=kern.overlap, issued=turn,
+        k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
+        probabilities, early=kern.overlap, issued=then(release, turn),
     )  # fmt: skip
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
     ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
@@ -330,13 +325,14 @@ def dkv_step(
 
 def dq_step(
     kern: Kernel, rows: tuple, k: Any, v: Any, key0: jax.Array | None, masked: bool, dq_acc: Any,
-    turn: Callable[[], None] | None = None,
+    turn: Callable[[], None] | None = None, release: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
     """One (queries x keys) step of dQ: S and dP of the rows' (q, dO) against the slot's K, V,
     the mask on partial tiles from the rows' intervals, then dQ += dS K issued with dS as the
     register A operand. rows: (q, dO, lo, hi) SMEM refs and the broadcast LSE and delta; key0:
     the first key of the step (read only when masked). turn, when given, runs once S and dP
-    are issued and again before dQ's matmul is: the consumers' ping-pong."""
+    are issued and again before dQ's matmul is: the consumers' ping-pong. release, when given,
+    runs once S and dP are issued, before turn (ws_ring.consume)."""
     q, do, lo_s, hi_s, lse, delta = rows
     shape = lse.shape
 
@@ -348,7 +344,7 @@ def dq_step(
 
     p, dp = two_matmuls(
         q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape,
-        probabilities, early=kern.overlap, issued=turn,
+        probabilities, early=kern.overlap, issued=then(release, turn),
     )  # fmt: skip
     ds = (p * (dp - delta)).astype(k.dtype)
     if turn is not None:

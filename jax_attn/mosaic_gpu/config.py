@@ -91,12 +91,12 @@ class KernelConfig:
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often. Without persistent_fwd there is no next item: no
     effect (so a default config with persistent_fwd=False stays valid).
-    dkv_kv_registers: how many of the warp-specialised dK/dV kernel's constant A operands a
-    consumer holds in registers for the whole walk instead of reading them from shared memory
-    in every step: 0 none, 1 K (S^T = K Q^T), 2 K and V (dP^T = V dO^T as well). Each is
-    64 keys x D bf16 per consumer (D / 4 registers a thread); its SS wgmma becomes RS and
-    reads a quarter (D=128) of the step's operand bytes less from shared memory, at the cost
-    of those registers beside dK, dV, S^T and dP^T.
+    bwd_issue_ahead: the warp-specialised backward consumers (dK/dV, and dQ with
+    dq_warpgroups=2) issue step n's first two matmuls (S^T and dP^T; S and dP) before waiting
+    for step n - 1's last ones (dV and dK; dQ), then release step n - 1's ring slot, instead of
+    waiting for them at the start of step n: the tensor cores get the next step's work queued
+    behind the last one, at the cost of step n - 1's bf16 A operands live under the issue.
+    Needs a ring of at least two stages; not with fused_bwd.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -127,7 +127,7 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
-    dkv_kv_registers: int = 0
+    bwd_issue_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -196,16 +196,18 @@ class KernelConfig:
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
             )
-        if self.dkv_kv_registers not in (0, 1, 2):
+        if self.bwd_issue_ahead and (
+            CONSUMER_WARPGROUPS not in (self.bwd_warpgroups, self.dq_warpgroups)
+            or self.fused_bwd
+            or self.num_stages_bwd == 1
+        ):
             raise ValueError(
-                f"dkv_kv_registers={self.dkv_kv_registers} is invalid: valid values are 0 (none), "
-                "1 (K) and 2 (K and V)"
-            )
-        if self.dkv_kv_registers and (self.bwd_warpgroups != CONSUMER_WARPGROUPS or self.fused_bwd):
-            raise ValueError(
-                f"dkv_kv_registers={self.dkv_kv_registers} needs the warp-specialised unfused "
-                f"dK/dV kernel (bwd_warpgroups=2, fused_bwd=False), got bwd_warpgroups="
-                f"{self.bwd_warpgroups}, fused_bwd={self.fused_bwd}"
+                "bwd_issue_ahead needs a warp-specialised unfused backward kernel "
+                "(bwd_warpgroups=2 or dq_warpgroups=2, fused_bwd=False) with a ring of at least "
+                "two stages (num_stages_bwd None or >= 2), got "
+                f"bwd_warpgroups={self.bwd_warpgroups}, dq_warpgroups={self.dq_warpgroups}, "
+                f"fused_bwd={self.fused_bwd}, "
+                f"num_stages_bwd={self.num_stages_bwd}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

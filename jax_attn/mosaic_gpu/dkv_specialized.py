@@ -44,7 +44,6 @@ from .bwd_steps import (
     fetch_queries,
     launch_dkv,
     query_ring,
-    register_operand,
     tile_smem,
 )
 from .config import CONSUMER_WARPGROUPS, PRODUCER
@@ -86,7 +85,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
             def steps(turn: Callable[[], None] | None) -> None:
-                def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
+                def step(n: jax.Array, slot: jax.Array, masked: bool, release: Any) -> None:
                     refs = tuple(x.at[slot] for x in ring)
                     around_dk = None
                     if kern.fused:
@@ -95,16 +94,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                         around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
                     dkv_step(
                         kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn,
-                        kv_a,
+                        release,
                     )  # fmt: skip
 
-                consume(total, n_masked, stages, ready, free, step)
+                consume(total, n_masked, stages, ready, free, step, ahead=kern.issue_ahead)
 
             plgpu.barrier_wait(kv_bar.at[wg])
-            kv_a = tuple(
-                register_operand(x, kern) if i < kern.kv_registers else x
-                for i, x in enumerate((k_own, v_own))
-            )
             take_turns(sched, wg, steps)
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
