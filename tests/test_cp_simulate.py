@@ -3864,3 +3864,31 @@ def test_report_names_the_next_strategy_and_marks_the_near_ones():
     assert alone["exposed_comm_ms"] == 0.0, "strategy time minus compute never reads below 0"
     (line,) = [x for x in report_sim.tables([alone]) if x.startswith("| causal | 2 | ring")]
     assert line.rstrip().endswith("| - |"), "no other strategy ran: no runner-up"
+
+
+def test_planner_failure_is_kept_beside_the_main_threads_error():
+    """The planner thread's failure raises at the join; where the main thread is already
+    raising, it joins that error's notes instead of replacing it, and the jobs the planner was
+    started beside are what is left to settle. The wait is charged either way."""
+    from concurrent.futures import Future
+
+    from experiments.runners import cp_simulate
+
+    def failed_ahead() -> cp_simulate.Lookahead:
+        planning = Future()
+        planning.set_exception(RuntimeError("lowering failed in the planner"))
+        beside = cp_simulate.Compiling([], {"program": "job"})
+        return cp_simulate.Lookahead(beside, planning, planned_at=0.0)
+
+    ahead = failed_ahead()
+    with pytest.raises(RuntimeError, match="lowering failed in the planner"):
+        cp_simulate.join_ahead(ahead)
+    assert ahead.seconds["compile"] >= 0 and "plan" in ahead.seconds
+    main = ValueError("the point's check failed")
+    ahead = failed_ahead()
+    assert cp_simulate.join_ahead(ahead, main) is ahead.beside
+    assert any("lowering failed in the planner" in note for note in main.__notes__)
+    done = Future()
+    done.set_result(cp_simulate.Compiling([], {}))
+    ok = cp_simulate.Lookahead(ahead.beside, done)
+    assert cp_simulate.join_ahead(ok, main) is done.result()

@@ -266,6 +266,26 @@ class Lookahead:
     seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+def join_ahead(ahead: Lookahead, raising: BaseException | None = None) -> Compiling:
+    """The planner's jobs in flight, once it is done; the main thread's wait charged to the next
+    problem's plans until the planner made its points ready, to its compiles after. Where the
+    main thread is already raising `raising`, a planner failure is added to its notes instead
+    of replacing it, and the jobs the planner was started beside are returned."""
+    start = time.perf_counter()
+    try:
+        return ahead.planning.result()
+    except Exception as failure:
+        if raising is None:
+            raise
+        raising.add_note(f"the planner thread failed as well: {failure!r}")
+        return ahead.beside
+    finally:
+        end = time.perf_counter()
+        planned = min(max(ahead.planned_at, start), end)
+        ahead.seconds["plan"] += planned - start
+        ahead.seconds["compile"] += end - planned
+
+
 class Checked(NamedTuple):
     """A mask's check of a point (check_ranks): its result, the global ranks checked and its
     seconds in the ranks' emulation and in the rest (the float64 reference, the comparison)."""
@@ -715,19 +735,6 @@ class CPSimulator:
             batch = self._compile([prep], first_raises=False, beside=compiling)
             compiling = Compiling(compiling.per_point + batch.per_point, batch.jobs)
         return compiling
-
-    def _join_ahead(self, ahead: Lookahead) -> Compiling:
-        """The planner's jobs in flight, once it is done; the main thread's wait charged to
-        the next problem's plans until the planner made its points ready, to its compiles
-        after."""
-        start = time.perf_counter()
-        try:
-            return ahead.planning.result()
-        finally:
-            end = time.perf_counter()
-            planned = min(max(ahead.planned_at, start), end)
-            ahead.seconds["plan"] += planned - start
-            ahead.seconds["compile"] += end - planned
 
     def _check(self, point: Point, mask, index: int, impl: str, ranks: Ranks) -> Checked:
         """The point's check of mask `index` (check_ranks), run now or taken from the check
@@ -1202,6 +1209,7 @@ class CPSimulator:
             if cls in self._ahead_failed
         }
         ahead: Lookahead | None = None
+        raising: BaseException | None = None
         try:
             start = time.perf_counter()
             peers = (
@@ -1224,10 +1232,13 @@ class CPSimulator:
             if done.check.ok and peers:
                 ready.ranks.drop_arrays()  # its check's arrays, before its peers' checks
                 self._check_ahead(peers, index)
+        except BaseException as error:
+            raising = error
+            raise
         finally:
             try:
                 if ahead is not None:
-                    in_flight = self._join_ahead(ahead)
+                    in_flight = join_ahead(ahead, raising)
             finally:
                 start = time.perf_counter()
                 self._settle(in_flight)  # none while timed
