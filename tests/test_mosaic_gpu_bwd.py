@@ -234,6 +234,27 @@ WARP_SPECIALISED = {
         ),
         "share_question_gqa4",
     ),
+    # dV issued before dS^T is computed; with bwd_overlap before dP^T is read: unfused (with the
+    # ping-pong turn and step n's matmuls issued ahead), fused, and the one-warpgroup kernel
+    "ws_dv_first_overlap_ahead_d128": (
+        KernelConfig(
+            bwd_warpgroups=2,
+            dq_warpgroups=2,
+            bwd_dv_first=True,
+            bwd_overlap=True,
+            bwd_issue_ahead=True,
+            bwd_pingpong=True,
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_dv_first_fused": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, bwd_dv_first=True),
+        "share_question_gqa4",
+    ),
+    "dv_first_overlap_one_warpgroup": (
+        KernelConfig(bwd_dv_first=True, bwd_overlap=True),
+        "empty_tiles",
+    ),
     "ws_issue_ahead_empty_tiles": (
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_issue_ahead=True),
         "empty_tiles",
@@ -245,6 +266,7 @@ HEAD_DIMS = {
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
     "ws_issue_ahead_overlap_d128": 128,
+    "ws_dv_first_overlap_ahead_d128": 128,
 }
 
 
@@ -264,6 +286,8 @@ HEADS = {
     "ws_pingpong_3stages": (2, 1),
     "ws_issue_ahead_overlap_d128": (2, 1),
     "ws_issue_ahead_empty_tiles": (1, 1),
+    "ws_dv_first_overlap_ahead_d128": (2, 1),
+    "dv_first_overlap_one_warpgroup": (1, 1),
 }
 
 
@@ -428,11 +452,12 @@ def test_lowers_for_hopper(d: int) -> None:
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
     # the default, with 128 dK/dV rows, fused on top of it (the fused kernel's rows at 64: at
     # 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses),
-    # and with each step's first matmuls issued behind the last step's
+    # and with each step's first matmuls issued behind the last step's and dV issued first
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    ahead = dataclasses.replace(default, bwd_issue_ahead=True)
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), ahead):
+    ahead = dataclasses.replace(default, bwd_issue_ahead=True, bwd_dv_first=True)
+    dv_early = dataclasses.replace(ahead, bwd_overlap=True)
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), ahead, dv_early):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -329,6 +329,7 @@ def _kernels(
             head_split=split,
             pingpong=config.bwd_pingpong,
             issue_ahead=config.bwd_issue_ahead and config.bwd_warpgroups == CONSUMER_WARPGROUPS,
+            dv_first=config.bwd_dv_first,
             **common,
         ),
         Kernel(

@@ -42,6 +42,7 @@ class Kernel:
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
     issue_ahead: bool = False  # step n's S, dP queue behind n - 1's (KernelConfig.bwd_issue_ahead)
+    dv_first: bool = False  # dV issued before dS^T is computed (KernelConfig.bwd_dv_first)
 
     @property
     def qk_scale(self) -> float:
@@ -93,11 +94,12 @@ def visible(
 
 def two_matmuls(
     a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], first: Callable, *, early: bool,
-    issued: Callable[[], None] | None = None,
+    issued: Callable[[], None] | None = None, keep: int = 0,
 ) -> tuple:  # fmt: skip
     """(first(a0 @ b0), a1 @ b1) from fresh fp32 accumulators, both wgmmas in flight together.
     early: first runs as soon as a0 @ b0 is done, while a1 @ b1 still runs; else after both.
-    issued, when given, runs once both are issued, before either is waited for."""
+    issued, when given, runs once both are issued, before either is waited for. keep: with
+    early, the wgmmas first issued that may still run when a1 @ b1 is read."""
 
     def run(acc0: Any, acc1: Any) -> tuple[jax.Array, jax.Array]:
         plgpu.wgmma(acc0, a0, b0)
@@ -106,7 +108,7 @@ def two_matmuls(
             issued()
         if early:
             done = first(plgpu.wgmma_accumulator_load(acc0, wait_n=1))
-            return done, acc1[...]
+            return done, plgpu.wgmma_accumulator_load(acc1, wait_n=keep)
         both = acc0[...], acc1[...]
         return first(both[0]), both[1]
 
@@ -297,25 +299,38 @@ def dkv_step(
     around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
     (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
     runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong.
-    release, when given, runs once S^T and dP^T are issued, before turn (ws_ring.consume)."""
+    release, when given, runs once S^T and dP^T are issued, before turn (ws_ring.consume).
+    kern.dv_first: dV is issued as soon as P^T is known (with kern.overlap, before dP^T is
+    waited for), and dS^T computed while it runs."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
+    dtype = k_s.dtype
+
+    def issue_dv(p_t: jax.Array) -> None:
+        if turn is not None:
+            turn()
+        plgpu.wgmma(dv_acc, p_t.astype(dtype), do)
 
     def probabilities(s_t: jax.Array) -> jax.Array:
         s_t = s_t * kern.qk_scale - broadcast(row_vector(lse_s, kern, 0), shape, 0)
         if masked:  # selects after the LSE, so the scale and the LSE fuse in one FFMA
             s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
-        return jnp.exp2(s_t)
+        p_t = jnp.exp2(s_t)
+        if kern.dv_first and kern.overlap:
+            issue_dv(p_t)
+        return p_t
 
+    early_dv = kern.dv_first and kern.overlap
     p_t, dp_t = two_matmuls(
         k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
-        probabilities, early=kern.overlap, issued=then(release, turn),
+        probabilities, early=kern.overlap, issued=then(release, turn), keep=int(early_dv),
     )  # fmt: skip
+    if kern.dv_first and not early_dv:
+        issue_dv(p_t)
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
-    ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
-    if turn is not None:
-        turn()
-    plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
+    ds_t = (p_t * (dp_t - delta)).astype(dtype)
+    if not kern.dv_first:
+        issue_dv(p_t)
     if around_dk is None:
         plgpu.wgmma(dk_acc, ds_t, q)
     else:

@@ -97,6 +97,9 @@ class KernelConfig:
     waiting for them at the start of step n: the tensor cores get the next step's work queued
     behind the last one, at the cost of step n - 1's bf16 A operands live under the issue.
     Needs a ring of at least two stages; not with fused_bwd.
+    bwd_dv_first: the dK/dV kernels issue dV += P^T dO as soon as P^T is known and compute
+    dS^T while it runs, instead of after dS^T (FlashAttention-3's order); with bwd_overlap,
+    before dP^T is waited for.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -128,6 +131,7 @@ class KernelConfig:
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
     bwd_issue_ahead: bool = False
+    bwd_dv_first: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
