@@ -218,55 +218,12 @@ WARP_SPECIALISED = {
         ),
         "share_question_gqa4",
     ),  # fmt: skip
-    # step n's S^T, dP^T (S, dP) issued behind step n - 1's dV, dK (dQ), in both kernels: with
-    # P computed under dP, ping-pong turns, 3 stages, and empty tiles
-    "ws_issue_ahead_overlap_d128": (
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_issue_ahead=True, bwd_overlap=True),
-        "causal_gqa_ragged_fp16",
-    ),
-    "ws_issue_ahead_pingpong_3stages": (
-        KernelConfig(
-            bwd_warpgroups=2,
-            dq_warpgroups=2,
-            bwd_issue_ahead=True,
-            bwd_pingpong=True,
-            num_stages_bwd=3,
-        ),
-        "share_question_gqa4",
-    ),
-    # dV issued before dS^T is computed; with bwd_overlap before dP^T is read: unfused (with the
-    # ping-pong turn and step n's matmuls issued ahead), fused, and the one-warpgroup kernel
-    "ws_dv_first_overlap_ahead_d128": (
-        KernelConfig(
-            bwd_warpgroups=2,
-            dq_warpgroups=2,
-            bwd_dv_first=True,
-            bwd_overlap=True,
-            bwd_issue_ahead=True,
-            bwd_pingpong=True,
-        ),
-        "causal_gqa_ragged_fp16",
-    ),
-    "ws_dv_first_fused": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, bwd_dv_first=True),
-        "share_question_gqa4",
-    ),
-    "dv_first_overlap_one_warpgroup": (
-        KernelConfig(bwd_dv_first=True, bwd_overlap=True),
-        "empty_tiles",
-    ),
-    "ws_issue_ahead_empty_tiles": (
-        KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, bwd_issue_ahead=True),
-        "empty_tiles",
-    ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
-    "ws_issue_ahead_overlap_d128": 128,
-    "ws_dv_first_overlap_ahead_d128": 128,
 }
 
 
@@ -284,10 +241,6 @@ HEADS = {
     "fused_overlap_ragged_fp16": (2, 1),
     "ws_pingpong_empty_tiles": (1, 1),
     "ws_pingpong_3stages": (2, 1),
-    "ws_issue_ahead_overlap_d128": (2, 1),
-    "ws_issue_ahead_empty_tiles": (1, 1),
-    "ws_dv_first_overlap_ahead_d128": (2, 1),
-    "dv_first_overlap_one_warpgroup": (1, 1),
 }
 
 
@@ -336,20 +289,6 @@ def test_pingpong_refusals(changes: dict) -> None:
     with pytest.raises(ValueError, match="bwd_pingpong needs .* at least two stages") as e:
         KernelConfig(bwd_warpgroups=warpgroups, bwd_pingpong=True, **changes)
     got = dict(bwd_warpgroups=warpgroups, fused_bwd=False, num_stages_bwd=None) | changes
-    assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [dict(), dict(bwd_warpgroups=2, fused_bwd=True), dict(bwd_warpgroups=2, num_stages_bwd=1)],
-    ids=str,
-)
-def test_issue_ahead_refusals(changes: dict) -> None:
-    """bwd_issue_ahead names what it needs and what it got: a warp-specialised unfused kernel
-    and a ring of two stages or more (with one, a step would hold the slot it waits to refill)."""
-    with pytest.raises(ValueError, match="bwd_issue_ahead needs .* at least two stages") as e:
-        KernelConfig(bwd_issue_ahead=True, **changes)
-    got = dict(bwd_warpgroups=1, dq_warpgroups=1, fused_bwd=False, num_stages_bwd=None) | changes
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
@@ -450,14 +389,11 @@ def test_lowers_for_hopper(d: int) -> None:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
-    # the default, with 128 dK/dV rows, fused on top of it (the fused kernel's rows at 64: at
-    # 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses),
-    # and with each step's first matmuls issued behind the last step's and dV issued first
+    # the default, with 128 dK/dV rows, and fused on top of it (the fused kernel's rows at 64:
+    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    ahead = dataclasses.replace(default, bwd_issue_ahead=True, bwd_dv_first=True)
-    dv_early = dataclasses.replace(ahead, bwd_overlap=True)
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), ahead, dv_early):
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -328,15 +328,12 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
-            issue_ahead=config.bwd_issue_ahead and config.bwd_warpgroups == CONSUMER_WARPGROUPS,
-            dv_first=config.bwd_dv_first,
             **common,
         ),
         Kernel(
             block_q=dq_tile,
             block_k=_kernel_tile(config.block_k_dq, "block_k_dq", mbk),
             pingpong=config.bwd_pingpong and config.dq_warpgroups == CONSUMER_WARPGROUPS,
-            issue_ahead=config.bwd_issue_ahead and config.dq_warpgroups == CONSUMER_WARPGROUPS,
             **common,
         ),
     )

@@ -17,7 +17,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..kernel_inputs import LOG2E
 from .config import grid_axes
-from .ws_ring import then
 
 WGMMA_ROWS = 64  # a wgmma's M granularity: every kernel tile is a multiple of it
 DEFAULT_TILE = 64
@@ -41,8 +40,6 @@ class Kernel:
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
-    issue_ahead: bool = False  # step n's S, dP queue behind n - 1's (KernelConfig.bwd_issue_ahead)
-    dv_first: bool = False  # dV issued before dS^T is computed (KernelConfig.bwd_dv_first)
 
     @property
     def qk_scale(self) -> float:
@@ -94,12 +91,11 @@ def visible(
 
 def two_matmuls(
     a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], first: Callable, *, early: bool,
-    issued: Callable[[], None] | None = None, keep: int = 0,
+    issued: Callable[[], None] | None = None,
 ) -> tuple:  # fmt: skip
     """(first(a0 @ b0), a1 @ b1) from fresh fp32 accumulators, both wgmmas in flight together.
     early: first runs as soon as a0 @ b0 is done, while a1 @ b1 still runs; else after both.
-    issued, when given, runs once both are issued, before either is waited for. keep: with
-    early, the wgmmas first issued that may still run when a1 @ b1 is read."""
+    issued, when given, runs once both are issued, before either is waited for."""
 
     def run(acc0: Any, acc1: Any) -> tuple[jax.Array, jax.Array]:
         plgpu.wgmma(acc0, a0, b0)
@@ -108,7 +104,7 @@ def two_matmuls(
             issued()
         if early:
             done = first(plgpu.wgmma_accumulator_load(acc0, wait_n=1))
-            return done, plgpu.wgmma_accumulator_load(acc1, wait_n=keep) if keep else acc1[...]
+            return done, acc1[...]
         both = acc0[...], acc1[...]
         return first(both[0]), both[1]
 
@@ -291,46 +287,31 @@ def dkv_step(
     dk_acc: Any, dv_acc: Any,
     around_dk: Callable[[jax.Array, Callable[[], None]], None] | None = None,
     turn: Callable[[], None] | None = None,
-    release: Callable[[], None] | None = None,
 ) -> jax.Array:  # fmt: skip
     """One (keys x queries) step of dK/dV from the slot's (q, dO, LSE, delta, lo, hi): S^T and
     dP^T, the mask on partial tiles, P^T and dS^T, then dV += P^T dO and dK += dS^T Q issued
     with P^T, dS^T as register A operands (the accumulators' layout). Returns dS^T.
     around_dk(dS^T, issue_dk), when given, issues dK itself, so work can go between dV and dK
     (the fused kernel's dQ matmul) or run while dK's matmul is in flight. turn, when given,
-    runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong.
-    release, when given, runs once S^T and dP^T are issued, before turn (ws_ring.consume).
-    kern.dv_first: dV is issued as soon as P^T is known (with kern.overlap, before dP^T is
-    waited for), and dS^T computed while it runs."""
+    runs once S^T and dP^T are issued and again before dV is: the consumers' ping-pong."""
     q, do, lse_s, delta_s, lo_s, hi_s = slot
     shape = (k_s.shape[0], q.shape[0])
-    dtype = k_s.dtype
-
-    def issue_dv(p_t: jax.Array) -> None:
-        if turn is not None:
-            turn()
-        plgpu.wgmma(dv_acc, p_t.astype(dtype), do)
 
     def probabilities(s_t: jax.Array) -> jax.Array:
         s_t = s_t * kern.qk_scale - broadcast(row_vector(lse_s, kern, 0), shape, 0)
         if masked:  # selects after the LSE, so the scale and the LSE fuse in one FFMA
             s_t = jnp.where(visible(lo_s, hi_s, col0, shape, 0, kern), s_t, -jnp.inf)
-        p_t = jnp.exp2(s_t)
-        if kern.dv_first and kern.overlap:
-            issue_dv(p_t)
-        return p_t
+        return jnp.exp2(s_t)
 
-    early_dv = kern.dv_first and kern.overlap
     p_t, dp_t = two_matmuls(
         k_s, plgpu.transpose_ref(q, (1, 0)), v_s, plgpu.transpose_ref(do, (1, 0)), shape,
-        probabilities, early=kern.overlap, issued=then(release, turn), keep=int(early_dv),
+        probabilities, early=kern.overlap, issued=turn,
     )  # fmt: skip
-    if kern.dv_first and not early_dv:
-        issue_dv(p_t)
     delta = broadcast(row_vector(delta_s, kern, 0), shape, 0)
-    ds_t = (p_t * (dp_t - delta)).astype(dtype)
-    if not kern.dv_first:
-        issue_dv(p_t)
+    ds_t = (p_t * (dp_t - delta)).astype(k_s.dtype)
+    if turn is not None:
+        turn()
+    plgpu.wgmma(dv_acc, p_t.astype(k_s.dtype), do)
     if around_dk is None:
         plgpu.wgmma(dk_acc, ds_t, q)
     else:
@@ -340,14 +321,13 @@ def dkv_step(
 
 def dq_step(
     kern: Kernel, rows: tuple, k: Any, v: Any, key0: jax.Array | None, masked: bool, dq_acc: Any,
-    turn: Callable[[], None] | None = None, release: Callable[[], None] | None = None,
+    turn: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
     """One (queries x keys) step of dQ: S and dP of the rows' (q, dO) against the slot's K, V,
     the mask on partial tiles from the rows' intervals, then dQ += dS K issued with dS as the
     register A operand. rows: (q, dO, lo, hi) SMEM refs and the broadcast LSE and delta; key0:
     the first key of the step (read only when masked). turn, when given, runs once S and dP
-    are issued and again before dQ's matmul is: the consumers' ping-pong. release, when given,
-    runs once S and dP are issued, before turn (ws_ring.consume)."""
+    are issued and again before dQ's matmul is: the consumers' ping-pong."""
     q, do, lo_s, hi_s, lse, delta = rows
     shape = lse.shape
 
@@ -359,7 +339,7 @@ def dq_step(
 
     p, dp = two_matmuls(
         q, plgpu.transpose_ref(k, (1, 0)), do, plgpu.transpose_ref(v, (1, 0)), shape,
-        probabilities, early=kern.overlap, issued=then(release, turn),
+        probabilities, early=kern.overlap, issued=turn,
     )  # fmt: skip
     ds = (p * (dp - delta)).astype(k.dtype)
     if turn is not None:

@@ -91,15 +91,6 @@ class KernelConfig:
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often. Without persistent_fwd there is no next item: no
     effect (so a default config with persistent_fwd=False stays valid).
-    bwd_issue_ahead: the warp-specialised backward consumers (dK/dV, and dQ with
-    dq_warpgroups=2) issue step n's first two matmuls (S^T and dP^T; S and dP) before waiting
-    for step n - 1's last ones (dV and dK; dQ), then release step n - 1's ring slot, instead of
-    waiting for them at the start of step n: the tensor cores get the next step's work queued
-    behind the last one, at the cost of step n - 1's bf16 A operands live under the issue.
-    Needs a ring of at least two stages; not with fused_bwd.
-    bwd_dv_first: the dK/dV kernels issue dV += P^T dO as soon as P^T is known and compute
-    dS^T while it runs, instead of after dS^T (FlashAttention-3's order); with bwd_overlap,
-    before dP^T is waited for.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -130,8 +121,6 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
-    bwd_issue_ahead: bool = False
-    bwd_dv_first: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -198,19 +187,6 @@ class KernelConfig:
                 "bwd_pingpong needs the warp-specialised unfused dK/dV kernel with a ring of at "
                 f"least two stages (bwd_warpgroups=2, fused_bwd=False, num_stages_bwd None or "
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
-                f"num_stages_bwd={self.num_stages_bwd}"
-            )
-        if self.bwd_issue_ahead and (
-            CONSUMER_WARPGROUPS not in (self.bwd_warpgroups, self.dq_warpgroups)
-            or self.fused_bwd
-            or self.num_stages_bwd == 1
-        ):
-            raise ValueError(
-                "bwd_issue_ahead needs a warp-specialised unfused backward kernel "
-                "(bwd_warpgroups=2 or dq_warpgroups=2, fused_bwd=False) with a ring of at least "
-                "two stages (num_stages_bwd None or >= 2), got "
-                f"bwd_warpgroups={self.bwd_warpgroups}, dq_warpgroups={self.dq_warpgroups}, "
-                f"fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:

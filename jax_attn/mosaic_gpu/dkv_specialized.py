@@ -85,7 +85,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
         def accumulate(dk_acc: Any, dv_acc: Any) -> tuple[jax.Array, jax.Array]:
             def steps(turn: Callable[[], None] | None) -> None:
-                def step(n: jax.Array, slot: jax.Array, masked: bool, release: Any) -> None:
+                def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                     refs = tuple(x.at[slot] for x in ring)
                     around_dk = None
                     if kern.fused:
@@ -93,11 +93,10 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                         dst = dq_ref.at[batch, pl.ds(start, bq), head]
                         around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
                     dkv_step(
-                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn,
-                        release,
-                    )  # fmt: skip
+                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
+                    )
 
-                consume(total, n_masked, stages, ready, free, step, ahead=kern.issue_ahead)
+                consume(total, n_masked, stages, ready, free, step)
 
             plgpu.barrier_wait(kv_bar.at[wg])
             take_turns(sched, wg, steps)

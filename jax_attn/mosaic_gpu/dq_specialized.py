@@ -74,12 +74,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             row_refs = (q_own, do_own, lo_own, hi_own, lse, delta)
 
             def steps(turn: Callable[[], None] | None) -> None:
-                def step(n: jax.Array, slot: jax.Array, masked: bool, release: Any) -> None:
+                def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                     key0 = tile_start(index_ref, tile, n, kern.mask_block_k, bk) if masked else None
                     k, v = k_s.at[slot], v_s.at[slot]
-                    dq_step(kern, row_refs, k, v, key0, masked, dq_acc, turn, release)
+                    dq_step(kern, row_refs, k, v, key0, masked, dq_acc, turn)
 
-                consume(total, n_masked, stages, ready, free, step, ahead=kern.issue_ahead)
+                consume(total, n_masked, stages, ready, free, step)
 
             take_turns(sched, wg, steps)
             return dq_acc[...]

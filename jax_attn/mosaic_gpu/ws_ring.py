@@ -29,37 +29,20 @@ def consume(
     stages: int,
     ready: Any,
     free: Any,
-    step: Callable[[jax.Array, jax.Array, bool, Callable[[], None] | None], None],
-    *,
-    ahead: bool = False,
+    step: Callable[[jax.Array, jax.Array, bool], None],
 ) -> None:
-    """A consumer's walk: step(n, slot, masked, release) for n < total (the first n_masked
-    masked), each once its slot is ready, the previous step's slot released once its matmuls
-    are done: at the start of step n (release None), or, ahead, by step n calling release()
-    once it has issued its first two matmuls, so they queue behind step n - 1's last ones
-    instead of after the wait for them (a ring of two stages or more: one slot would be held
-    while its refill is awaited)."""
+    """A consumer's walk: step(n, slot, masked) for n < total (the first n_masked masked), each
+    once its slot is ready, the previous step's slot released once its matmuls are done."""
     period = jnp.int32(stages)
-
-    def release_previous(n: jax.Array) -> None:
-        previous = lax.rem(n + jnp.int32(stages - 1), period)
-        pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
 
     def body(masked: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
         def run(n: jax.Array, carry: jax.Array) -> jax.Array:
-            release = None
-            if ahead:
-
-                def release() -> None:
-                    plgpu.wgmma_wait(2)  # all but step n's two: step n - 1's matmuls are done
-                    release_previous(n)
-
-            else:
-                plgpu.wgmma_wait(0)  # step n - 1's matmuls were the last to read its slot
-                release_previous(n)
+            plgpu.wgmma_wait(0)  # step n - 1's matmuls were the last to read its slot
+            previous = lax.rem(n + jnp.int32(stages - 1), period)
+            pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[previous]))
             slot = lax.rem(n, period)
             plgpu.barrier_wait(ready.at[slot])
-            step(n, slot, masked, release)
+            step(n, slot, masked)
             return carry
 
         return run
@@ -70,19 +53,6 @@ def consume(
     plgpu.wgmma_wait(0)
     last = lax.rem(total + jnp.int32(stages - 1), period)
     pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[last]))
-
-
-def then(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
-    """One hook running the given ones in order (None among them skipped; None if all are)."""
-    hooks = tuple(h for h in hooks if h is not None)
-    if not hooks:
-        return None
-
-    def run() -> None:
-        for hook in hooks:
-            hook()
-
-    return run
 
 
 def take_turn(sched: Any) -> None:
