@@ -328,6 +328,7 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
+            dq_handoff=config.fused_dq_handoff,
             **common,
         ),
         Kernel(
