@@ -161,6 +161,10 @@ WARP_SPECIALISED = {
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
         "empty_tiles",
     ),
+    "ws_fused_handoff_3stages_d128": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True, num_stages_bwd=3),
+        "empty_tiles",
+    ),
     # launched tiles fastest: the kernels find their tile, head and batch by axis name
     "ws_both_tiles_fastest": (
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
@@ -237,6 +241,7 @@ WARP_SPECIALISED = {
 HEAD_DIMS = {
     "ws_fused_d128": 128,
     "ws_fused_handoff_d128": 128,
+    "ws_fused_handoff_3stages_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
 }
@@ -252,6 +257,7 @@ HEADS = {
     "ws_fused_ragged_fp16": (2, 1),
     "ws_fused_handoff_d128": (2, 1),
     "ws_fused_handoff_empty_tiles": (1, 1),
+    "ws_fused_handoff_3stages_d128": (1, 1),
     "ws_both_overlap": (1, 1),
     "ws_both_256_key_tiles": (1, 1),
     "ws_d64_rows128_ragged_fp16": (2, 1),
@@ -433,9 +439,17 @@ def test_lowers_for_hopper(d: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_lowering_s2048(d: int) -> None:
-    """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles."""
-    config = KernelConfig(block_k=128, num_stages_bwd=2)
+@pytest.mark.parametrize(
+    "config",
+    [
+        KernelConfig(block_k=128, num_stages_bwd=2),
+        KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
+    ],
+    ids=["default_kernels", "fused_dq_handoff"],
+)
+def test_gpu_lowering_s2048(config: KernelConfig, d: int) -> None:
+    """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles (also the
+    fused backward with its dQ added by the producer, whose ordering only a GPU can test)."""
     mask = make_mask("causal_document", 2048, seed=0)
     _check(mask, config, None, tiles=config.tiles, b=2, hq=4, hkv=2, d=d)
 
@@ -454,6 +468,10 @@ def test_gpu_lowering_s2048(d: int) -> None:
         ),
         (KernelConfig(block_k=128, bwd_warpgroups=2, dq_warpgroups=2, fwd_overlap=True), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
+        (
+            KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
+            (2, 1),
+        ),
     ],
     ids=[
         "gqa_2stages",
@@ -461,6 +479,7 @@ def test_gpu_lowering_s2048(d: int) -> None:
         "mha_persistent_fwd_late_early",
         "warp_specialised_gqa",
         "warp_specialised_fused",
+        "warp_specialised_fused_dq_handoff",
     ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:

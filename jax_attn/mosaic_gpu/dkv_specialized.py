@@ -12,7 +12,8 @@ their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each c
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
 dQ matmul goes between dV's and dK's; at D=64 dK's runs while consumer 0 stages and adds dQ,
-at D=128 dQ is read once dK's is done too (_add_dq_shared says why).
+at D=128 dQ is read once dK's is done too (_add_dq_shared says why). With fused_dq_handoff the
+consumers only stage their shares and the producer issues the reduce-adds (_add_dq_stages).
 Ping-pong (KernelConfig.bwd_pingpong): the consumers meet at a 2-arrival barrier once their S^T
 and dP^T are issued and again before dV is, consumer 1 starting half a step behind, so one's
 matmuls run while the other computes its softmax (the forward's and FlashAttention-3's order).
@@ -63,6 +64,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     kv_bar, ready, free = refs[10:13]
     shared_dq = refs[13:17] if kern.fused else None
     handoff = refs[17:19] if kern.dq_handoff else None  # each dQ stage's full and empty barriers
+    sharers = len(dq_columns(k_ref.shape[-1]))  # consumers with a share of the fused dQ
     stage = refs[13] if kern.head_split > 1 else None  # (consumers, keys, D) fp32 partials
     sched = refs[-1] if kern.pingpong else None  # the consumers' 2-arrival ping-pong barrier
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
@@ -106,14 +108,13 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             if kern.fused:  # observe the dS tiles' last release phases
                 ds_free = shared_dq[3]
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
-            if handoff is not None:  # the producer's last add has read this consumer's stage
-                sharing = wg < len(dq_columns(k_s.shape[-1]))
-                pl.when(sharing)(lambda: plgpu.barrier_wait(handoff[1].at[wg]))
             return dk_acc[...], dv_acc[...]
 
         dsts = (x.at[batch, keys, grid_head] for x in (dk_ref, dv_ref))
         own_stage = None if stage is None else stage.at[wg]
         accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
+        if handoff is not None:  # the producer's last add has read this consumer's stage
+            pl.when(wg < sharers)(lambda: plgpu.barrier_wait(handoff[1].at[wg]))
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
@@ -129,14 +130,13 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             produce(total, stages, free, fetch)
             return
         add = functools.partial(_add_dq_stages, walk, dq_ref, batch, shared_dq[1], handoff)
-        for c in range(len(dq_columns(dq_ref.shape[-1]))):  # every stage starts empty
+        for c in range(sharers):  # every stage starts empty
             plgpu.barrier_arrive(handoff[1].at[c])
 
         def fetch_then_add(n: jax.Array, slot: jax.Array) -> None:
             fetch(n, slot)
-            pl.when(n > 0)(
-                lambda: add(n - 1)
-            )  # step n - 1's shares, once the consumers staged them
+            # step n - 1's shares, once the consumers staged them
+            pl.when(n > 0)(lambda: add(n - 1))
 
         produce(total, stages, free, fetch_then_add)
         pl.when(total > 0)(lambda: add(total - 1))
@@ -155,14 +155,17 @@ def _add_dq_stages(
 ) -> None:
     """The producer's half of the dQ hand-off (KernelConfig.fused_dq_handoff): step n's dQ
     rows in GMEM += each consumer's staged share, by TMA reduce-add once that consumer marked
-    its stage full, the stage marked empty again once the add has read it."""
+    its stage full; each stage marked empty again once its add has read it (all adds issued
+    before the first read is waited for)."""
     full, empty = handoff
     start, head = walk.at(n)
     dst = dq_ref.at[batch, pl.ds(start, walk.kern.block_q), head]
-    for c, cols in enumerate(dq_columns(dq_ref.shape[-1])):
+    columns = dq_columns(dq_ref.shape[-1])
+    for c, cols in enumerate(columns):
         plgpu.barrier_wait(full.at[c])
         plgpu.copy_smem_to_gmem(dq_s.at[c], dst.at[:, cols], reduction_op="add")
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for c in range(len(columns)):
+        plgpu.wait_smem_to_gmem(len(columns) - 1 - c, wait_read_only=True)  # add c has read
         plgpu.barrier_arrive(empty.at[c])
 
 
