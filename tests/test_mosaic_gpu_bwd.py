@@ -147,24 +147,6 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
-    # the fused dQ shares added by the producer warpgroup (full/empty barriers per stage): both
-    # consumers' halves at D=128, consumer 0's whole share at D=64, and CTAs with no step
-    "ws_fused_handoff_d128": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
-        "causal_gqa_ragged_fp16",
-    ),
-    "ws_fused_handoff_overlap": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True, bwd_overlap=True),
-        "share_question_gqa4",
-    ),
-    "ws_fused_handoff_empty_tiles": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
-        "empty_tiles",
-    ),
-    "ws_fused_handoff_3stages_d128": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True, num_stages_bwd=3),
-        "empty_tiles",
-    ),
     # launched tiles fastest: the kernels find their tile, head and batch by axis name
     "ws_both_tiles_fastest": (
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
@@ -240,8 +222,6 @@ WARP_SPECIALISED = {
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_fused_d128": 128,
-    "ws_fused_handoff_d128": 128,
-    "ws_fused_handoff_3stages_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
 }
@@ -255,9 +235,6 @@ HEAD_DIMS = {
 HEADS = {
     "ws_gaps_3stages": (1, 1),
     "ws_fused_ragged_fp16": (2, 1),
-    "ws_fused_handoff_d128": (2, 1),
-    "ws_fused_handoff_empty_tiles": (1, 1),
-    "ws_fused_handoff_3stages_d128": (1, 1),
     "ws_both_overlap": (1, 1),
     "ws_both_256_key_tiles": (1, 1),
     "ws_d64_rows128_ragged_fp16": (2, 1),
@@ -288,15 +265,6 @@ def test_warp_specialised_needs_two_halves(interpret) -> None:
         _check(mask, KernelConfig(dq_warpgroups=2, block_q_dq=128), interpret, tiles=(128, 128))
     with pytest.raises(ValueError, match="dq_warpgroups=0 is invalid"):
         KernelConfig(dq_warpgroups=0)
-
-
-@pytest.mark.parametrize("changes", [dict(bwd_warpgroups=2), dict(fused_bwd=True)], ids=str)
-def test_dq_handoff_refusals(changes: dict) -> None:
-    """fused_dq_handoff names the kernel it needs and what it got."""
-    with pytest.raises(ValueError, match="fused_dq_handoff needs the warp-specialised fused") as e:
-        KernelConfig(fused_dq_handoff=True, **changes)
-    got = dict(fused_bwd=False, bwd_warpgroups=1) | changes
-    assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
 def test_head_split_refusals(interpret) -> None:
@@ -422,13 +390,10 @@ def test_lowers_for_hopper(d: int) -> None:
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
     # the default, with 128 dK/dV rows, and fused on top of it (the fused kernel's rows at 64:
-    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses),
-    # also with the fused dQ added by the producer
+    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    fused = dataclasses.replace(default, fused_bwd=True)
-    handoff = dataclasses.replace(fused, fused_dq_handoff=True)
-    for config in (default, wide, fused, handoff):
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -439,17 +404,9 @@ def test_lowers_for_hopper(d: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize(
-    "config",
-    [
-        KernelConfig(block_k=128, num_stages_bwd=2),
-        KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
-    ],
-    ids=["default_kernels", "fused_dq_handoff"],
-)
-def test_gpu_lowering_s2048(config: KernelConfig, d: int) -> None:
-    """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles (also the
-    fused backward with its dQ added by the producer, whose ordering only a GPU can test)."""
+def test_gpu_lowering_s2048(d: int) -> None:
+    """The real Hopper lowering at S=2048: causal documents, GQA, 128x128 mask tiles."""
+    config = KernelConfig(block_k=128, num_stages_bwd=2)
     mask = make_mask("causal_document", 2048, seed=0)
     _check(mask, config, None, tiles=config.tiles, b=2, hq=4, hkv=2, d=d)
 
@@ -468,10 +425,6 @@ def test_gpu_lowering_s2048(config: KernelConfig, d: int) -> None:
         ),
         (KernelConfig(block_k=128, bwd_warpgroups=2, dq_warpgroups=2, fwd_overlap=True), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
-        (
-            KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, fused_dq_handoff=True),
-            (2, 1),
-        ),
     ],
     ids=[
         "gqa_2stages",
@@ -479,7 +432,6 @@ def test_gpu_lowering_s2048(config: KernelConfig, d: int) -> None:
         "mha_persistent_fwd_late_early",
         "warp_specialised_gqa",
         "warp_specialised_fused",
-        "warp_specialised_fused_dq_handoff",
     ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:

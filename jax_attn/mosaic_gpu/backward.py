@@ -328,7 +328,6 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
-            dq_handoff=config.fused_dq_handoff,
             **common,
         ),
         Kernel(

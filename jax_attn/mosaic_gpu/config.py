@@ -91,10 +91,6 @@ class KernelConfig:
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often. Without persistent_fwd there is no next item: no
     effect (so a default config with persistent_fwd=False stays valid).
-    fused_dq_handoff: the warp-specialised fused backward's consumers hand each step's staged
-    fp32 dQ share to the producer warpgroup (a full and an empty barrier per stage), which
-    issues the TMA reduce-add and waits for its read, instead of issuing and waiting for it
-    themselves (FlashAttention-3's split). Needs fused_bwd with bwd_warpgroups=2.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -125,7 +121,6 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
-    fused_dq_handoff: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -193,14 +188,6 @@ class KernelConfig:
                 f"least two stages (bwd_warpgroups=2, fused_bwd=False, num_stages_bwd None or "
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
-            )
-        if self.fused_dq_handoff and not (
-            self.fused_bwd and self.bwd_warpgroups == CONSUMER_WARPGROUPS
-        ):
-            raise ValueError(
-                "fused_dq_handoff needs the warp-specialised fused backward (fused_bwd=True, "
-                f"bwd_warpgroups=2), got fused_bwd={self.fused_bwd}, "
-                f"bwd_warpgroups={self.bwd_warpgroups}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

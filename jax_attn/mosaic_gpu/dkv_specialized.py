@@ -12,8 +12,7 @@ their dS^T to a shared, double-buffered SMEM tile, meet at a barrier, and each c
 dS K for its slice of the head dim (the whole head dim by consumer 0 when D=64) and adds it to
 the fp32 dQ by TMA reduce-add, so each step reduces block_q x D fp32 values into L2 once. The
 dQ matmul goes between dV's and dK's; at D=64 dK's runs while consumer 0 stages and adds dQ,
-at D=128 dQ is read once dK's is done too (_add_dq_shared says why). With fused_dq_handoff the
-consumers only stage their shares and the producer issues the reduce-adds (_add_dq_stages).
+at D=128 dQ is read once dK's is done too (_add_dq_shared says why).
 Ping-pong (KernelConfig.bwd_pingpong): the consumers meet at a 2-arrival barrier once their S^T
 and dP^T are issued and again before dV is, consumer 1 starting half a step behind, so one's
 matmuls run while the other computes its softmax (the forward's and FlashAttention-3's order).
@@ -62,9 +61,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     dq_ref, refs = (refs[0], refs[1:]) if kern.fused else (None, refs)
     dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
     kv_bar, ready, free = refs[10:13]
-    shared_dq = refs[13:17] if kern.fused else None
-    handoff = refs[17:19] if kern.dq_handoff else None  # each dQ stage's full and empty barriers
-    sharers = len(dq_columns(k_ref.shape[-1]))  # consumers with a share of the fused dQ
+    shared_dq = refs[13:] if kern.fused else None
     stage = refs[13] if kern.head_split > 1 else None  # (consumers, keys, D) fp32 partials
     sched = refs[-1] if kern.pingpong else None  # the consumers' 2-arrival ping-pong barrier
     bq, bk, stages = kern.block_q, kern.block_k, kern.stages
@@ -94,9 +91,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                     if kern.fused:
                         start, head = walk.at(n)
                         dst = dq_ref.at[batch, pl.ds(start, bq), head]
-                        around_dk = functools.partial(
-                            _add_dq_shared, n, wg, k_s, dst, shared_dq, handoff
-                        )
+                        around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
                     dkv_step(
                         kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
                     )
@@ -113,8 +108,6 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         dsts = (x.at[batch, keys, grid_head] for x in (dk_ref, dv_ref))
         own_stage = None if stage is None else stage.at[wg]
         accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
-        if handoff is not None:  # the producer's last add has read this consumer's stage
-            pl.when(wg < sharers)(lambda: plgpu.barrier_wait(handoff[1].at[wg]))
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
@@ -126,21 +119,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             slots = tuple(x.at[slot] for x in ring)
             fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
 
-        if handoff is None:
-            produce(total, stages, free, fetch)
-            return
-        add = functools.partial(_add_dq_stages, walk, dq_ref, batch, shared_dq[1], handoff)
-        for c in range(sharers):  # every stage starts empty
-            plgpu.barrier_arrive(handoff[1].at[c])
-
-        def fetch_then_add(n: jax.Array, slot: jax.Array) -> None:
-            fetch(n, slot)
-            # step n - 1's shares, once the consumers staged them
-            pl.when(n > 0)(lambda: add(n - 1))
-
-        produce(total, stages, free, fetch_then_add)
-        pl.when(total > 0)(lambda: add(total - 1))
-        plgpu.wait_smem_to_gmem(0)
+        produce(total, stages, free, fetch)
 
 
 def dq_columns(head_dim: int) -> list[slice]:
@@ -150,28 +129,9 @@ def dq_columns(head_dim: int) -> list[slice]:
     return [slice(c, min(c + width, head_dim)) for c in range(0, head_dim, width)]
 
 
-def _add_dq_stages(
-    walk: QueryTiles, dq_ref: Any, batch: jax.Array, dq_s: Any, handoff: tuple, n: jax.Array
-) -> None:
-    """The producer's half of the dQ hand-off (KernelConfig.fused_dq_handoff): step n's dQ
-    rows in GMEM += each consumer's staged share, by TMA reduce-add once that consumer marked
-    its stage full; each stage marked empty again once its add has read it (all adds issued
-    before the first read is waited for)."""
-    full, empty = handoff
-    start, head = walk.at(n)
-    dst = dq_ref.at[batch, pl.ds(start, walk.kern.block_q), head]
-    columns = dq_columns(dq_ref.shape[-1])
-    for c, cols in enumerate(columns):
-        plgpu.barrier_wait(full.at[c])
-        plgpu.copy_smem_to_gmem(dq_s.at[c], dst.at[:, cols], reduction_op="add")
-    for c in range(len(columns)):
-        plgpu.wait_smem_to_gmem(len(columns) - 1 - c, wait_read_only=True)  # add c has read
-        plgpu.barrier_arrive(empty.at[c])
-
-
 def _add_dq_shared(
-    n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, handoff: tuple | None,
-    ds_t: jax.Array, issue_dk: Callable[[], None],
+    n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
+    issue_dk: Callable[[], None],
 ) -> None:  # fmt: skip
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
     keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
@@ -181,9 +141,7 @@ def _add_dq_shared(
     each consumer's slice is picked by index and read once dK is done too: measured on the H200
     (mosaic_variants 39-*), a branch per consumer with dK in flight across their join made
     ptxas serialise every wgmma of the kernel, and the index with dK in flight was 1.12-1.16x
-    slower than waiting for dK (fewer registers live under the store). With a hand-off
-    (full, empty barriers per stage) the consumer only stages its share, once the producer's
-    add of the step before has read the stage, and the producer adds it (_add_dq_stages)."""
+    slower than waiting for dK (fewer registers live under the store)."""
     ds_s, dq_s, ready, free = shared
     buf = lax.rem(n, jnp.int32(DS_BUFFERS))
     pl.when(n >= DS_BUFFERS)(lambda: plgpu.barrier_wait(free.at[buf]))
@@ -193,9 +151,7 @@ def _add_dq_shared(
     plgpu.barrier_wait(ready.at[buf])
     columns = dq_columns(k_s.shape[-1])
 
-    def share(cols: Any, index: Any, wait_n: int) -> None:
-        stage = dq_s.at[index]
-
+    def share(cols: Any, stage: Any, wait_n: int) -> None:
         def run(acc: Any) -> jax.Array:
             for j in range(CONSUMER_WARPGROUPS):
                 ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
@@ -205,13 +161,6 @@ def _add_dq_shared(
 
         part = pl.run_scoped(run, plgpu.ACC(dq_s.shape[1:], jnp.float32))
         plgpu.barrier_arrive(free.at[buf])  # its wgmmas have read both dS^T halves
-        if handoff is not None:
-            full, empty = handoff
-            plgpu.barrier_wait(empty.at[index])  # the producer's last add has read the stage
-            stage[...] = part
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(full.at[index])
-            return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read the stage
         stage[...] = part
         plgpu.commit_smem()
@@ -219,9 +168,9 @@ def _add_dq_shared(
 
     if len(columns) == CONSUMER_WARPGROUPS:
         width = columns[0].stop
-        share(pl.ds(pl.multiple_of(wg * width, width), width), wg, wait_n=0)
+        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg], wait_n=0)
         return
-    pl.when(wg == 0)(lambda: share(columns[0], 0, wait_n=1))
+    pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0], wait_n=1))
 
     @pl.when(wg > 0)
     def _no_share() -> None:
@@ -252,9 +201,6 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
             plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS, num_barriers=DS_BUFFERS),
         ]
-        if kern.dq_handoff:  # each consumer's stage full (to the producer) and empty (back)
-            scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMER_WARPGROUPS)]
-            scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMER_WARPGROUPS)]
     if kern.head_split > 1:  # each consumer's fp32 staging tile for its partial dK, dV
         scratch.append(plgpu.SMEM((CONSUMER_WARPGROUPS, bk, d), jnp.float32))
     if kern.pingpong:  # the consumers' turns on the tensor cores
