@@ -106,6 +106,8 @@ WS_ONLY_CASES = {
     "causal_document_300": dict(mask=make_mask("causal_document", 300, seed=4), hq=2, hkv=1),
     # two 128-key tiles, the last one ragged (64 keys: one consumer warpgroup's half empty)
     "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
+    # up to three full 128-row tiles after each key tile's diagonal: a walk's order matters
+    "causal_512": dict(mask=make_mask("causal", 512), hq=2, hkv=1),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -119,6 +121,45 @@ WS_ONLY_CASES = {
 def test_gradients(name: str, interpret) -> None:
     case = dict(CASES[name])
     _check(case.pop("mask"), KernelConfig(), interpret, **case)
+
+
+def test_descending_walk_gradients(interpret) -> None:
+    """The one-warpgroup dK/dV kernel walking its unmasked q tiles last first (fused, so the dQ
+    adds follow the same order): the oracle's gradients."""
+    case = dict(WS_ONLY_CASES["causal_512"])
+    config = KernelConfig(fused_bwd=True, dkv_descending=True)
+    _check(case.pop("mask"), config, interpret, **case)
+
+
+def test_descending_walk_order() -> None:
+    """dkv_descending visits the same (q row, head) steps: the partial tiles' steps first and
+    unchanged, then the full tiles' sub-tiles from the last q row down, each with every head of
+    the share in turn."""
+    from jax_attn.mosaic_gpu.bwd_steps import Kernel, QueryTiles
+
+    rng = np.random.default_rng()
+    count, partial, heads = 6, 2, 2
+    tiles = rng.permutation(40)[:count]
+    tiles[partial:] = np.sort(tiles[partial:])  # the mask lists full tiles in q order
+    index = jnp.asarray(np.stack([rng.permutation(40)[:count], tiles]), jnp.int32)
+    refs = (index, jnp.asarray([1, partial]), jnp.asarray([3, count]))
+    walks = {}
+    for descending in (False, True):
+        kern = Kernel(
+            block_q=64, block_k=64, mask_block_q=128, mask_block_k=128, group=heads, stages=2,
+            scale=1.0, hints=False, registers=(232, 40), descending=descending,
+        )  # fmt: skip
+        walk = QueryTiles.of(kern, refs, jnp.int32(1), jnp.int32(3))
+        assert (int(walk.total), int(walk.masked)) == (count * 2 * heads, partial * 2 * heads)
+        walks[descending] = [tuple(map(int, walk.at(jnp.int32(n)))) for n in range(walk.total)]
+    up, down = walks[False], walks[True]
+    assert sorted(up) == sorted(down) and len(set(up)) == len(up)
+    masked = partial * 2 * heads
+    assert down[:masked] == up[:masked]
+    assert {head for _, head in down} == {6, 7}
+    rows = [row for row, _ in down[masked:]]
+    assert rows[::heads] == sorted(rows[::heads], reverse=True) and rows[0] == tiles[-1] * 128 + 64
+    assert all(len(set(rows[i : i + heads])) == 1 for i in range(0, len(rows), heads))
 
 
 def test_backward_of_a_persistent_config_on_other_tiles(interpret) -> None:
@@ -147,6 +188,12 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
+    # each key tile's unmasked q tiles walked last first (masked ones first, as always)
+    "ws_descending": (KernelConfig(bwd_warpgroups=2, dkv_descending=True), "causal_512"),
+    "ws_fused_descending_d128": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_descending=True),
+        "causal_512",
+    ),
     # launched tiles fastest: the kernels find their tile, head and batch by axis name
     "ws_both_tiles_fastest": (
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
@@ -222,6 +269,7 @@ WARP_SPECIALISED = {
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_fused_d128": 128,
+    "ws_fused_descending_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
 }
@@ -393,7 +441,8 @@ def test_lowers_for_hopper(d: int) -> None:
     # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
+    descending = dataclasses.replace(default, dkv_descending=True)  # the walk's last-first order
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), descending):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

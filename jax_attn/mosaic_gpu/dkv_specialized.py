@@ -68,11 +68,10 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_keys = CONSUMER_WARPGROUPS * bk
-    walk = QueryTiles(
-        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), grid_head
-    )
+    outer = lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys))
+    walk = QueryTiles.of(kern, (index_ref, n_partial_ref, count_ref), outer, grid_head)
     kv_head = walk.kv_head
-    total, n_masked = walk.steps(count_ref, n_partial_ref)
+    total, n_masked = walk.total, walk.masked
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
