@@ -106,7 +106,8 @@ WS_ONLY_CASES = {
     "causal_document_300": dict(mask=make_mask("causal_document", 300, seed=4), hq=2, hkv=1),
     # two 128-key tiles, the last one ragged (64 keys: one consumer warpgroup's half empty)
     "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
-    # up to three full 128-row tiles after each key tile's diagonal: a walk's order matters
+    # several full tiles after each key tile's diagonal (up to 3 of 128 rows, 7 of 64): a
+    # walk's order matters
     "causal_512": dict(mask=make_mask("causal", 512), hq=2, hkv=1),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
@@ -132,34 +133,33 @@ def test_descending_walk_gradients(interpret) -> None:
 
 
 def test_descending_walk_order() -> None:
-    """dkv_descending visits the same (q row, head) steps: the partial tiles' steps first and
-    unchanged, then the full tiles' sub-tiles from the last q row down, each with every head of
-    the share in turn."""
+    """Step n's (q row, head): 64-row sub-tiles of 128-row mask tiles, the share's heads
+    innermost; the partial tiles' steps first in list order, then the full tiles' ascending,
+    or with dkv_descending from the last q row down."""
     from jax_attn.mosaic_gpu.bwd_steps import Kernel, QueryTiles
 
-    rng = np.random.default_rng()
-    count, partial, heads = 6, 2, 2
+    rng = np.random.default_rng(7)
+    count, partial, share = 6, 2, 3
     tiles = rng.permutation(40)[:count]
     tiles[partial:] = np.sort(tiles[partial:])  # the mask lists full tiles in q order
     index = jnp.asarray(np.stack([rng.permutation(40)[:count], tiles]), jnp.int32)
     refs = (index, jnp.asarray([1, partial]), jnp.asarray([3, count]))
-    walks = {}
+
+    def steps(listed: np.ndarray, subs: tuple[int, int]) -> list[tuple[int, int]]:
+        return [(t * 128 + s * 64, 3 * share + h) for t in listed for s in subs for h in range(3)]
+
+    head = steps(tiles[:partial], (0, 1))
+    want = {False: head + steps(tiles[partial:], (0, 1))}
+    want[True] = head + steps(tiles[partial:][::-1], (1, 0))
     for descending in (False, True):
         kern = Kernel(
-            block_q=64, block_k=64, mask_block_q=128, mask_block_k=128, group=heads, stages=2,
+            block_q=64, block_k=64, mask_block_q=128, mask_block_k=128, group=share, stages=2,
             scale=1.0, hints=False, registers=(232, 40), descending=descending,
         )  # fmt: skip
         walk = QueryTiles.of(kern, refs, jnp.int32(1), jnp.int32(3))
-        assert (int(walk.total), int(walk.masked)) == (count * 2 * heads, partial * 2 * heads)
-        walks[descending] = [tuple(map(int, walk.at(jnp.int32(n)))) for n in range(walk.total)]
-    up, down = walks[False], walks[True]
-    assert sorted(up) == sorted(down) and len(set(up)) == len(up)
-    masked = partial * 2 * heads
-    assert down[:masked] == up[:masked]
-    assert {head for _, head in down} == {6, 7}
-    rows = [row for row, _ in down[masked:]]
-    assert rows[::heads] == sorted(rows[::heads], reverse=True) and rows[0] == tiles[-1] * 128 + 64
-    assert all(len(set(rows[i : i + heads])) == 1 for i in range(0, len(rows), heads))
+        assert (int(walk.total), int(walk.masked)) == (count * 2 * share, partial * 2 * share)
+        got = [tuple(map(int, walk.at(jnp.int32(n)))) for n in range(walk.total)]
+        assert got == want[descending], descending
 
 
 def test_backward_of_a_persistent_config_on_other_tiles(interpret) -> None:
@@ -442,11 +442,13 @@ def test_lowers_for_hopper(d: int) -> None:
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
     descending = dataclasses.replace(default, dkv_descending=True)  # the walk's last-first order
+    texts = {}
     for config in (default, wide, dataclasses.replace(default, fused_bwd=True), descending):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
+        texts[config] = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert texts[config].count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
+    assert texts[descending] != texts[default], "dkv_descending must reach the dK/dV kernel"
     with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
         dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True, block_q_dkv=128)
 
