@@ -139,14 +139,17 @@ def test_descending_walk_order() -> None:
     from jax_attn.mosaic_gpu.bwd_steps import Kernel, QueryTiles
 
     rng = np.random.default_rng(7)
-    count, partial, share = 6, 2, 3
+    count, partial, share, grid_head = 6, 2, 3, 1
     tiles = rng.permutation(40)[:count]
     tiles[partial:] = np.sort(tiles[partial:])  # the mask lists full tiles in q order
     index = jnp.asarray(np.stack([rng.permutation(40)[:count], tiles]), jnp.int32)
     refs = (index, jnp.asarray([1, partial]), jnp.asarray([3, count]))
 
     def steps(listed: np.ndarray, subs: tuple[int, int]) -> list[tuple[int, int]]:
-        return [(t * 128 + s * 64, 3 * share + h) for t in listed for s in subs for h in range(3)]
+        return [
+            (t * 128 + s * 64, grid_head * share + h) for t in listed for s in subs
+            for h in range(share)
+        ]  # fmt: skip
 
     head = steps(tiles[:partial], (0, 1))
     want = {False: head + steps(tiles[partial:], (0, 1))}
@@ -156,7 +159,7 @@ def test_descending_walk_order() -> None:
             block_q=64, block_k=64, mask_block_q=128, mask_block_k=128, group=share, stages=2,
             scale=1.0, hints=False, registers=(232, 40), descending=descending,
         )  # fmt: skip
-        walk = QueryTiles.of(kern, refs, jnp.int32(1), jnp.int32(3))
+        walk = QueryTiles.of(kern, refs, jnp.int32(1), jnp.int32(grid_head))
         assert (int(walk.total), int(walk.masked)) == (count * 2 * share, partial * 2 * share)
         got = [tuple(map(int, walk.at(jnp.int32(n)))) for n in range(walk.total)]
         assert got == want[descending], descending

@@ -238,6 +238,7 @@ class QueryTiles:
     grid_head: jax.Array  # kv head * head_split + share
     total: jax.Array  # steps in all
     masked: jax.Array  # steps over partial mask tiles, which come first
+    mirror: jax.Array | None  # kern.descending: unmasked sub-tile u is walked as mirror - u
 
     @classmethod
     def of(
@@ -247,7 +248,10 @@ class QueryTiles:
         index_ref, n_partial_ref, count_ref = refs
         per_tile = (kern.mask_block_q // kern.block_q) * kern.walk_heads
         total, masked = count_ref[outer] * per_tile, n_partial_ref[outer] * per_tile
-        return cls(kern, index_ref, outer, grid_head, total, masked)
+        mirror = None
+        if kern.descending:  # sub-tiles [first, last] of the unmasked ones: u -> first + last - u
+            mirror = lax.div(total + masked, jnp.int32(kern.walk_heads)) - 1
+        return cls(kern, index_ref, outer, grid_head, total, masked, mirror)
 
     @property
     def kv_head(self) -> jax.Array:
@@ -258,9 +262,8 @@ class QueryTiles:
         last first."""
         kern, heads = self.kern, jnp.int32(self.kern.walk_heads)
         unit = lax.div(n, heads)
-        if kern.descending:
-            first, units = lax.div(self.masked, heads), lax.div(self.total, heads)
-            unit = jnp.where(unit < first, unit, units - 1 + first - unit)
+        if self.mirror is not None:
+            unit = jnp.where(n < self.masked, unit, self.mirror - unit)
         head = self.grid_head * heads + lax.rem(n, heads)
         return tile_start(self.index_ref, self.outer, unit, kern.mask_block_q, kern.block_q), head
 
