@@ -106,9 +106,6 @@ WS_ONLY_CASES = {
     "causal_document_300": dict(mask=make_mask("causal_document", 300, seed=4), hq=2, hkv=1),
     # two 128-key tiles, the last one ragged (64 keys: one consumer warpgroup's half empty)
     "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
-    # several full tiles after each key tile's diagonal (up to 3 of 128 rows, 7 of 64): a
-    # walk's order matters
-    "causal_512": dict(mask=make_mask("causal", 512), hq=2, hkv=1),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -122,47 +119,6 @@ WS_ONLY_CASES = {
 def test_gradients(name: str, interpret) -> None:
     case = dict(CASES[name])
     _check(case.pop("mask"), KernelConfig(), interpret, **case)
-
-
-def test_descending_walk_gradients(interpret) -> None:
-    """The one-warpgroup dK/dV kernel walking its unmasked q tiles last first (fused, so the dQ
-    adds follow the same order): the oracle's gradients."""
-    case = dict(WS_ONLY_CASES["causal_512"])
-    config = KernelConfig(fused_bwd=True, dkv_descending=True)
-    _check(case.pop("mask"), config, interpret, **case)
-
-
-def test_descending_walk_order() -> None:
-    """Step n's (q row, head): 64-row sub-tiles of 128-row mask tiles, the share's heads
-    innermost; the partial tiles' steps first in list order, then the full tiles' ascending,
-    or with dkv_descending from the last q row down."""
-    from jax_attn.mosaic_gpu.bwd_steps import Kernel, QueryTiles
-
-    rng = np.random.default_rng(7)
-    count, partial, share, grid_head = 6, 2, 3, 1
-    tiles = rng.permutation(40)[:count]
-    tiles[partial:] = np.sort(tiles[partial:])  # the mask lists full tiles in q order
-    index = jnp.asarray(np.stack([rng.permutation(40)[:count], tiles]), jnp.int32)
-    refs = (index, jnp.asarray([1, partial]), jnp.asarray([3, count]))
-
-    def steps(listed: np.ndarray, subs: tuple[int, int]) -> list[tuple[int, int]]:
-        return [
-            (t * 128 + s * 64, grid_head * share + h) for t in listed for s in subs
-            for h in range(share)
-        ]  # fmt: skip
-
-    head = steps(tiles[:partial], (0, 1))
-    want = {False: head + steps(tiles[partial:], (0, 1))}
-    want[True] = head + steps(tiles[partial:][::-1], (1, 0))
-    for descending in (False, True):
-        kern = Kernel(
-            block_q=64, block_k=64, mask_block_q=128, mask_block_k=128, group=share, stages=2,
-            scale=1.0, hints=False, registers=(232, 40), descending=descending,
-        )  # fmt: skip
-        walk = QueryTiles.of(kern, refs, jnp.int32(1), jnp.int32(grid_head))
-        assert (int(walk.total), int(walk.masked)) == (count * 2 * share, partial * 2 * share)
-        got = [tuple(map(int, walk.at(jnp.int32(n)))) for n in range(walk.total)]
-        assert got == want[descending], descending
 
 
 def test_backward_of_a_persistent_config_on_other_tiles(interpret) -> None:
@@ -191,12 +147,6 @@ WARP_SPECIALISED = {
         "causal_gqa_ragged_fp16",
     ),
     "ws_fused_d128": (KernelConfig(bwd_warpgroups=2, fused_bwd=True), "causal_document_gqa"),
-    # each key tile's unmasked q tiles walked last first (masked ones first, as always)
-    "ws_descending": (KernelConfig(bwd_warpgroups=2, dkv_descending=True), "causal_512"),
-    "ws_fused_descending_d128": (
-        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_descending=True),
-        "causal_512",
-    ),
     # launched tiles fastest: the kernels find their tile, head and batch by axis name
     "ws_both_tiles_fastest": (
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, tiles_fastest=True),
@@ -272,7 +222,6 @@ WARP_SPECIALISED = {
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_fused_d128": 128,
-    "ws_fused_descending_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
 }
@@ -444,14 +393,11 @@ def test_lowers_for_hopper(d: int) -> None:
     # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    descending = dataclasses.replace(default, dkv_descending=True)  # the walk's last-first order
-    texts = {}
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True), descending):
+    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
         tiled = prepare_mask(mask, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
-        texts[config] = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert texts[config].count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
-    assert texts[descending] != texts[default], "dkv_descending must reach the dK/dV kernel"
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
     with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
         dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True, block_q_dkv=128)
 

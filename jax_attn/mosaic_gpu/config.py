@@ -91,11 +91,6 @@ class KernelConfig:
     has finished. Between the two step loops, so no step pays a branch for it. Short walks
     (document masks) meet it most often. Without persistent_fwd there is no next item: no
     effect (so a default config with persistent_fwd=False stays valid).
-    dkv_descending: the dK/dV kernels walk a key tile's unmasked q tiles last first (its
-    masked ones still first), so the CTAs of one kv head launched together (tiles fastest,
-    launch_tiles_fastest) step over the same q rows at the same time on causal-like masks, as
-    they do on full: their Q and dO loads (and the fused kernel's dQ adds) can meet in L2
-    instead of each going to DRAM.
     early_scalar_loads: the forward loads a masked step's key-tile start before issuing its
     Q K^T instead of after waiting for it, and the persistent forward reads each item's q tile,
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
@@ -126,7 +121,6 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
-    dkv_descending: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:

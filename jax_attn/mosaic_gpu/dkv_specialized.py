@@ -68,10 +68,11 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_keys = CONSUMER_WARPGROUPS * bk
-    outer = lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys))
-    walk = QueryTiles.of(kern, (index_ref, n_partial_ref, count_ref), outer, grid_head)
+    walk = QueryTiles(
+        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), grid_head
+    )
     kv_head = walk.kv_head
-    total, n_masked = walk.total, walk.masked
+    total, n_masked = walk.steps(count_ref, n_partial_ref)
 
     @pl.when(wg < CONSUMER_WARPGROUPS)
     def _consumer() -> None:
