@@ -328,7 +328,6 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
-            consumer_copies=config.dkv_consumer_copies,
             **common,
         ),
         Kernel(

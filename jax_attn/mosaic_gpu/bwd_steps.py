@@ -40,7 +40,6 @@ class Kernel:
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
-    consumer_copies: bool = False  # consumer code per warpgroup (KernelConfig.dkv_consumer_copies)
 
     @property
     def qk_scale(self) -> float:

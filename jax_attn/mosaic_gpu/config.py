@@ -96,10 +96,6 @@ class KernelConfig:
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
     ahead; so no step's mask and no item's walk waits on a global load, or on a chain of two
     (item, then its tile's count), with the tensor cores idle.
-    dkv_consumer_copies: the warp-specialised dK/dV kernel (fused or not) compiles its consumer
-    code once per consumer warpgroup, each copy knowing its index, instead of once for both
-    with the index read at run time; so the addresses of a consumer's K, V, dS^T and dQ tiles
-    are constants, not values ptxas keeps in registers (and spills) across the step loop.
     """
 
     block_q: int = 64
@@ -125,7 +121,6 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
-    dkv_consumer_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -193,11 +188,6 @@ class KernelConfig:
                 f"least two stages (bwd_warpgroups=2, fused_bwd=False, num_stages_bwd None or "
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
-            )
-        if self.dkv_consumer_copies and self.bwd_warpgroups != CONSUMER_WARPGROUPS:
-            raise ValueError(
-                "dkv_consumer_copies needs the warp-specialised dK/dV kernel (bwd_warpgroups=2), "
-                f"got bwd_warpgroups={self.bwd_warpgroups}"
             )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(

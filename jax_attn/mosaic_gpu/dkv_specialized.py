@@ -74,8 +74,8 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     kv_head = walk.kv_head
     total, n_masked = walk.steps(count_ref, n_partial_ref)
 
-    def consumer(wg: int | jax.Array) -> None:
-        """Consumer warpgroup wg's walk (wg a Python int in a per-consumer copy)."""
+    @pl.when(wg < CONSUMER_WARPGROUPS)
+    def _consumer() -> None:
         plgpu.set_max_registers(kern.registers[0], action="increase")
         col0 = tile * cta_keys + wg * bk
         keys = pl.ds(pl.multiple_of(col0, bk), bk)
@@ -109,12 +109,6 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         own_stage = None if stage is None else stage.at[wg]
         accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
 
-    if kern.consumer_copies:
-        for w in range(CONSUMER_WARPGROUPS):
-            pl.when(wg == w)(functools.partial(consumer, w))
-    else:
-        pl.when(wg < CONSUMER_WARPGROUPS)(functools.partial(consumer, wg))
-
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
         plgpu.set_max_registers(kern.registers[1], action="decrease")
@@ -136,7 +130,7 @@ def dq_columns(head_dim: int) -> list[slice]:
 
 
 def _add_dq_shared(
-    n: jax.Array, wg: int | jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
+    n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
     issue_dk: Callable[[], None],
 ) -> None:  # fmt: skip
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
@@ -174,10 +168,7 @@ def _add_dq_shared(
 
     if len(columns) == CONSUMER_WARPGROUPS:
         width = columns[0].stop
-        own = (
-            columns[wg] if isinstance(wg, int) else pl.ds(pl.multiple_of(wg * width, width), width)
-        )
-        share(own, dq_s.at[wg], wait_n=0)
+        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg], wait_n=0)
         return
     pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0], wait_n=1))
 
