@@ -41,6 +41,22 @@ def test_report_speeds_match_the_times_and_failures_are_labelled(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_records_of_removed_options_are_reported(tmp_path):
+    """Records keep the config they ran with: a field KernelConfig has since lost is named where
+    it was set and left out where it was off, and the report still renders."""
+    rng = np.random.default_rng()
+    base_ms, a_ms, b_ms = rng.uniform(50, 200, size=3)
+    rows = [
+        _record("cudnn", "ok", base_ms, base_ms, None),
+        _record("gone", "ok", a_ms, base_ms, {"block_k": 128, "bwd_gone_knob": True}),
+        _record("off", "ok", b_ms, base_ms, {"block_k": 128, "bwd_gone_knob": False}),
+    ]
+    (tmp_path / "run2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert "| run2 | gone | bwd_gone_knob=True (option since removed) |" in text
+    assert "| run2 | off | KernelConfig() |" in text
+
+
 def test_empty_folder_names_itself(tmp_path):
     with pytest.raises(ValueError, match=str(tmp_path)):
         write_report(tmp_path)

@@ -163,6 +163,14 @@ def _first_per(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
 
 
 def _config_text(config: dict) -> str:
+    """The recorded fields that differ from KernelConfig's defaults; a field KernelConfig no
+    longer has (an option since removed) is named where it was set (not False or None)."""
     defaults = KernelConfig()
-    diff = {k: v for k, v in config.items() if getattr(defaults, k) != v}
-    return ", ".join(f"{k}={v}" for k, v in diff.items()) or "KernelConfig()"
+    parts = []
+    for k, v in config.items():
+        if not hasattr(defaults, k):
+            if v not in (False, None):
+                parts.append(f"{k}={v} (option since removed)")
+        elif getattr(defaults, k) != v:
+            parts.append(f"{k}={v}")
+    return ", ".join(parts) or "KernelConfig()"
