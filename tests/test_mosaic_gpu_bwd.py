@@ -218,9 +218,45 @@ WARP_SPECIALISED = {
         ),
         "share_question_gqa4",
     ),  # fmt: skip
+    # the consumer code compiled once per consumer warpgroup, its index a constant: fused (D=64:
+    # consumer 0 computes the whole dQ share; D=128: each its half) and with the ping-pong turns
+    "ws_copies_fused_ragged_fp16": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_copies_fused_d128": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
+        "causal_gqa_ragged_fp16",
+    ),
+    # the K and V tiles (and the fused dQ's K tiles) picked each step through a barrier: fused
+    # at D=128 with the per-consumer copies, and unfused with the ping-pong turns
+    "ws_step_desc_fused_copies_d128": (
+        KernelConfig(
+            bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True, dkv_step_descriptors=True
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_step_desc_pingpong": (
+        KernelConfig(
+            bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True, dkv_step_descriptors=True
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_copies_pingpong_split": (
+        KernelConfig(
+            bwd_warpgroups=2,
+            dq_warpgroups=2,
+            bwd_pingpong=True,
+            dkv_head_split=2,
+            dkv_consumer_copies=True,
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
+    "ws_copies_fused_d128": 128,
+    "ws_step_desc_fused_copies_d128": 128,
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
@@ -241,6 +277,9 @@ HEADS = {
     "fused_overlap_ragged_fp16": (2, 1),
     "ws_pingpong_empty_tiles": (1, 1),
     "ws_pingpong_3stages": (2, 1),
+    "ws_copies_fused_ragged_fp16": (2, 1),
+    "ws_copies_fused_d128": (2, 1),
+    "ws_step_desc_fused_copies_d128": (2, 1),
 }
 
 
@@ -290,6 +329,14 @@ def test_pingpong_refusals(changes: dict) -> None:
         KernelConfig(bwd_warpgroups=warpgroups, bwd_pingpong=True, **changes)
     got = dict(bwd_warpgroups=warpgroups, fused_bwd=False, num_stages_bwd=None) | changes
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["dkv_consumer_copies", "dkv_step_descriptors"])
+def test_consumer_option_refusal(name: str) -> None:
+    """Options of the warp-specialised dK/dV kernel's consumers: without that kernel the error
+    names the option, what it needs and what it got."""
+    with pytest.raises(ValueError, match=f"{name} needs .*got bwd_warpgroups=1"):
+        KernelConfig(**{name: True})
 
 
 def test_sub_tiles_and_deep_ring(interpret) -> None:
@@ -384,6 +431,10 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_overlap=True),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, dkv_head_split=2),
         KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128, bwd_pingpong=True),
+        KernelConfig(bwd_warpgroups=2, dkv_consumer_copies=True),
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True),
+        KernelConfig(bwd_warpgroups=2, dkv_consumer_copies=True, dkv_step_descriptors=True),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -425,6 +476,10 @@ def test_gpu_lowering_s2048(d: int) -> None:
         ),
         (KernelConfig(block_k=128, bwd_warpgroups=2, dq_warpgroups=2, fwd_overlap=True), (2, 1)),
         (KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True), (2, 1)),
+        (
+            KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
+            (2, 1),
+        ),
     ],
     ids=[
         "gqa_2stages",
@@ -432,6 +487,7 @@ def test_gpu_lowering_s2048(d: int) -> None:
         "mha_persistent_fwd_late_early",
         "warp_specialised_gqa",
         "warp_specialised_fused",
+        "warp_specialised_fused_consumer_copies",
     ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:

@@ -328,6 +328,8 @@ def _kernels(
             fused=config.fused_bwd,
             head_split=split,
             pingpong=config.bwd_pingpong,
+            consumer_copies=config.dkv_consumer_copies,
+            step_descriptors=config.dkv_step_descriptors,
             **common,
         ),
         Kernel(

@@ -40,10 +40,18 @@ class Kernel:
     overlap: bool = False  # P computed while dP's wgmma runs (KernelConfig.bwd_overlap)
     head_split: int = 1  # dK/dV CTAs per (key tile, kv head) (KernelConfig.dkv_head_split)
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
+    consumer_copies: bool = False  # consumer code per warpgroup (KernelConfig.dkv_consumer_copies)
+    step_descriptors: bool = False  # tiles picked per step (KernelConfig.dkv_step_descriptors)
 
     @property
     def qk_scale(self) -> float:
         return self.scale * LOG2E
+
+    def step_index(self, i: int | jax.Array) -> int | jax.Array:
+        """Index i of a loop-invariant SMEM tile as a step uses it: through an optimisation
+        barrier with step_descriptors, so the tile's wgmma descriptors are computed in the step,
+        not hoisted before the loop and kept live across it."""
+        return lax.optimization_barrier(jnp.asarray(i, jnp.int32)) if self.step_descriptors else i
 
     @property
     def walk_heads(self) -> int:

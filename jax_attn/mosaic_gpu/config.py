@@ -96,6 +96,15 @@ class KernelConfig:
     head, batch, key-tile count and partial count from one table (forward.item_table), one item
     ahead; so no step's mask and no item's walk waits on a global load, or on a chain of two
     (item, then its tile's count), with the tensor cores idle.
+    dkv_consumer_copies: the warp-specialised dK/dV kernel (fused or not) compiles its consumer
+    code once per consumer warpgroup, each copy knowing its index, instead of once for both
+    with the index read at run time; so the addresses of a consumer's K, V, dS^T and dQ tiles
+    are constants, not values ptxas keeps in registers (and spills) across the step loop.
+    dkv_step_descriptors: the warp-specialised dK/dV kernel's consumers pick their K and V
+    tiles (and, fused, the dQ matmul's K tiles) each step by an index passed through an
+    optimisation barrier, which no compiler can hoist; so the wgmma descriptors of those tiles,
+    8-byte values one per 16-wide slice of the contraction, are computed at the step's matmuls
+    instead of once before the loop and kept live (and spilled) across it.
     """
 
     block_q: int = 64
@@ -121,6 +130,8 @@ class KernelConfig:
     raw_score_max: bool = True
     late_q_prefetch: bool = False
     early_scalar_loads: bool = False
+    dkv_consumer_copies: bool = False
+    dkv_step_descriptors: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -189,6 +200,12 @@ class KernelConfig:
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
             )
+        for name in ("dkv_consumer_copies", "dkv_step_descriptors"):
+            if getattr(self, name) and self.bwd_warpgroups != CONSUMER_WARPGROUPS:
+                raise ValueError(
+                    f"{name} needs the warp-specialised dK/dV kernel (bwd_warpgroups=2), "
+                    f"got bwd_warpgroups={self.bwd_warpgroups}"
+                )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:
             raise ValueError(
                 f"num_stages_bwd={self.num_stages_bwd} is invalid: valid range is [1, 4] (or None)"

@@ -74,8 +74,8 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     kv_head = walk.kv_head
     total, n_masked = walk.steps(count_ref, n_partial_ref)
 
-    @pl.when(wg < CONSUMER_WARPGROUPS)
-    def _consumer() -> None:
+    def consumer(wg: int | jax.Array) -> None:
+        """Consumer warpgroup wg's walk (wg a Python int in a per-consumer copy)."""
         plgpu.set_max_registers(kern.registers[0], action="increase")
         col0 = tile * cta_keys + wg * bk
         keys = pl.ds(pl.multiple_of(col0, bk), bk)
@@ -87,13 +87,17 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
             def steps(turn: Callable[[], None] | None) -> None:
                 def step(n: jax.Array, slot: jax.Array, masked: bool) -> None:
                     refs = tuple(x.at[slot] for x in ring)
+                    own = kern.step_index(wg)
                     around_dk = None
                     if kern.fused:
                         start, head = walk.at(n)
                         dst = dq_ref.at[batch, pl.ds(start, bq), head]
-                        around_dk = functools.partial(_add_dq_shared, n, wg, k_s, dst, shared_dq)
+                        around_dk = functools.partial(
+                            _add_dq_shared, n, wg, kern, k_s, dst, shared_dq
+                        )
+                    k_step, v_step = k_s.at[own], v_s.at[own]
                     dkv_step(
-                        kern, k_own, v_own, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
+                        kern, k_step, v_step, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
                     )
 
                 consume(total, n_masked, stages, ready, free, step)
@@ -108,6 +112,12 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         dsts = (x.at[batch, keys, grid_head] for x in (dk_ref, dv_ref))
         own_stage = None if stage is None else stage.at[wg]
         accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
+
+    if kern.consumer_copies:
+        for w in range(CONSUMER_WARPGROUPS):
+            pl.when(wg == w)(functools.partial(consumer, w))
+    else:
+        pl.when(wg < CONSUMER_WARPGROUPS)(functools.partial(consumer, wg))
 
     @pl.when(wg == PRODUCER)
     def _producer() -> None:
@@ -130,8 +140,8 @@ def dq_columns(head_dim: int) -> list[slice]:
 
 
 def _add_dq_shared(
-    n: jax.Array, wg: jax.Array, k_s: Any, dst: Any, shared: tuple, ds_t: jax.Array,
-    issue_dk: Callable[[], None],
+    n: jax.Array, wg: int | jax.Array, kern: Kernel, k_s: Any, dst: Any, shared: tuple,
+    ds_t: jax.Array, issue_dk: Callable[[], None],
 ) -> None:  # fmt: skip
     """Step n's dQ share of the CTA, dst (fp32 GMEM, block_q x D) += dS K over both consumers'
     keys, between this consumer's dV and dK matmuls: its dS^T into buffer n mod 2 (once both
@@ -155,7 +165,7 @@ def _add_dq_shared(
         def run(acc: Any) -> jax.Array:
             for j in range(CONSUMER_WARPGROUPS):
                 ds_j = plgpu.transpose_ref(ds_s.at[buf, j], (1, 0))
-                plgpu.wgmma(acc, ds_j, k_s.at[j, :, cols])
+                plgpu.wgmma(acc, ds_j, k_s.at[kern.step_index(j), :, cols])
             issue_dk()
             return plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)  # 1: dK still in flight
 
@@ -168,7 +178,10 @@ def _add_dq_shared(
 
     if len(columns) == CONSUMER_WARPGROUPS:
         width = columns[0].stop
-        share(pl.ds(pl.multiple_of(wg * width, width), width), dq_s.at[wg], wait_n=0)
+        own = (
+            columns[wg] if isinstance(wg, int) else pl.ds(pl.multiple_of(wg * width, width), width)
+        )
+        share(own, dq_s.at[wg], wait_n=0)
         return
     pl.when(wg == 0)(lambda: share(columns[0], dq_s.at[0], wait_n=1))
 
