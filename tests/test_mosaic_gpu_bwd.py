@@ -219,27 +219,14 @@ WARP_SPECIALISED = {
         "share_question_gqa4",
     ),  # fmt: skip
     # the consumer code compiled once per consumer warpgroup, its index a constant: fused (D=64:
-    # consumer 0 computes the whole dQ share; D=128: each its half) and with the ping-pong turns
+    # consumer 0 computes the whole dQ share; D=128: each its half), and with the ping-pong
+    # turns and a head split (each consumer's fp32 stage picked by the constant)
     "ws_copies_fused_ragged_fp16": (
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
         "causal_gqa_ragged_fp16",
     ),
     "ws_copies_fused_d128": (
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
-        "causal_gqa_ragged_fp16",
-    ),
-    # the K and V tiles (and the fused dQ's K tiles) picked each step through a barrier: fused
-    # at D=128 with the per-consumer copies, and unfused with the ping-pong turns
-    "ws_step_desc_fused_copies_d128": (
-        KernelConfig(
-            bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True, dkv_step_descriptors=True
-        ),
-        "causal_gqa_ragged_fp16",
-    ),
-    "ws_step_desc_pingpong": (
-        KernelConfig(
-            bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True, dkv_step_descriptors=True
-        ),
         "causal_gqa_ragged_fp16",
     ),
     "ws_copies_pingpong_split": (
@@ -252,11 +239,24 @@ WARP_SPECIALISED = {
         ),
         "causal_gqa_ragged_fp16",
     ),
+    # the K and V tiles (and the fused dQ's K tiles) picked each step through a barrier: fused
+    # at D=128 (each consumer's dQ columns chosen by its run-time index), and unfused with the
+    # ping-pong turns
+    "ws_step_desc_fused_d128": (
+        KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_step_desc_pingpong": (
+        KernelConfig(
+            bwd_warpgroups=2, dq_warpgroups=2, bwd_pingpong=True, dkv_step_descriptors=True
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_copies_fused_d128": 128,
-    "ws_step_desc_fused_copies_d128": 128,
+    "ws_step_desc_fused_d128": 128,
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
@@ -279,7 +279,9 @@ HEADS = {
     "ws_pingpong_3stages": (2, 1),
     "ws_copies_fused_ragged_fp16": (2, 1),
     "ws_copies_fused_d128": (2, 1),
-    "ws_step_desc_fused_copies_d128": (2, 1),
+    "ws_step_desc_fused_d128": (2, 1),
+    "ws_step_desc_pingpong": (2, 1),
+    "ws_copies_pingpong_split": (2, 1),
 }
 
 
@@ -335,7 +337,7 @@ def test_pingpong_refusals(changes: dict) -> None:
 def test_consumer_option_refusal(name: str) -> None:
     """Options of the warp-specialised dK/dV kernel's consumers: without that kernel the error
     names the option, what it needs and what it got."""
-    with pytest.raises(ValueError, match=f"{name} needs .*got bwd_warpgroups=1"):
+    with pytest.raises(ValueError, match=f"{name}=True needs .*got bwd_warpgroups=1"):
         KernelConfig(**{name: True})
 
 
@@ -435,6 +437,9 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
         KernelConfig(bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True),
         KernelConfig(bwd_warpgroups=2, dkv_consumer_copies=True, dkv_step_descriptors=True),
+        KernelConfig(
+            bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True, dkv_step_descriptors=True
+        ),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

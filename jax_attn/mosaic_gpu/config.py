@@ -99,12 +99,14 @@ class KernelConfig:
     dkv_consumer_copies: the warp-specialised dK/dV kernel (fused or not) compiles its consumer
     code once per consumer warpgroup, each copy knowing its index, instead of once for both
     with the index read at run time; so the addresses of a consumer's K, V, dS^T and dQ tiles
-    are constants, not values ptxas keeps in registers (and spills) across the step loop.
+    are constants instead of values computed from the index (whether that frees registers
+    ptxas now spills across the step loop, its spill report tells).
     dkv_step_descriptors: the warp-specialised dK/dV kernel's consumers pick their K and V
     tiles (and, fused, the dQ matmul's K tiles) each step by an index passed through an
-    optimisation barrier, which no compiler can hoist; so the wgmma descriptors of those tiles,
-    8-byte values one per 16-wide slice of the contraction, are computed at the step's matmuls
-    instead of once before the loop and kept live (and spilled) across it.
+    optimisation barrier, which LLVM cannot hoist out of the step loop (ptxas sees a register
+    copy; its spill report tells whether it hoists them); so the wgmma descriptors of those
+    tiles, 8-byte values one per 16-wide slice of the contraction, are computed at the step's
+    matmuls instead of once before the loop and kept live (and spilled) across it.
     """
 
     block_q: int = 64
@@ -203,7 +205,7 @@ class KernelConfig:
         for name in ("dkv_consumer_copies", "dkv_step_descriptors"):
             if getattr(self, name) and self.bwd_warpgroups != CONSUMER_WARPGROUPS:
                 raise ValueError(
-                    f"{name} needs the warp-specialised dK/dV kernel (bwd_warpgroups=2), "
+                    f"{name}=True needs the warp-specialised dK/dV kernel (bwd_warpgroups=2), "
                     f"got bwd_warpgroups={self.bwd_warpgroups}"
                 )
         if self.num_stages_bwd is not None and not 1 <= self.num_stages_bwd <= 4:

@@ -62,7 +62,7 @@ def take_turn(sched: Any) -> None:
 
 
 def take_turns(
-    sched: Any | None, wg: jax.Array, walk: Callable[[Callable[[], None] | None], T]
+    sched: Any | None, wg: int | jax.Array, walk: Callable[[Callable[[], None] | None], T]
 ) -> T:
     """walk(turn)'s result: with a 2-arrival barrier `sched`, turn() meets the other consumer
     there (the consumers call it twice a step: once their first matmuls are issued, and before
