@@ -141,11 +141,15 @@ def write_report(folder: Path) -> Path:
         "",
         "## Variants",
         "",
+        "Each variant's fields that differ from its run's `default` variant at the same head dim",
+        "and dtype (the defaults when it ran); the `default` variant itself, and the variants of",
+        "a run without one, against `KernelConfig()`.",
+        "",
         *md_table(
-            ["run", "variant", "config (fields that differ from KernelConfig's defaults)"],
+            ["run", "variant", "head dim", "config (fields that differ)"],
             [
-                [r["run"], r["variant"], _config_text(r["config"])]
-                for r in _first_per(rows, ("run", "variant"))
+                [r["run"], r["variant"], str(r["head_dim"]), _config_text(r, rows)]
+                for r in _first_per(rows, ("run", "variant", "head_dim", "dtype"))
                 if r["variant"] in configs
             ],
         ),
@@ -162,15 +166,24 @@ def _first_per(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     return list(seen.values())
 
 
-def _config_text(config: dict) -> str:
-    """The recorded fields that differ from KernelConfig's defaults; a field KernelConfig no
-    longer has (an option since removed) is named where it was set (not False or None)."""
-    defaults = KernelConfig()
+def _config_text(row: dict, rows: list[dict]) -> str:
+    """The row's recorded config fields that differ from its reference: the `default` variant
+    of its run, head dim and dtype where there is one (and the row is not it), else
+    KernelConfig(). A field KernelConfig no longer has (an option since removed) is named where
+    it was set (not False or None)."""
+    fields = {f: getattr(KernelConfig(), f) for f in KernelConfig.__dataclass_fields__}
+    reference, against = fields, "KernelConfig()"
+    same = ("run", "head_dim", "dtype")
+    for r in rows:
+        if r["variant"] == "default" and r["config"] and all(r[k] == row[k] for k in same):
+            if row["variant"] != "default":
+                reference, against = r["config"], "the run's default"
+            break
     parts = []
-    for k, v in config.items():
-        if not hasattr(defaults, k):
+    for k, v in row["config"].items():
+        if k not in fields:
             if v not in (False, None):
                 parts.append(f"{k}={v} (option since removed)")
-        elif getattr(defaults, k) != v:
+        elif reference.get(k, fields[k]) != v:
             parts.append(f"{k}={v}")
-    return ", ".join(parts) or "KernelConfig()"
+    return ", ".join(parts) or f"as {against}"
