@@ -6,6 +6,7 @@ unsupported) shows its status instead of a number, and a labelled marker instead
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -128,6 +129,11 @@ def write_report(folder: Path) -> Path:
     header, body = _table(rows)
     png = speed_plot(rows, folder / "speed.png", title="Mosaic kernel variants vs baseline")
     configs = {r["variant"]: r["config"] for r in rows if r["config"] is not None}
+    fields = dataclasses.asdict(KernelConfig())
+    run_defaults: dict[tuple, dict] = {}
+    for r in rows:
+        if r["variant"] == "default" and r["config"]:
+            run_defaults.setdefault(_run_key(r), r["config"])
     lines = [
         "# Mosaic kernel variants",
         "",
@@ -148,7 +154,16 @@ def write_report(folder: Path) -> Path:
         *md_table(
             ["run", "variant", "head dim", "config (fields that differ)"],
             [
-                [r["run"], r["variant"], str(r["head_dim"]), _config_text(r, rows)]
+                [
+                    r["run"],
+                    r["variant"],
+                    str(r["head_dim"]),
+                    _config_text(
+                        r["config"],
+                        fields,
+                        None if r["variant"] == "default" else run_defaults.get(_run_key(r)),
+                    ),
+                ]
                 for r in _first_per(rows, ("run", "variant", "head_dim", "dtype"))
                 if r["variant"] in configs
             ],
@@ -166,24 +181,22 @@ def _first_per(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     return list(seen.values())
 
 
-def _config_text(row: dict, rows: list[dict]) -> str:
-    """The row's recorded config fields that differ from its reference: the `default` variant
-    of its run, head dim and dtype where there is one (and the row is not it), else
-    KernelConfig(). A field KernelConfig no longer has (an option since removed) is named where
-    it was set (not False or None)."""
-    fields = {f: getattr(KernelConfig(), f) for f in KernelConfig.__dataclass_fields__}
-    reference, against = fields, "KernelConfig()"
-    same = ("run", "head_dim", "dtype")
-    for r in rows:
-        if r["variant"] == "default" and r["config"] and all(r[k] == row[k] for k in same):
-            if row["variant"] != "default":
-                reference, against = r["config"], "the run's default"
-            break
+def _run_key(row: dict) -> tuple:
+    """What a variant shares with the `default` it is described against."""
+    return row["run"], row["head_dim"], row["dtype"]
+
+
+def _config_text(config: dict, fields: dict, run_default: dict | None) -> str:
+    """The recorded config's fields that differ from run_default (its run's `default` variant at
+    the same head dim and dtype) or, without one, from KernelConfig's `fields`. A field
+    KernelConfig no longer has (an option since removed) is named where it was set (not False
+    or None)."""
+    reference = run_default or fields
     parts = []
-    for k, v in row["config"].items():
+    for k, v in config.items():
         if k not in fields:
             if v not in (False, None):
                 parts.append(f"{k}={v} (option since removed)")
         elif reference.get(k, fields[k]) != v:
             parts.append(f"{k}={v}")
-    return ", ".join(parts) or f"as {against}"
+    return ", ".join(parts) or ("as the run's default" if run_default else "as KernelConfig()")
