@@ -106,6 +106,8 @@ WS_ONLY_CASES = {
     "causal_document_300": dict(mask=make_mask("causal_document", 300, seed=4), hq=2, hkv=1),
     # two 128-key tiles, the last one ragged (64 keys: one consumer warpgroup's half empty)
     "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
+    # three 128-key tiles, the last ragged: paired walks' middle CTA walks one tile alone
+    "causal_300": dict(mask=make_mask("causal", 300), hq=2, hkv=1),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -252,11 +254,36 @@ WARP_SPECIALISED = {
         ),
         "causal_gqa_ragged_fp16",
     ),
+    # two key tiles a CTA, p's unmasked q tiles last first, then N - 1 - p's: fused at D=128
+    # with step descriptors over an odd count (the middle CTA alone); unfused with the
+    # ping-pong turns and a head split; the D=64 default's grid (two 128-key CTAs per 256-key
+    # mask tile) on documents, whose key tiles walk lists of different lengths
+    "ws_paired_fused_d128_odd": (
+        KernelConfig(
+            bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
+        ),
+        "causal_300",
+    ),
+    "ws_paired_pingpong_split": (
+        KernelConfig(
+            bwd_warpgroups=2,
+            dq_warpgroups=2,
+            bwd_pingpong=True,
+            dkv_head_split=2,
+            dkv_paired_walks=True,
+        ),
+        "causal_gqa_ragged_fp16",
+    ),
+    "ws_paired_d64_default_documents": (
+        dataclasses.replace(default_config(64, jnp.bfloat16), dkv_paired_walks=True),
+        "causal_document_300",
+    ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
     "ws_copies_fused_d128": 128,
     "ws_step_desc_fused_d128": 128,
+    "ws_paired_fused_d128_odd": 128,
     "ws_fused_d128": 128,
     "ws_head_split_4_d128": 128,
     "ws_pingpong_overlap_split_d128": 128,
@@ -333,7 +360,9 @@ def test_pingpong_refusals(changes: dict) -> None:
     assert all(f"{k}={v}" in str(e.value) for k, v in got.items()), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["dkv_consumer_copies", "dkv_step_descriptors"])
+@pytest.mark.parametrize(
+    "name", ["dkv_consumer_copies", "dkv_step_descriptors", "dkv_paired_walks"]
+)
 def test_consumer_option_refusal(name: str) -> None:
     """Options of the warp-specialised dK/dV kernel's consumers: without that kernel the error
     names the option, what it needs and what it got."""
@@ -440,6 +469,10 @@ def test_lowers_for_hopper(d: int) -> None:
         KernelConfig(
             bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True, dkv_step_descriptors=True
         ),
+        KernelConfig(bwd_warpgroups=2, dkv_paired_walks=True),
+        KernelConfig(
+            bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
+        ),
     ):
         traced = _grads.trace(q, k, k, q, lse, q, arrays, scale=0.1, config=ws, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -485,6 +518,10 @@ def test_gpu_lowering_s2048(d: int) -> None:
             KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, dkv_consumer_copies=True),
             (2, 1),
         ),
+        (
+            KernelConfig(block_k=128, bwd_warpgroups=2, fused_bwd=True, dkv_paired_walks=True),
+            (2, 1),
+        ),
     ],
     ids=[
         "gqa_2stages",
@@ -493,6 +530,7 @@ def test_gpu_lowering_s2048(d: int) -> None:
         "warp_specialised_gqa",
         "warp_specialised_fused",
         "warp_specialised_fused_consumer_copies",
+        "warp_specialised_fused_paired_walks",
     ],
 )
 def test_no_shared_memory_races(config: KernelConfig, heads: tuple[int, int]) -> None:

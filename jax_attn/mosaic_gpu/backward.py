@@ -128,11 +128,12 @@ def _dkv_kernel(
     bq, bk = kern.block_q, kern.block_k
     tile, kv_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     col0 = tile * bk
-    walk = QueryTiles(kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // bk)), kv_head)
+    outer = lax.div(tile, jnp.int32(kern.mask_block_k // bk))
+    walk = QueryTiles.of(kern, (index_ref, n_partial_ref, count_ref), outer, kv_head)
     keys = pl.ds(pl.multiple_of(col0, bk), bk)
     plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_s, kv_bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_s, kv_bar.at[0])
-    total, n_masked = walk.steps(count_ref, n_partial_ref)
+    total, n_masked = walk.total, walk.masked
     sources = (q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref)
     ring = (q_s, do_s, lse_s, delta_s, lo_s, hi_s)
 
@@ -330,6 +331,7 @@ def _kernels(
             pingpong=config.bwd_pingpong,
             consumer_copies=config.dkv_consumer_copies,
             step_descriptors=config.dkv_step_descriptors,
+            paired=config.dkv_paired_walks,
             **common,
         ),
         Kernel(

@@ -42,6 +42,7 @@ class Kernel:
     pingpong: bool = False  # consumers take turns on the tensor cores (KernelConfig.bwd_pingpong)
     consumer_copies: bool = False  # consumer code per warpgroup (KernelConfig.dkv_consumer_copies)
     step_descriptors: bool = False  # tiles picked per step (KernelConfig.dkv_step_descriptors)
+    paired: bool = False  # two key tiles a dK/dV CTA (KernelConfig.dkv_paired_walks)
 
     @property
     def qk_scale(self) -> float:
@@ -236,26 +237,37 @@ def launch_dkv(
 class QueryTiles:
     """The dK/dV kernels' walk of one key tile: its listed mask q tiles, in block_q sub-tiles,
     times the q heads of the CTA's share of the GQA group (step n: sub-tile n // walk_heads,
-    head n % walk_heads of the share). The launch's head axis runs over (kv head, share)."""
+    head n % walk_heads of the share), the partial mask tiles' steps first; with `descending`
+    the unmasked sub-tiles last first. The launch's head axis runs over (kv head, share)."""
 
     kern: Kernel
     index_ref: Any
     outer: jax.Array  # the mask key tile whose list is walked
     grid_head: jax.Array  # kv head * head_split + share
+    total: jax.Array  # steps in all
+    masked: jax.Array  # steps over partial mask tiles, which come first
+    mirror: jax.Array | None  # descending: unmasked sub-tile u is walked as mirror - u
 
-    @property
-    def kv_head(self) -> jax.Array:
-        return lax.div(self.grid_head, jnp.int32(self.kern.head_split))
-
-    def steps(self, count_ref: Any, n_partial_ref: Any) -> tuple[jax.Array, jax.Array]:
-        """(steps in all, steps over partial mask tiles, which come first)."""
-        per_tile = (self.kern.mask_block_q // self.kern.block_q) * self.kern.walk_heads
-        return count_ref[self.outer] * per_tile, n_partial_ref[self.outer] * per_tile
+    @classmethod
+    def of(
+        cls, kern: Kernel, refs: tuple[Any, Any, Any], outer: jax.Array, grid_head: jax.Array,
+        descending: bool = False,
+    ) -> QueryTiles:  # fmt: skip
+        """The walk of key tile `outer` from the mask's (index, n_partial, count) refs."""
+        index_ref, n_partial_ref, count_ref = refs
+        per_tile = (kern.mask_block_q // kern.block_q) * kern.walk_heads
+        total, masked = count_ref[outer] * per_tile, n_partial_ref[outer] * per_tile
+        mirror = None
+        if descending:  # sub-tiles [first, last] of the unmasked ones: u -> first + last - u
+            mirror = lax.div(total + masked, jnp.int32(kern.walk_heads)) - 1
+        return cls(kern, index_ref, outer, grid_head, total, masked, mirror)
 
     def at(self, n: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(first q row, q head) of step n."""
         kern, heads = self.kern, jnp.int32(self.kern.walk_heads)
         unit = lax.div(n, heads)
+        if self.mirror is not None:
+            unit = jnp.where(n < self.masked, unit, self.mirror - unit)
         head = self.grid_head * heads + lax.rem(n, heads)
         return tile_start(self.index_ref, self.outer, unit, kern.mask_block_q, kern.block_q), head
 

@@ -107,6 +107,13 @@ class KernelConfig:
     copy; its spill report tells whether it hoists them); so the wgmma descriptors of those
     tiles, 8-byte values one per 16-wide slice of the contraction, are computed at the step's
     matmuls instead of once before the loop and kept live (and spilled) across it.
+    dkv_paired_walks: each warp-specialised dK/dV CTA walks two key tiles of its 128-key
+    tiles, p and N - 1 - p (N of them; the middle one alone when N is odd): p's unmasked q
+    tiles last first, then N - 1 - p's in order, each after its partial tiles. On causal masks
+    every CTA then walks the same number of q tiles, and the CTAs resident at once step over
+    the same q rows at the same time, as on full, so their q, dO and (fused) dQ tiles meet in
+    L2; each CTA's first walk otherwise starts at its own diagonal, and the resident CTAs'
+    rows spread over the whole sequence (NOTES.md, `ncu-69-*`).
     """
 
     block_q: int = 64
@@ -134,6 +141,7 @@ class KernelConfig:
     early_scalar_loads: bool = False
     dkv_consumer_copies: bool = False
     dkv_step_descriptors: bool = False
+    dkv_paired_walks: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -202,7 +210,7 @@ class KernelConfig:
                 f">= 2), got bwd_warpgroups={self.bwd_warpgroups}, fused_bwd={self.fused_bwd}, "
                 f"num_stages_bwd={self.num_stages_bwd}"
             )
-        for name in ("dkv_consumer_copies", "dkv_step_descriptors"):
+        for name in ("dkv_consumer_copies", "dkv_step_descriptors", "dkv_paired_walks"):
             if getattr(self, name) and self.bwd_warpgroups != CONSUMER_WARPGROUPS:
                 raise ValueError(
                     f"{name}=True needs the warp-specialised dK/dV kernel (bwd_warpgroups=2), "

@@ -20,6 +20,9 @@ Head split (KernelConfig.dkv_head_split = s): s CTAs per (128 keys, kv head), ea
 group / s of the GQA group's q heads into its own fp32 partial dK, dV (staged through an fp32
 SMEM tile), summed after the kernel; so a key tile that every row sees (share_question's
 question) is no longer one CTA's walk of group x its q tiles, the grid's critical path.
+Paired walks (KernelConfig.dkv_paired_walks): CTA p walks 128-key tile p, its unmasked q tiles
+last first, then tile N - 1 - p in order (key_tiles), reloading K and V in between; on causal
+masks the resident CTAs then step over the same q rows at the same time, as on full.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     """refs: the 11 inputs, [the fp32 dQ Ref when fused], dK, dV, then the scratch."""
     inputs, refs = refs[:INPUTS], refs[INPUTS:]
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref = inputs[:8]
-    index_ref, n_partial_ref, count_ref = inputs[8:]
+    tile_lists = inputs[8:]  # the key tiles' q-tile lists: index, n_partial, count
     dq_ref, refs = (refs[0], refs[1:]) if kern.fused else (None, refs)
     dk_ref, dv_ref, k_s, v_s, *ring = refs[:10]
     kv_bar, ready, free = refs[10:13]
@@ -68,16 +71,27 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
     tile, grid_head, batch = (lax.axis_index(n) for n in ("tiles", "heads", "batch"))
     wg = lax.axis_index("wg")
     cta_keys = CONSUMER_WARPGROUPS * bk
-    walk = QueryTiles(
-        kern, index_ref, lax.div(tile, jnp.int32(kern.mask_block_k // cta_keys)), grid_head
-    )
-    kv_head = walk.kv_head
-    total, n_masked = walk.steps(count_ref, n_partial_ref)
+    kv_head = lax.div(grid_head, jnp.int32(kern.head_split))  # grid heads: (kv head, share)
+    per_mask_tile = jnp.int32(kern.mask_block_k // cta_keys)
 
-    def consumer(wg: int | jax.Array) -> None:
-        """Consumer warpgroup wg's walk (wg a Python int in a per-consumer copy)."""
-        plgpu.set_max_registers(kern.registers[0], action="increase")
-        col0 = tile * cta_keys + wg * bk
+    def walk_of(key_tile: jax.Array, descending: bool) -> QueryTiles:
+        outer = lax.div(key_tile, per_mask_tile)
+        return QueryTiles.of(kern, tile_lists, outer, grid_head, descending)
+
+    walks = [
+        (key_tile, walk_of(key_tile, descending), present)
+        for key_tile, descending, present in key_tiles(kern, tile, k_ref.shape[1] // cta_keys)
+    ]
+
+    def each_walk(run: Callable[[jax.Array, QueryTiles], None]) -> None:
+        """run(key tile, walk) for each of the CTA's walks, in order."""
+        for key_tile, walk, present in walks:
+            body = functools.partial(run, key_tile, walk)
+            body() if present is None else pl.when(present)(body)
+
+    def consume_walk(wg: int | jax.Array, key_tile: jax.Array, walk: QueryTiles) -> None:
+        """Consumer wg's walk of its keys of 128-key tile key_tile: dK, dV of them."""
+        col0 = key_tile * cta_keys + wg * bk
         keys = pl.ds(pl.multiple_of(col0, bk), bk)
         k_own, v_own = k_s.at[wg], v_s.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_own, kv_bar.at[wg])
@@ -100,18 +114,24 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
                         kern, k_step, v_step, refs, col0, masked, dk_acc, dv_acc, around_dk, turn
                     )
 
-                consume(total, n_masked, stages, ready, free, step)
+                consume(walk.total, walk.masked, stages, ready, free, step)
 
             plgpu.barrier_wait(kv_bar.at[wg])
             take_turns(sched, wg, steps)
-            if kern.fused:  # observe the dS tiles' last release phases
-                ds_free = shared_dq[3]
+            if kern.fused:  # observe the dS tiles' last release phases (both consumers' dQ
+                # matmuls then finished reading this CTA's K tiles, which the next walk reloads)
+                ds_free, total = shared_dq[3], walk.total
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
             return dk_acc[...], dv_acc[...]
 
         dsts = (x.at[batch, keys, grid_head] for x in (dk_ref, dv_ref))
         own_stage = None if stage is None else stage.at[wg]
         accumulate_dkv(accumulate, kern, k_own, v_own, *dsts, stage=own_stage)
+
+    def consumer(wg: int | jax.Array) -> None:
+        """Consumer warpgroup wg's walks (wg a Python int in a per-consumer copy)."""
+        plgpu.set_max_registers(kern.registers[0], action="increase")
+        each_walk(functools.partial(consume_walk, wg))
 
     if kern.consumer_copies:
         for w in range(CONSUMER_WARPGROUPS):
@@ -124,12 +144,30 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
         plgpu.set_max_registers(kern.registers[1], action="decrease")
         sources = (q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref)
 
-        def fetch(n: jax.Array, slot: jax.Array) -> None:
-            start, head = walk.at(n)
-            slots = tuple(x.at[slot] for x in ring)
-            fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
+        def produce_walk(key_tile: jax.Array, walk: QueryTiles) -> None:
+            def fetch(n: jax.Array, slot: jax.Array) -> None:
+                start, head = walk.at(n)
+                slots = tuple(x.at[slot] for x in ring)
+                fetch_queries(sources, slots, batch, start, head, bq, ready.at[slot])
 
-        produce(total, stages, free, fetch)
+            produce(walk.total, stages, free, fetch)
+
+        each_walk(produce_walk)
+
+
+def key_tiles(kern: Kernel, tile: jax.Array, count: int) -> list[tuple[jax.Array, bool, Any]]:
+    """(128-key tile, unmasked q tiles walked last first, present: None for always) of each walk
+    of CTA `tile` over `count` key tiles: its own, or with kern.paired tile p's last first and
+    then count - 1 - p's, which the middle CTA of an odd count does not have."""
+    if not kern.paired:
+        return [(tile, False, None)]
+    mate = jnp.int32(count - 1) - tile
+    return [(tile, True, None), (mate, False, mate != tile)]
+
+
+def dkv_tiles(kern: Kernel, count: int) -> int:
+    """CTAs along the key axis for `count` 128-key tiles: one each, or one per pair."""
+    return -(-count // 2) if kern.paired else count
 
 
 def dq_columns(head_dim: int) -> list[slice]:
@@ -218,7 +256,8 @@ def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tup
         scratch.append(plgpu.SMEM((CONSUMER_WARPGROUPS, bk, d), jnp.float32))
     if kern.pingpong:  # the consumers' turns on the tensor cores
         scratch.append(plgpu.Barrier(num_arrivals=CONSUMER_WARPGROUPS))
-    grid = (k.shape[1] // (CONSUMER_WARPGROUPS * bk), k.shape[2] * kern.head_split, k.shape[0])
+    tiles = dkv_tiles(kern, k.shape[1] // (CONSUMER_WARPGROUPS * bk))
+    grid = (tiles, k.shape[2] * kern.head_split, k.shape[0])
     name = "mosaic_flash_dkv_ws"
     return launch_dkv(
         _kernel, kern, grid, scratch, (*operands, *lists), interpret, name, CONSUMER_WARPGROUPS
