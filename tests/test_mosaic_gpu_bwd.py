@@ -108,6 +108,9 @@ WS_ONLY_CASES = {
     "share_question_gqa4": dict(mask=make_mask("share_question", 192), hq=4, hkv=1),
     # three 128-key tiles, the last ragged: paired walks' middle CTA walks one tile alone
     "causal_300": dict(mask=make_mask("causal", 300), hq=2, hkv=1),
+    # key tiles whose lists hold several full q tiles: the paired walks' last-first order
+    "causal_512": dict(mask=make_mask("causal", 512), hq=2, hkv=1),
+    "causal_640_fp16": dict(mask=make_mask("causal", 640), hq=2, hkv=1, dtype=jnp.float16),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -256,8 +259,9 @@ WARP_SPECIALISED = {
     ),
     # two key tiles a CTA, p's unmasked q tiles last first, then N - 1 - p's: fused at D=128
     # with step descriptors over an odd count (the middle CTA alone); unfused with the
-    # ping-pong turns and a head split; the D=64 default's grid (two 128-key CTAs per 256-key
-    # mask tile) on documents, whose key tiles walk lists of different lengths
+    # ping-pong turns and a head split over lists of up to three full q tiles; the D=64
+    # default's grid (two 128-key CTAs per 256-key mask tile) on documents, whose key tiles
+    # walk lists of different lengths, and with 128 q rows a step over up to three full q tiles
     "ws_paired_fused_d128_odd": (
         KernelConfig(
             bwd_warpgroups=2, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
@@ -272,11 +276,17 @@ WARP_SPECIALISED = {
             dkv_head_split=2,
             dkv_paired_walks=True,
         ),
-        "causal_gqa_ragged_fp16",
+        "causal_512",
     ),
     "ws_paired_d64_default_documents": (
         dataclasses.replace(default_config(64, jnp.bfloat16), dkv_paired_walks=True),
         "causal_document_300",
+    ),
+    "ws_paired_d64_rows128": (
+        dataclasses.replace(
+            default_config(64, jnp.float16), block_q_dkv=128, dkv_paired_walks=True
+        ),
+        "causal_640_fp16",
     ),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width

@@ -107,13 +107,14 @@ class KernelConfig:
     copy; its spill report tells whether it hoists them); so the wgmma descriptors of those
     tiles, 8-byte values one per 16-wide slice of the contraction, are computed at the step's
     matmuls instead of once before the loop and kept live (and spilled) across it.
-    dkv_paired_walks: each warp-specialised dK/dV CTA walks two key tiles of its 128-key
-    tiles, p and N - 1 - p (N of them; the middle one alone when N is odd): p's unmasked q
-    tiles last first, then N - 1 - p's in order, each after its partial tiles. On causal masks
-    every CTA then walks the same number of q tiles, and the CTAs resident at once step over
-    the same q rows at the same time, as on full, so their q, dO and (fused) dQ tiles meet in
-    L2; each CTA's first walk otherwise starts at its own diagonal, and the resident CTAs'
-    rows spread over the whole sequence (NOTES.md, `ncu-69-*`).
+    dkv_paired_walks: each warp-specialised dK/dV CTA walks two 128-key tiles, p and N - 1 - p
+    of the N (the middle one alone when N is odd): p's unmasked q tiles last first, then
+    N - 1 - p's in order, each after its partial tiles. On causal masks every CTA then walks
+    the same number of q tiles and the CTAs resident at once move on two fronts of q rows (one
+    per walk) instead of each at its own diagonal spread over the whole sequence, so their q,
+    dO and (fused) dQ tiles meet in L2 (NOTES.md, `ncu-69-*`). The argument assumes the grid
+    launches tiles fastest (launch_tiles_fastest: heads fastest for GQA on uneven walks), and
+    the per-call head split (dkv_head_split) is chosen from the unpaired walks.
     """
 
     block_q: int = 64

@@ -22,7 +22,8 @@ SMEM tile), summed after the kernel; so a key tile that every row sees (share_qu
 question) is no longer one CTA's walk of group x its q tiles, the grid's critical path.
 Paired walks (KernelConfig.dkv_paired_walks): CTA p walks 128-key tile p, its unmasked q tiles
 last first, then tile N - 1 - p in order (key_tiles), reloading K and V in between; on causal
-masks the resident CTAs then step over the same q rows at the same time, as on full.
+masks the resident CTAs then move on two fronts of q rows, one per walk, instead of each at
+its own diagonal, so they share q, dO and dQ tiles in L2 as on full.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def _kernel(*refs: Any, kern: Kernel) -> None:
 
             plgpu.barrier_wait(kv_bar.at[wg])
             take_turns(sched, wg, steps)
-            if kern.fused:  # observe the dS tiles' last release phases (both consumers' dQ
-                # matmuls then finished reading this CTA's K tiles, which the next walk reloads)
+            if kern.fused:  # observe the dS tiles' last release phases: both consumers' dQ
+                # matmuls have then read this CTA's K tiles, which the dK store right after
+                # overwrites and the next walk reloads
                 ds_free, total = shared_dq[3], walk.total
                 lax.fori_loop(jnp.maximum(total - DS_BUFFERS, 0), total, drain(ds_free), None)
             return dk_acc[...], dv_acc[...]
@@ -231,8 +233,9 @@ def _add_dq_shared(
 
 def dkv_call(operands: tuple, lists: tuple, kern: Kernel, interpret: Any) -> tuple:
     """dK, dV (B, padded Sk, Hkv, D) [and the unscaled fp32 dQ when fused] of padded operands,
-    one CTA per CONSUMER_WARPGROUPS * block_k keys (a 128-key mask tile or part of a larger one)
-    and per share of the GQA group's q heads (kern.head_split)."""
+    one CTA per CONSUMER_WARPGROUPS * block_k keys (a 128-key mask tile or part of a larger one;
+    two such tiles with kern.paired) and per share of the GQA group's q heads
+    (kern.head_split)."""
     q, k = operands[0], operands[1]
     bq, bk, st, d = kern.block_q, kern.block_k, kern.stages, q.shape[-1]
     intervals = operands[6].shape[0]
