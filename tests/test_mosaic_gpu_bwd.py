@@ -19,6 +19,7 @@ from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
 from jax_attn.mosaic_gpu import KernelConfig, default_config
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
+from jax_attn.mosaic_gpu.config import backward_form
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
@@ -111,6 +112,8 @@ WS_ONLY_CASES = {
     # key tiles whose lists hold several full q tiles: the paired walks' last-first order
     "causal_512": dict(mask=make_mask("causal", 512), hq=2, hkv=1),
     "causal_640_fp16": dict(mask=make_mask("causal", 640), hq=2, hkv=1, dtype=jnp.float16),
+    # no partial tile: the D=128 default's backward runs fused (backward_form)
+    "full_384_gqa": dict(mask=make_mask("full", 384), hq=4, hkv=2),
     # a 128-key tile no row sees and a 128-row tile that sees no key: CTAs with no step
     "empty_tiles": dict(
         mask=from_slices([[0, 64], [64, 192]], [[0, 100], [256, 320]], [FULL, FULL], 320, 320),
@@ -288,9 +291,13 @@ WARP_SPECIALISED = {
         ),
         "causal_640_fp16",
     ),
+    # the D=128 default on a mask without partial tiles: fused with step descriptors and
+    # paired walks, three key tiles (a pair and the middle CTA alone)
+    "ws_d128_default_full": (default_config(128, jnp.bfloat16), "full_384_gqa"),
 }
 # D=128: each consumer reduces half of the head dim; the fp32 partials' staging at full width
 HEAD_DIMS = {
+    "ws_d128_default_full": 128,
     "ws_copies_fused_d128": 128,
     "ws_step_desc_fused_d128": 128,
     "ws_paired_fused_d128_odd": 128,
@@ -492,11 +499,14 @@ def test_lowers_for_hopper(d: int) -> None:
     # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
-    for config in (default, wide, dataclasses.replace(default, fused_bwd=True)):
-        tiled = prepare_mask(mask, *config.tiles)
+    sq, sk = mask.seqlen_q, mask.seqlen_k
+    full = from_slices([[0, sq]], [[0, sk]], [MaskType.FULL], sq, sk)  # no partial tile
+    for config, on in ((default, mask), (wide, mask), (default, full)):
+        tiled = prepare_mask(on, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 2 - config.fused_bwd
+        form = backward_form(config, few_partial_tiles=tiled.few_partial_tiles)
+        assert text.count("custom_call @mosaic_gpu") == 2 - form.fused_bwd
     with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
         dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True, block_q_dkv=128)
 

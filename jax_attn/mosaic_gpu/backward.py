@@ -59,6 +59,7 @@ from .config import (
     DTYPES,
     HEAD_DIMS,
     KernelConfig,
+    backward_form,
     dkv_block_q,
     dkv_head_split,
     launch_tiles_fastest,
@@ -285,6 +286,7 @@ def _kernels(
     interpret: Any,
 ) -> tuple[Kernel, Kernel]:
     """The static (dK/dV, dQ) kernel descriptions of a call, validated before any launch."""
+    config = backward_form(config, few_partial_tiles=arrays.few_partial_tiles)
     mbq, mbk = arrays.block_q, arrays.block_k
     stages = config.num_stages_bwd or config.max_concurrent_steps
     group = q.shape[2] // k.shape[2]

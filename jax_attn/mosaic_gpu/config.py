@@ -38,8 +38,9 @@ class KernelConfig:
     block_{q,k}_{dkv,dq} rows/keys (None: 64, except block_q_dkv, chosen per call by
     dkv_block_q; multiples of 64 dividing the mask tile) through a ring of num_stages_bwd
     stages (None: max_concurrent_steps). fused_bwd: one backward kernel, the dK/dV one also
-    adding each step's dQ into fp32 global memory (TMA reduce-add); it needs block_q_dkv 64 or
-    None (at 128 its shared memory does not fit).
+    adding each step's dQ into fp32 global memory (TMA reduce-add, in no fixed order: dQ may
+    differ in its last bits from run to run); it needs block_q_dkv 64 or None (at 128 its
+    shared memory does not fit). None chooses per call (backward_form).
     bwd_warpgroups: 1, or 2 for the warp-specialised dK/dV kernel (two consumer warpgroups of
     64 keys each and a producer; 128-key mask tiles). dq_warpgroups: the same for the dQ kernel
     (two consumers of 64 rows of a 128-row mask tile sharing one producer's K/V ring).
@@ -125,7 +126,7 @@ class KernelConfig:
     block_q_dq: int | None = None
     block_k_dq: int | None = None
     num_stages_bwd: int | None = None
-    fused_bwd: bool = False
+    fused_bwd: bool | None = False
     bwd_warpgroups: int = 1
     dq_warpgroups: int = 1
     in_place_pv: bool = False
@@ -318,6 +319,32 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
     return 2 if walk_peak * HOPPER_SMS >= DKV_SPLIT_BOUND * dkv_ctas else 1
 
 
+def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelConfig:
+    """config with fused_bwd decided for one call: as given, or where it is None, the fused
+    kernel with step descriptors and paired walks on a mask with few partial tiles
+    (MaskArrays.few_partial_tiles), else the two unfused kernels as configured. Measured
+    forward+backward at D=128 on an H100 (results/h100/mosaic_variants): with few partial
+    tiles the fused form took 5-8% less time on full and causal at 16K and 32K (70-*), 1-5%
+    less on prefix_lm_causal, global_sliding_window and block_causal_document at 16K, 1.5% more
+    on full_document_long (72-*); with many, the unfused kernels took 22-35% less on the
+    document, window, blockwise and share_question masks (71-*, 72-*), 7% more on
+    causal_document_long at 16K (72-*). A config the fused kernel cannot run (block_q_dkv
+    128, a head split, ping-pong, one warpgroup) stays unfused."""
+    if config.fused_bwd is not None:
+        return config
+    fusable = (
+        config.bwd_warpgroups == CONSUMER_WARPGROUPS
+        and not config.bwd_pingpong
+        and (config.block_q_dkv or 64) == 64
+        and (config.dkv_head_split or 1) == 1
+    )
+    if fusable and few_partial_tiles:
+        return dataclasses.replace(
+            config, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
+        )
+    return dataclasses.replace(config, fused_bwd=False)
+
+
 def dkv_block_q(
     config: KernelConfig, *, head_dim: int, mask_block_q: int, few_partial_tiles: bool
 ) -> int:
@@ -344,7 +371,10 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     H100, results/h100/mosaic_variants): the persistent forward, P V accumulated in place, the
     warp-specialised dK/dV and dQ kernels (dQ over 128-key steps), the other grids' launch
     order chosen per call (launch_tiles_fastest), two-stage rings, the dK/dV head split chosen
-    per call (dkv_head_split). D=128: FA3-like 128-key steps, consumers at 240 registers.
+    per call (dkv_head_split). D=128: FA3-like 128-key steps, consumers at 240 registers, the
+    backward's form chosen per call (backward_form: fused with step descriptors and paired
+    walks on masks with few partial tiles; at D=64 the fused forms measured within the
+    spread of the unfused one, 70-*).
     D=64: 256-key forward steps (half the softmax steps; the backward's CTAs split each
     256-key tile in two), P computed while dP's matmul runs. The dK/dV kernel's q rows a step
     are chosen per call (dkv_block_q): 128 on masks with few partial tiles at D=64 (S^T and
@@ -369,7 +399,12 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
         late_q_prefetch=True,
     )
     if head_dim > 64:
-        return KernelConfig(block_k=128, consumer_registers=240, **common)
+        return KernelConfig(
+            block_k=128,
+            consumer_registers=240,
+            fused_bwd=None,
+            **common,
+        )
     return KernelConfig(block_k=256, bwd_overlap=True, early_scalar_loads=True, **common)
 
 
