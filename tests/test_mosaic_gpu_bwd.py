@@ -19,7 +19,6 @@ from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask
 from jax_attn.mosaic_gpu import KernelConfig, default_config
 from jax_attn.mosaic_gpu.backward import flash_attention_mosaic_bwd
-from jax_attn.mosaic_gpu.config import backward_form
 from jax_attn.mosaic_gpu.interpret import interpret_params
 
 FULL, CAUSAL = int(MaskType.FULL), int(MaskType.CAUSAL)
@@ -495,18 +494,21 @@ def test_lowers_for_hopper(d: int) -> None:
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 2 - ws.fused_bwd
         assert ("mosaic_flash_dq_ws" in text) == (ws.dq_warpgroups == 2)
-    # the default, with 128 dK/dV rows, and fused on top of it (the fused kernel's rows at 64:
-    # at 128 its dS^T tiles and fp32 dQ stage exceed shared memory, which KernelConfig refuses)
+    # the default (its backward's form chosen per call: the random mask has many partial
+    # tiles, the full one none, fused at D=128), with 128 dK/dV rows, and fused on top of it
+    # (the fused kernel's rows at 64: at 128 its dS^T tiles and fp32 dQ stage exceed shared
+    # memory, which KernelConfig refuses)
     default = default_config(d, jnp.bfloat16)
     wide = dataclasses.replace(default, block_q_dkv=128 if d == 64 else None)
+    fused = dataclasses.replace(default, fused_bwd=True)
     sq, sk = mask.seqlen_q, mask.seqlen_k
     full = from_slices([[0, sq]], [[0, sk]], [MaskType.FULL], sq, sk)  # no partial tile
-    for config, on in ((default, mask), (wide, mask), (default, full)):
+    cases = ((default, mask, False), (wide, mask, False), (fused, mask, True))
+    for config, on, fused_form in (*cases, (default, full, d == 128)):
         tiled = prepare_mask(on, *config.tiles)
         traced = _grads.trace(q, k, k, q, lse, q, tiled, scale=0.1, config=config, interpret=None)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        form = backward_form(config, few_partial_tiles=tiled.few_partial_tiles)
-        assert text.count("custom_call @mosaic_gpu") == 2 - form.fused_bwd
+        assert text.count("custom_call @mosaic_gpu") == 2 - fused_form
     with pytest.raises(ValueError, match="fused_bwd with block_q_dkv=128.*block_q_dkv=64"):
         dataclasses.replace(default_config(64, jnp.bfloat16), fused_bwd=True, block_q_dkv=128)
 

@@ -327,9 +327,10 @@ def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelCon
     tiles the fused form took 5-8% less time on full and causal at 16K and 32K (70-*), 1-5%
     less on prefix_lm_causal, global_sliding_window and block_causal_document at 16K, 1.5% more
     on full_document_long (72-*); with many, the unfused kernels took 22-35% less on the
-    document, window, blockwise and share_question masks (71-*, 72-*), 7% more on
-    causal_document_long at 16K (72-*). A config the fused kernel cannot run (block_q_dkv
-    128, a head split, ping-pong, one warpgroup) stays unfused."""
+    document, window, blockwise and share_question masks (71-*, 72-*), 8% more on
+    causal_document_long at 16K (72-*). A config this fused form cannot run (block_q_dkv 128,
+    a head split, ping-pong; one dK/dV warpgroup, which step descriptors and paired walks
+    need two of) stays unfused."""
     if config.fused_bwd is not None:
         return config
     fusable = (
@@ -373,8 +374,8 @@ def default_config(head_dim: int, dtype: object) -> KernelConfig:
     order chosen per call (launch_tiles_fastest), two-stage rings, the dK/dV head split chosen
     per call (dkv_head_split). D=128: FA3-like 128-key steps, consumers at 240 registers, the
     backward's form chosen per call (backward_form: fused with step descriptors and paired
-    walks on masks with few partial tiles; at D=64 the fused forms measured within the
-    spread of the unfused one, 70-*).
+    walks on masks with few partial tiles; at D=64 the fused forms were mixed against the
+    unfused one in one run, 70-*).
     D=64: 256-key forward steps (half the softmax steps; the backward's CTAs split each
     256-key tile in two), P computed while dP's matmul runs. The dK/dV kernel's q rows a step
     are chosen per call (dkv_block_q): 128 on masks with few partial tiles at D=64 (S^T and
