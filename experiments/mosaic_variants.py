@@ -75,8 +75,9 @@ def define_flags() -> None:
 
 def parse_variant(spec: str, base) -> tuple[str, object]:
     """(name, config) of a variant spec `name` or `name:key=value+key=value`: the keys are fields
-    of base's dataclass, the values ints (0/1/true/false for fields annotated bool), the other
-    fields as in base. ValueError names the bad item and the valid keys."""
+    of base's dataclass, the values ints (0/1/true/false for fields annotated bool; `none` for
+    fields that admit None), the other fields as in base. ValueError names the bad item and the
+    valid keys."""
     name, sep, body = spec.partition(":")
     if not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"bad variant {spec!r}: expected name or name:key=value+key=value")
@@ -100,13 +101,19 @@ def parse_variant(spec: str, base) -> tuple[str, object]:
 
 
 def _field_value(key: str, text: str, hint) -> object:
-    """`text` as the value of a field annotated `hint`: 0/1/true/false for bool, else an int."""
-    if bool in (hint, *typing.get_args(hint)):
+    """`text` as the value of a field annotated `hint`: 0/1/true/false for bool, else an int;
+    `none` where the annotation admits None (the library's choice per call)."""
+    kinds = (hint, *typing.get_args(hint))
+    optional = type(None) in kinds
+    if optional and text.lower() == "none":
+        return None
+    also = " or none" if optional else ""
+    if bool in kinds:
         if text.lower() not in BOOLS:
-            raise ValueError(f"{key} takes 0/1/true/false, got {text!r}")
+            raise ValueError(f"{key} takes 0/1/true/false{also}, got {text!r}")
         return BOOLS[text.lower()]
     if not re.fullmatch(r"-?\d+", text):
-        raise ValueError(f"{key} takes an integer, got {text!r}")
+        raise ValueError(f"{key} takes an integer{also}, got {text!r}")
     return int(text)
 
 

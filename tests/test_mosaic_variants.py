@@ -65,6 +65,18 @@ def test_bad_spec_raises_naming_the_item(spec, named):
         assert text in str(err.value)
 
 
+def test_none_sets_fields_that_admit_it():
+    """`none` hands a field the library decides per call back to it (fused_bwd, block_q_dkv);
+    a field that does not admit None refuses it, naming the value."""
+    base = KernelConfig(bwd_warpgroups=2, fused_bwd=True, block_q_dkv=64)
+    cfg = parse_variant("percall:fused_bwd=none+block_q_dkv=None", base)[1]
+    assert (cfg.fused_bwd, cfg.block_q_dkv, cfg.bwd_warpgroups) == (None, None, 2)
+    with pytest.raises(ValueError, match=r"'block_k=none'.*takes an integer, got 'none'"):
+        parse_variant("x:block_k=none", base)
+    with pytest.raises(ValueError, match=r"fused_bwd takes 0/1/true/false or none, got '2'"):
+        parse_variant("x:fused_bwd=2", base)
+
+
 def test_bad_bool_value_is_named():
     with pytest.raises(ValueError, match=r"'fused_bwd=2'.*takes 0/1/true/false.*fused_bwd"):
         parse_variant("fused:fused_bwd=2", WithBool())
