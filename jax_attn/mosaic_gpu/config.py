@@ -328,22 +328,19 @@ def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelCon
     less on prefix_lm_causal, global_sliding_window and block_causal_document at 16K, 1.5% more
     on full_document_long (72-*); with many, the unfused kernels took 22-35% less on the
     document, window, blockwise and share_question masks (71-*, 72-*), 8% more on
-    causal_document_long at 16K (72-*). A config this fused form cannot run (block_q_dkv 128,
-    a head split, ping-pong; one dK/dV warpgroup, which step descriptors and paired walks
-    need two of) stays unfused."""
+    causal_document_long at 16K (72-*). A config that KernelConfig refuses in this fused form
+    (block_q_dkv 128, a head split, ping-pong, one dK/dV warpgroup) stays unfused."""
     if config.fused_bwd is not None:
         return config
-    fusable = (
-        config.bwd_warpgroups == CONSUMER_WARPGROUPS
-        and not config.bwd_pingpong
-        and (config.block_q_dkv or 64) == 64
-        and (config.dkv_head_split or 1) == 1
-    )
-    if fusable and few_partial_tiles:
+    unfused = dataclasses.replace(config, fused_bwd=False)
+    if not few_partial_tiles:
+        return unfused
+    try:
         return dataclasses.replace(
             config, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
         )
-    return dataclasses.replace(config, fused_bwd=False)
+    except ValueError:  # KernelConfig's own checks say what the fused form cannot run with
+        return unfused
 
 
 def dkv_block_q(
