@@ -28,6 +28,10 @@ UNEVEN_WALK_SPREAD = 0.05
 # blockwise and share_question masks 0.09-0.62, except causal_blockwise at 64K (0.034) and
 # full_document_long at 32K-64K (0.058-0.067), which fall under it.
 FEW_PARTIAL_SHARE = 0.08
+# Pair spread (TileList.pair_spread) up to which the dK/dV walks of key tiles p and N - 1 - p
+# count as adding up evenly. In 128x128 tiles at 8K-32K: full and causal 0, prefix-LM causal and
+# the sliding windows 0.03-0.11, global_sliding_window and the document masks 0.14-0.91.
+EVEN_PAIR_SPREAD = 0.12
 
 jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])
 
@@ -43,6 +47,7 @@ jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"
         "uneven_walks",
         "walk_peak",
         "few_partial_tiles",
+        "even_pairs",
     ],
 )
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +64,11 @@ class MaskArrays:
     of one key tile) over the mean, rounded to a power of sqrt(2) so that masks of one shape
     share few programs (static: a kernel may split its longest walks by it); 0 for a stack or
     no walk. few_partial_tiles: at most FEW_PARTIAL_SHARE of the listed tiles are partial
-    (static: a kernel may choose its step shape by it); False for a stack.
+    (static: a kernel may choose its step shape by it); False for a stack. even_pairs: the
+    dK/dV walks of key tiles p and N - 1 - p add up to about the same length for every p
+    (TileList.pair_spread at most EVEN_PAIR_SPREAD: full, causal, prefix-LM causal, the
+    sliding windows), so a kernel may give each CTA such a pair without lengthening its longest
+    CTA; False for a stack.
     """
 
     lo: jax.Array | np.ndarray
@@ -73,6 +82,7 @@ class MaskArrays:
     uneven_walks: bool = False
     walk_peak: float = 0.0
     few_partial_tiles: bool = False
+    even_pairs: bool = False
 
     @property
     def num_intervals(self) -> int:
@@ -98,6 +108,7 @@ def prepare_mask(
         uneven_walks=spread > UNEVEN_WALK_SPREAD,
         walk_peak=lists.q.walk_peak(),
         few_partial_tiles=lists.kv.partial_share() <= FEW_PARTIAL_SHARE,
+        even_pairs=lists.q.pair_spread() <= EVEN_PAIR_SPREAD,
     )
 
 

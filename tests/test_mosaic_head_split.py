@@ -6,8 +6,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tile_lists import walks
 
-from attn_masks import TileList
 from attn_masks.generators import make_mask
 from jax_attn.mask_arrays import prepare_mask, stack_mask_arrays
 from jax_attn.mosaic_gpu import backward as mosaic_bwd
@@ -20,18 +20,13 @@ from jax_attn.mosaic_gpu.config import (
 )
 
 
-def _walks(count: list[int]) -> TileList:
-    n = len(count)
-    return TileList(np.zeros((n, 1), np.int32), np.asarray(count, np.int32), np.zeros((n, 1), bool))
-
-
 def test_walk_peak_is_the_longest_walk_over_the_mean_in_half_octaves() -> None:
-    assert _walks([5, 5, 5]).walk_peak() == 1.0  # full
-    assert _walks([1, 2, 3, 4, 5, 6, 7, 8]).walk_peak() == 2.0  # causal: 8 / 4.5 = 1.78
-    assert _walks([1, 1, 1, 1, 1, 1, 1, 9]).walk_peak() == 4.0  # 9 / 2 = 4.5: 2 ** (4 / 2)
-    assert _walks([1, 1, 1, 5]).walk_peak() == pytest.approx(2**1.5)  # 5 / 2 = 2.5
-    assert _walks([0, 0]).walk_peak() == 0.0
-    assert _walks([]).walk_peak() == 0.0
+    assert walks([5, 5, 5]).walk_peak() == 1.0  # full
+    assert walks([1, 2, 3, 4, 5, 6, 7, 8]).walk_peak() == 2.0  # causal: 8 / 4.5 = 1.78
+    assert walks([1, 1, 1, 1, 1, 1, 1, 9]).walk_peak() == 4.0  # 9 / 2 = 4.5: 2 ** (4 / 2)
+    assert walks([1, 1, 1, 5]).walk_peak() == pytest.approx(2**1.5)  # 5 / 2 = 2.5
+    assert walks([0, 0]).walk_peak() == 0.0
+    assert walks([]).walk_peak() == 0.0
 
 
 @pytest.mark.parametrize("seqlen", [8192, 32768])

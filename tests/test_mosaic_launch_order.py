@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tile_lists import walks
 
 from attn_masks import TileList
 from attn_masks.generators import make_mask
@@ -24,18 +25,13 @@ EVEN = ("full", "causal", "sliding_window", "sliding_window_causal", "prefix_lm_
 UNEVEN = ("causal_document", "share_question", "causal_blockwise", "prefix_lm_document")
 
 
-def _walks(count: list[int]) -> TileList:
-    n = len(count)
-    return TileList(np.zeros((n, 1), np.int32), np.asarray(count, np.int32), np.zeros((n, 1), bool))
-
-
 def test_walk_spread_ignores_constant_steps_and_ragged_diagonals() -> None:
-    assert _walks([5, 5, 5, 5]).walk_spread() == 0.0  # full or a window
-    assert _walks([1, 2, 3, 4, 5]).walk_spread() == 0.0  # causal
-    assert _walks([1, 1, 2, 2, 3, 3]).walk_spread() == 0.0  # causal, key tile twice as wide
-    assert _walks([0, 0, 0]).walk_spread() == 0.0
-    assert _walks([7]).walk_spread() == 0.0
-    assert _walks([]).walk_spread() == 0.0
+    assert walks([5, 5, 5, 5]).walk_spread() == 0.0  # full or a window
+    assert walks([1, 2, 3, 4, 5]).walk_spread() == 0.0  # causal
+    assert walks([1, 1, 2, 2, 3, 3]).walk_spread() == 0.0  # causal, key tile twice as wide
+    assert walks([0, 0, 0]).walk_spread() == 0.0
+    assert walks([7]).walk_spread() == 0.0
+    assert walks([]).walk_spread() == 0.0
     stacked = TileList(
         np.zeros((2, 0, 1), np.int32), np.zeros((2, 0), np.int32), np.zeros((2, 0, 1))
     )
@@ -44,9 +40,9 @@ def test_walk_spread_ignores_constant_steps_and_ragged_diagonals() -> None:
 
 def test_walk_spread_measures_jumps_between_neighbours() -> None:
     # steps -7, +7, -7: median -7, the +7 is 14 off (13 beyond one tile); mean walk 4.5
-    assert _walks([8, 1, 8, 1]).walk_spread() == pytest.approx(13 / 3 / 4.5)
-    documents = _walks([4, 4, 4, 4, 1, 1, 6, 6, 6])
-    assert documents.walk_spread() > _walks([4, 4, 4, 4, 4, 4, 6, 6, 6]).walk_spread()
+    assert walks([8, 1, 8, 1]).walk_spread() == pytest.approx(13 / 3 / 4.5)
+    documents = walks([4, 4, 4, 4, 1, 1, 6, 6, 6])
+    assert documents.walk_spread() > walks([4, 4, 4, 4, 4, 4, 6, 6, 6]).walk_spread()
 
 
 @pytest.mark.parametrize("tiles", [(128, 128), (128, 256)])

@@ -1,11 +1,20 @@
-"""The CP cost model's spans from a piece's forward tile lists (what the kernels walk), for
-tests to hold the predictor's spans from tile counts (Mask.tile_counts) to."""
+"""Tile lists for tests: lists of given walk lengths, and the CP cost model's spans from a
+piece's forward tile lists (what the kernels walk), for tests to hold the predictor's spans from
+tile counts (Mask.tile_counts) to."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from attn_masks import TileList
 from experiments.runners import call_model
+
+
+def walks(count: list[int]) -> TileList:
+    """Lists of outer tiles walking count[t] inner tiles each (entries all tile 0, none full):
+    what the walk statistics read."""
+    n = len(count)
+    return TileList(np.zeros((n, 1), np.int32), np.asarray(count, np.int32), np.zeros((n, 1), bool))
 
 
 def list_spans(kv_lists, heads_q: int, heads_kv: int, slots: int = call_model.SLOTS) -> np.ndarray:

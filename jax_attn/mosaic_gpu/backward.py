@@ -63,6 +63,7 @@ from .config import (
     dkv_block_q,
     dkv_head_split,
     launch_tiles_fastest,
+    paired_walks,
 )
 from .mask_operands import MaskOperands, mask_operands
 
@@ -333,7 +334,7 @@ def _kernels(
             pingpong=config.bwd_pingpong,
             consumer_copies=config.dkv_consumer_copies,
             step_descriptors=config.dkv_step_descriptors,
-            paired=config.dkv_paired_walks,
+            paired=paired_walks(config, even_pairs=arrays.even_pairs),
             **common,
         ),
         Kernel(

@@ -115,7 +115,10 @@ class KernelConfig:
     per walk) instead of each at its own diagonal spread over the whole sequence, so their q,
     dO and (fused) dQ tiles meet in L2 (NOTES.md, `ncu-69-*`). The argument assumes the grid
     launches tiles fastest (launch_tiles_fastest: heads fastest for GQA on uneven walks), and
-    the per-call head split (dkv_head_split) is chosen from the unpaired walks.
+    the per-call head split (dkv_head_split) is chosen from the unpaired walks. None chooses
+    per call (paired_walks): paired where the pairs' walks add up evenly (MaskArrays.even_pairs),
+    as on causal masks; on document masks a pair's walks add up to very different lengths, and
+    half as many CTAs, each as long as its pair, leave a longer tail after the rest finish.
     """
 
     block_q: int = 64
@@ -143,7 +146,7 @@ class KernelConfig:
     early_scalar_loads: bool = False
     dkv_consumer_copies: bool = False
     dkv_step_descriptors: bool = False
-    dkv_paired_walks: bool = False
+    dkv_paired_walks: bool | None = False
 
     def __post_init__(self) -> None:
         if self.block_q != 64:
@@ -319,10 +322,24 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
     return 2 if walk_peak * HOPPER_SMS >= DKV_SPLIT_BOUND * dkv_ctas else 1
 
 
+def paired_walks(config: KernelConfig, *, even_pairs: bool) -> bool:
+    """Whether a call's dK/dV CTAs walk key tiles p and N - 1 - p: config.dkv_paired_walks, or
+    where it is None, on masks whose pairs' walks add up evenly (MaskArrays.even_pairs) for
+    the warp-specialised dK/dV kernel. A model of the D=128 grid at 64:8 heads
+    (experiments/dkv_grid_model.py: each CTA's steps dealt in launch order to 132 SMs) puts the
+    last CTA's end 13-16% later with pairs than without on causal_document, causal_blockwise,
+    prefix_lm_document, block_causal_document and full_document_long at 16K (0-9% at 32K), and
+    0-3% later on full and causal, where pairs gain in L2 (NOTES.md). Not yet timed."""
+    if config.dkv_paired_walks is not None:
+        return config.dkv_paired_walks
+    return even_pairs and config.bwd_warpgroups == CONSUMER_WARPGROUPS
+
+
 def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelConfig:
     """config with fused_bwd decided for one call: as given, or where it is None, the fused
     kernel with step descriptors and paired walks on a mask with few partial tiles
-    (MaskArrays.few_partial_tiles), else the two unfused kernels as configured. Measured
+    (MaskArrays.few_partial_tiles), else the two unfused kernels as configured (the fused
+    form's walks paired, or chosen per call where config.dkv_paired_walks is None). Measured
     forward+backward at D=128 on an H100 (results/h100/mosaic_variants): with few partial
     tiles the fused form took 5-8% less time on full and causal at 16K and 32K (70-*), 1-5%
     less on prefix_lm_causal, global_sliding_window and block_causal_document at 16K, 1.5% more
@@ -336,8 +353,9 @@ def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelCon
     if not few_partial_tiles:
         return unfused
     try:
+        paired = None if config.dkv_paired_walks is None else True
         return dataclasses.replace(
-            config, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=True
+            config, fused_bwd=True, dkv_step_descriptors=True, dkv_paired_walks=paired
         )
     except ValueError:  # KernelConfig's own checks say what the fused form cannot run with
         return unfused
