@@ -23,6 +23,7 @@ from attn_masks import make_mask
 from jax_attn.mask_arrays import MaskArrays, prepare_mask
 from jax_attn.mosaic_gpu.config import HOPPER_SMS, default_config, launch_tiles_fastest
 
+FLAGS = flags.FLAGS
 CTA_KEYS = 128  # keys of one warp-specialised dK/dV CTA: two consumers of 64
 STEP_ROWS = 64  # q rows of one dK/dV step
 
@@ -55,29 +56,31 @@ def makespan(costs: list[float], slots: int = HOPPER_SMS) -> tuple[float, float]
     return max(free), sum(costs) / slots
 
 
-MASKS = flags.DEFINE_list(
-    "mask",
-    ["full", "causal", "prefix_lm_causal", "global_sliding_window", "block_causal_document",
-     "full_document_long", "causal_document_long", "causal_document", "full_document",
-     "share_question", "causal_blockwise", "prefix_lm_document", "sliding_window"],
-    "masks",
-)  # fmt: skip
-SEQLENS = flags.DEFINE_list("seqlen", ["16384", "32768"], "sequence lengths")
-HEADS = flags.DEFINE_string("heads", "64:8", "q heads:kv heads")
-HEAD_DIM = flags.DEFINE_enum("head_dim", "128", ["64", "128"], "head dim (picks the mask tiles)")
-PARTIAL = flags.DEFINE_float("partial_step_cost", 1.0, "cost of a partial tile's step")
-WALK = flags.DEFINE_float("walk_cost", 2.0, "cost of one key tile's walk beyond its steps")
+def define_flags() -> None:
+    """The command's flags (defined only when it runs, so importing the module defines none)."""
+    flags.DEFINE_list(
+        "mask",
+        ["full", "causal", "prefix_lm_causal", "global_sliding_window", "block_causal_document",
+         "full_document_long", "causal_document_long", "causal_document", "full_document",
+         "share_question", "causal_blockwise", "prefix_lm_document", "sliding_window"],
+        "masks",
+    )  # fmt: skip
+    flags.DEFINE_list("seqlen", ["16384", "32768"], "sequence lengths")
+    flags.DEFINE_string("heads", "64:8", "q heads:kv heads")
+    flags.DEFINE_enum("head_dim", "128", ["64", "128"], "head dim (picks the mask tiles)")
+    flags.DEFINE_float("partial_step_cost", 1.0, "cost of a partial tile's step")
+    flags.DEFINE_float("walk_cost", 2.0, "cost of one key tile's walk beyond its steps")
 
 
 def main(argv: list[str]) -> None:
     del argv
-    hq, hkv = (int(x) for x in HEADS.value.split(":"))
-    config = default_config(int(HEAD_DIM.value), jnp.bfloat16)
+    hq, hkv = (int(x) for x in FLAGS.heads.split(":"))
+    config = default_config(int(FLAGS.head_dim), jnp.bfloat16)
     print("last CTA's end over the balanced end, unpaired and paired walks")
     print(f"{'mask':<22} {'seqlen':>6} {'few partial':>11} {'even pairs':>10} {'order':>6} "
           f"{'unpaired':>8} {'paired':>8}")  # fmt: skip
-    for seqlen in (int(s) for s in SEQLENS.value):
-        for name in MASKS.value:
+    for seqlen in (int(s) for s in FLAGS.seqlen):
+        for name in FLAGS.mask:
             arrays = prepare_mask(make_mask(name, seqlen), *config.tiles)
             fastest = launch_tiles_fastest(
                 config, group=hq // hkv, uneven_walks=arrays.uneven_walks
@@ -86,7 +89,7 @@ def main(argv: list[str]) -> None:
             for paired in (False, True):
                 costs = cta_costs(
                     arrays, group=hq // hkv, kv_heads=hkv, paired=paired, tiles_fastest=fastest,
-                    partial_step_cost=PARTIAL.value, walk_cost=WALK.value,
+                    partial_step_cost=FLAGS.partial_step_cost, walk_cost=FLAGS.walk_cost,
                 )  # fmt: skip
                 end, balanced = makespan(costs)
                 ratios.append(end / balanced)
@@ -99,4 +102,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
