@@ -88,9 +88,10 @@ class TileList:
     def pair_spread(self) -> float:
         """How unevenly the walks of outer tiles p and N - 1 - p add up over the pairs p < N / 2
         (the middle tile of an odd N left out): the pair sums' mean absolute deviation over
-        their mean. 0 for full and causal (every pair walks as far), 0.03-0.11 for prefix-LM
-        causal and the sliding windows, 0.14-0.91 for global_sliding_window and the document
-        masks at 8K-32K tokens in 128x128 tiles; 0 for fewer than two tiles or no walk."""
+        their mean. At 8K-32K tokens in 128x128 tiles: 0 for full and causal (every pair walks
+        as far), 0.03-0.11 for prefix-LM causal and the sliding windows, 0.14-0.91 for
+        global_sliding_window and the document, blockwise and share_question masks. 0 for
+        fewer than two tiles or no walk."""
         count = np.asarray(self.count, np.float64)
         if count.size == 0 or count.shape[-1] < 2:
             return 0.0

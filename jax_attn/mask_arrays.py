@@ -30,7 +30,9 @@ UNEVEN_WALK_SPREAD = 0.05
 FEW_PARTIAL_SHARE = 0.08
 # Pair spread (TileList.pair_spread) up to which the dK/dV walks of key tiles p and N - 1 - p
 # count as adding up evenly. In 128x128 tiles at 8K-32K: full and causal 0, prefix-LM causal and
-# the sliding windows 0.03-0.11, global_sliding_window and the document masks 0.14-0.91.
+# the sliding windows 0.03-0.11, global_sliding_window and the document, blockwise and
+# share_question masks 0.14-0.91. Elsewhere the split differs (128x256 tiles at 8K:
+# full_document 0.110; at 2K block_causal_document 0, the sliding windows 0.15-0.17).
 EVEN_PAIR_SPREAD = 0.12
 
 jax.tree_util.register_dataclass(TileList, data_fields=["index", "count", "full"], meta_fields=[])
@@ -66,9 +68,9 @@ class MaskArrays:
     no walk. few_partial_tiles: at most FEW_PARTIAL_SHARE of the listed tiles are partial
     (static: a kernel may choose its step shape by it); False for a stack. even_pairs: the
     dK/dV walks of key tiles p and N - 1 - p add up to about the same length for every p
-    (TileList.pair_spread at most EVEN_PAIR_SPREAD: full, causal, prefix-LM causal, the
-    sliding windows), so a kernel may give each CTA such a pair without lengthening its longest
-    CTA; False for a stack.
+    (TileList.pair_spread at most EVEN_PAIR_SPREAD: full, causal, prefix-LM causal and the
+    sliding windows at 8K-32K in 128x128 tiles), so a kernel may give each CTA such a pair
+    without lengthening the grid's tail; False for a stack.
     """
 
     lo: jax.Array | np.ndarray

@@ -4,6 +4,7 @@ that frees first, each CTA's cost its steps and walks, paired or not."""
 import numpy as np
 import pytest
 
+from attn_masks import MaskType, from_slices
 from attn_masks.generators import make_mask
 from experiments import dkv_grid_model as model
 from jax_attn.mask_arrays import prepare_mask
@@ -47,3 +48,13 @@ def test_an_odd_count_leaves_the_middle_tile_alone() -> None:
         arrays, group=1, kv_heads=1, paired=True, tiles_fastest=True, walk_cost=0.0
     )
     assert got == [12.0, 12.0, 6.0]  # (5 + 1) x 2, (4 + 2) x 2, 3 x 2 sub-tiles
+
+
+def test_wide_mask_tiles_launch_two_ctas_each_and_empty_walks_cost_nothing() -> None:
+    """256-key mask tiles (the D=64 grid): two 128-key CTAs walk each tile's list; a key tile
+    no row sees costs nothing, not even its walk cost."""
+    # 256 rows see keys 0-255; keys 256-511 are seen by none
+    mask = from_slices([[0, 256]], [[0, 256]], [int(MaskType.FULL)], 256, 512)
+    arrays = prepare_mask(mask, 128, 256)
+    got = model.cta_costs(arrays, group=1, kv_heads=1, paired=False, tiles_fastest=True)
+    assert got == [2 * 2 + 2.0, 2 * 2 + 2.0, 0.0, 0.0]  # 2 q tiles x 2 sub-tiles + 2

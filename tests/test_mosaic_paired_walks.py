@@ -28,8 +28,8 @@ def _dense_pair_spread(name: str, seqlen: int, tile: int) -> float:
     n = -(-seqlen // tile)
     padded = np.zeros((n * tile, n * tile), bool)
     padded[:seqlen, :seqlen] = dense
-    walks = padded.reshape(n, tile, n, tile).any(axis=(1, 3)).sum(axis=0).astype(np.float64)
-    sums = np.array([walks[p] + walks[n - 1 - p] for p in range(n // 2)])
+    seen = padded.reshape(n, tile, n, tile).any(axis=(1, 3)).sum(axis=0).astype(np.float64)
+    sums = np.array([seen[p] + seen[n - 1 - p] for p in range(n // 2)])
     return float(np.abs(sums - sums.mean()).mean() / sums.mean())
 
 
@@ -63,6 +63,7 @@ def test_the_mask_arrays_flag_even_pairs_at_16k() -> None:
 
 
 WS = KernelConfig(bwd_warpgroups=2, dq_warpgroups=2, block_k_dq=128)
+FUSED = dataclasses.replace(WS, fused_bwd=True)
 
 
 @pytest.mark.parametrize("given", [False, True])
@@ -72,10 +73,12 @@ def test_a_given_pairing_is_kept(given: bool, even: bool) -> None:
     assert paired_walks(config, even_pairs=even) is given
 
 
-def test_per_call_pairing_follows_the_flag_and_needs_two_consumers() -> None:
-    per_call = dataclasses.replace(WS, dkv_paired_walks=None)
+def test_per_call_pairing_follows_the_flag_for_the_fused_kernel_only() -> None:
+    per_call = dataclasses.replace(FUSED, dkv_paired_walks=None)
     assert paired_walks(per_call, even_pairs=True) is True
     assert paired_walks(per_call, even_pairs=False) is False
+    unfused = dataclasses.replace(WS, dkv_paired_walks=None)
+    assert paired_walks(unfused, even_pairs=True) is False
     one = KernelConfig(dkv_paired_walks=None)  # one dK/dV warpgroup: never paired, not refused
     assert paired_walks(one, even_pairs=True) is False
 
@@ -89,9 +92,10 @@ def test_the_fused_form_keeps_the_per_call_pairing() -> None:
 
 @pytest.mark.parametrize("fused", [None, False])
 def test_the_backward_launches_pairs_per_mask(fused: bool | None) -> None:
-    """With dkv_paired_walks=None the dK/dV kernel the backward launches walks pairs on full
-    and causal and single key tiles on block_causal_document (fused at D=128: few partial
-    tiles) and causal_document; the default (None form, pairs fixed) pairs every fused call."""
+    """With dkv_paired_walks=None the fused dK/dV kernel the backward launches walks pairs on
+    full and causal and single key tiles on block_causal_document (fused at D=128: few partial
+    tiles); the unfused kernels walk single key tiles; the default (None form, pairs fixed)
+    pairs every fused call."""
     base = dataclasses.replace(default_config(128, jnp.bfloat16), fused_bwd=fused)
     q = jax.ShapeDtypeStruct((1, 16384, 64, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 16384, 8, 128), jnp.bfloat16)
@@ -106,4 +110,5 @@ def test_the_backward_launches_pairs_per_mask(fused: bool | None) -> None:
     for name in names:
         as_fused = fused is None and name in few
         assert launched[False, name] == (as_fused, as_fused), name
-        assert launched[None, name] == (as_fused, name in {"full", "causal"}), name
+        even = name in {"full", "causal"}
+        assert launched[None, name] == (as_fused, as_fused and even), name

@@ -116,9 +116,10 @@ class KernelConfig:
     dO and (fused) dQ tiles meet in L2 (NOTES.md, `ncu-69-*`). The argument assumes the grid
     launches tiles fastest (launch_tiles_fastest: heads fastest for GQA on uneven walks), and
     the per-call head split (dkv_head_split) is chosen from the unpaired walks. None chooses
-    per call (paired_walks): paired where the pairs' walks add up evenly (MaskArrays.even_pairs),
-    as on causal masks; on document masks a pair's walks add up to very different lengths, and
-    half as many CTAs, each as long as its pair, leave a longer tail after the rest finish.
+    per call (paired_walks): the fused kernel paired where the pairs' walks add up evenly
+    (MaskArrays.even_pairs), as on causal masks; on document masks a pair's walks add up to
+    very different lengths, and half as many CTAs, each as long as its pair, leave a longer
+    tail after the rest finish.
     """
 
     block_q: int = 64
@@ -324,15 +325,17 @@ def dkv_head_split(config: KernelConfig, *, group: int, walk_peak: float, dkv_ct
 
 def paired_walks(config: KernelConfig, *, even_pairs: bool) -> bool:
     """Whether a call's dK/dV CTAs walk key tiles p and N - 1 - p: config.dkv_paired_walks, or
-    where it is None, on masks whose pairs' walks add up evenly (MaskArrays.even_pairs) for
-    the warp-specialised dK/dV kernel. A model of the D=128 grid at 64:8 heads
-    (experiments/dkv_grid_model.py: each CTA's steps dealt in launch order to 132 SMs) puts the
-    last CTA's end 13-16% later with pairs than without on causal_document, causal_blockwise,
-    prefix_lm_document, block_causal_document and full_document_long at 16K (0-9% at 32K), and
-    0-3% later on full and causal, where pairs gain in L2 (NOTES.md). Not yet timed."""
+    where it is None, for the fused warp-specialised kernel on masks whose pairs' walks add up
+    evenly (MaskArrays.even_pairs); the unfused kernels, whose dK/dV CTAs add no dQ, measured
+    within -2.2% to +1.4% of their time with pairs (NOTES.md), stay unpaired. A model of the
+    D=128 grid at 64:8 heads (experiments/dkv_grid_model.py: each CTA's steps dealt in launch
+    order to 132 SMs) puts the last CTA's end 13-16% later with pairs than without on
+    causal_document, causal_blockwise, prefix_lm_document, block_causal_document and
+    full_document_long at 16K (0-8% at 32K), and 0-3% later on full and causal at 16K-32K,
+    where pairs gain in L2 (17% earlier on causal at 8K). Not yet timed."""
     if config.dkv_paired_walks is not None:
         return config.dkv_paired_walks
-    return even_pairs and config.bwd_warpgroups == CONSUMER_WARPGROUPS
+    return even_pairs and bool(config.fused_bwd) and config.bwd_warpgroups == CONSUMER_WARPGROUPS
 
 
 def backward_form(config: KernelConfig, *, few_partial_tiles: bool) -> KernelConfig:
