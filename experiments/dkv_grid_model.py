@@ -56,6 +56,17 @@ def makespan(costs: list[float], slots: int = HOPPER_SMS) -> tuple[float, float]
     return max(free), sum(costs) / slots
 
 
+def parse_heads(text: str) -> tuple[int, int]:
+    """(q heads, kv heads) from "Q:KV"; ValueError names the text and what is valid."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--heads={text!r}: expected Q:KV with positive integers, e.g. 64:8")
+    hq, hkv = int(parts[0]), int(parts[1])
+    if hq % hkv:
+        raise ValueError(f"--heads={text!r}: q heads must be a multiple of kv heads")
+    return hq, hkv
+
+
 def define_flags() -> None:
     """The command's flags (defined only when it runs, so importing the module defines none)."""
     flags.DEFINE_list(
@@ -74,7 +85,10 @@ def define_flags() -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    hq, hkv = (int(x) for x in FLAGS.heads.split(":"))
+    try:
+        hq, hkv = parse_heads(FLAGS.heads)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     config = default_config(int(FLAGS.head_dim), jnp.bfloat16)
     print("last CTA's end over the balanced end, unpaired and paired walks")
     print(f"{'mask':<22} {'seqlen':>6} {'few partial':>11} {'even pairs':>10} {'order':>6} "

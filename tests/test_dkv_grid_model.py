@@ -58,3 +58,10 @@ def test_wide_mask_tiles_launch_two_ctas_each_and_empty_walks_cost_nothing() -> 
     arrays = prepare_mask(mask, 128, 256)
     got = model.cta_costs(arrays, group=1, kv_heads=1, paired=False, tiles_fastest=True)
     assert got == [2 * 2 + 2.0, 2 * 2 + 2.0, 0.0, 0.0]  # 2 q tiles x 2 sub-tiles + 2
+
+
+@pytest.mark.parametrize("text", ["64", "64:0", "a:8", "6:4", "64:8:1"])
+def test_bad_heads_are_named(text: str) -> None:
+    with pytest.raises(ValueError, match=f"--heads='{text}'"):
+        model.parse_heads(text)
+    assert model.parse_heads("64:8") == (64, 8)
