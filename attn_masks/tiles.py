@@ -59,16 +59,23 @@ class TileList:
         """(index, count, full): the order the kernels take them in."""
         return self.index, self.count, self.full
 
+    def _walk_rows(self) -> np.ndarray | None:
+        """The walk lengths (count) as float64 rows of outer tiles, one row per stacked list;
+        None for fewer than two outer tiles, where no walk statistic has a neighbour or pair."""
+        count = np.asarray(self.count, np.float64)
+        if count.size == 0 or count.shape[-1] < 2:
+            return None
+        return count.reshape(-1, count.shape[-1])
+
     def walk_spread(self) -> float:
         """How unevenly neighbouring outer tiles walk (host lists): the mean distance, beyond
         one tile, of the step in walk length (count) from one tile to the next from the median
         step, over the mean walk length. 0 where the step is constant up to a ragged diagonal's
         one tile (full, causal, windows); about 0.05-0.3 where documents start and end every few
         tiles; 0 for fewer than two tiles or no walk."""
-        count = np.asarray(self.count, np.float64)
-        if count.size == 0 or count.shape[-1] < 2:
+        count = self._walk_rows()
+        if count is None:
             return 0.0
-        count = count.reshape(-1, count.shape[-1])
         mean = count.mean()
         if mean == 0:
             return 0.0
@@ -92,10 +99,9 @@ class TileList:
         as far), 0.03-0.11 for prefix-LM causal and the sliding windows, 0.14-0.91 for
         global_sliding_window and the document, blockwise and share_question masks. 0 for
         fewer than two tiles or no walk."""
-        count = np.asarray(self.count, np.float64)
-        if count.size == 0 or count.shape[-1] < 2:
+        count = self._walk_rows()
+        if count is None:
             return 0.0
-        count = count.reshape(-1, count.shape[-1])
         half = count.shape[-1] // 2
         sums = count[:, :half] + count[:, ::-1][:, :half]
         mean = sums.mean()
